@@ -1,0 +1,43 @@
+"""Cluster registry: worker instances announce themselves; the conductor follows.
+
+URLs understood by `open_registry` (see docs/REGISTRY.md):
+
+    memory://                          in-process MemoryRegistry (conductor's own, tests)
+    embedded+http://HOST:PORT          worker side of the conductor-hosted embedded registry
+                                       (routes under /internal/registry on the conductor)
+    etcd://HOST:PORT[,HOST:PORT...]    etcd cluster (multi-host)
+
+Plain http:// is refused: it cannot say whether it means etcd or the conductor.
+"""
+
+from __future__ import annotations
+
+from mooncake.registry.base import (InstanceInfo, InstanceLoad, Registry, RegistryEvent,
+                                    RegistryUnavailable, Snapshot, decode_info, decode_load,
+                                    encode_info, encode_load)
+from mooncake.registry.config import RegistryConfig
+from mooncake.registry.memory import MemoryRegistry
+from mooncake.registry.view import ClusterView, ViewConfig
+
+__all__ = [
+    "ClusterView", "InstanceInfo", "InstanceLoad", "MemoryRegistry", "Registry",
+    "RegistryConfig", "RegistryEvent", "RegistryUnavailable", "Snapshot", "ViewConfig",
+    "decode_info", "decode_load", "encode_info", "encode_load", "open_registry",
+]
+
+
+def open_registry(config: RegistryConfig | str) -> Registry:
+    """A Registry for `config` (or a bare url with default settings). Connects lazily:
+    nothing blocks here; the first call on the registry reaches the backend."""
+    if isinstance(config, str):
+        config = RegistryConfig(url=config)
+    scheme = config.scheme
+    if scheme == "memory":
+        return MemoryRegistry(config)
+    if scheme == "etcd":
+        from mooncake.registry.etcd import EtcdRegistry  # grpc only where etcd is used
+        return EtcdRegistry(config)
+    if scheme in ("embedded+http", "embedded+https"):
+        from mooncake.registry.http import HttpRegistryClient
+        return HttpRegistryClient(config)
+    raise ValueError(f"unsupported registry url {config.url!r}")  # config already checked

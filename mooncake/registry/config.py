@@ -1,0 +1,85 @@
+"""Configuration of the registry component (one frozen dataclass, checked on creation)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+# Schemes `open_registry` understands. Plain http:// is refused on purpose: it could mean
+# etcd's own HTTP port or the conductor, and guessing wrong fails in confusing ways.
+SCHEMES = ("memory", "etcd", "embedded+http", "embedded+https")
+
+
+@dataclass(frozen=True)
+class RegistryConfig:
+    """How to reach the registry and how fast liveness is tracked."""
+
+    # memory:// | etcd://host:port[,host:port...] | embedded+http://conductor-host:port
+    url: str = "memory://"
+    # Seconds after the last keepalive before an instance disappears by itself.
+    ttl_s: float = 5.0
+    # How often a worker refreshes its lease; several refreshes must fit in one TTL.
+    keepalive_interval_s: float = 1.0
+    # How often a worker is expected to publish its load (used by workers' loops).
+    load_interval_s: float = 0.5
+    # Deadline of one request to the backend (etcd RPC or conductor HTTP call).
+    request_timeout_s: float = 2.0
+    # Reconnect backoff of watchers and keepalives: starts at min, doubles up to max.
+    retry_min_s: float = 0.1
+    retry_max_s: float = 2.0
+    # etcd key prefix; instances live under <prefix>instances/, loads under <prefix>load/.
+    etcd_prefix: str = "/mooncake/v1/"
+    # How often a polling watcher (embedded+http) lists the conductor's registry.
+    poll_interval_s: float = 0.5
+
+    def __post_init__(self) -> None:
+        scheme = urlsplit(self.url).scheme
+        if scheme not in SCHEMES:
+            raise ValueError(f"registry url {self.url!r}: scheme must be one of "
+                             f"{', '.join(s + '://' for s in SCHEMES)}")
+        if scheme != "memory":
+            self.endpoints()  # raises with the offending part
+        if self.ttl_s < 1.0:
+            raise ValueError(f"ttl_s={self.ttl_s}: etcd leases are whole seconds, use >= 1")
+        if not 0 < self.keepalive_interval_s <= self.ttl_s / 2:
+            raise ValueError(f"keepalive_interval_s={self.keepalive_interval_s} must be in "
+                             f"(0, ttl_s/2={self.ttl_s / 2}] so one lost refresh is survivable")
+        if not 0 < self.load_interval_s <= self.ttl_s:
+            raise ValueError(f"load_interval_s={self.load_interval_s} must be in (0, ttl_s]")
+        if self.request_timeout_s <= 0 or self.poll_interval_s <= 0:
+            raise ValueError("request_timeout_s and poll_interval_s must be > 0")
+        if not 0 < self.retry_min_s <= self.retry_max_s:
+            raise ValueError("need 0 < retry_min_s <= retry_max_s")
+        if not (self.etcd_prefix.startswith("/") and self.etcd_prefix.endswith("/")):
+            raise ValueError(f"etcd_prefix={self.etcd_prefix!r} must start and end with '/'")
+
+    @property
+    def scheme(self) -> str:
+        return urlsplit(self.url).scheme
+
+    def endpoints(self) -> list[tuple[str, int]]:
+        """The host:port list of an etcd:// or embedded+http:// url."""
+        netloc = urlsplit(self.url).netloc
+        if not netloc:
+            raise ValueError(f"registry url {self.url!r} needs host:port")
+        out = []
+        for part in netloc.split(","):
+            host, _, port = part.rpartition(":")
+            if not host or not port.isdigit():
+                raise ValueError(f"registry url {self.url!r}: bad endpoint {part!r}")
+            out.append((host, int(port)))
+        return out
+
+
+class Backoff:
+    """Exponential retry delay; `reset` after a success. Pure: the caller sleeps."""
+
+    def __init__(self, min_s: float, max_s: float) -> None:
+        self._min, self._max, self._next = min_s, max_s, min_s
+
+    def next(self) -> float:
+        delay, self._next = self._next, min(self._next * 2, self._max)
+        return delay
+
+    def reset(self) -> None:
+        self._next = self._min

@@ -1,0 +1,97 @@
+"""MemoryRegistry: TTLs on an injected clock, watch semantics, in-process keepalive."""
+
+import asyncio
+
+import pytest
+
+from mooncake.registry import InstanceInfo, InstanceLoad, MemoryRegistry, RegistryConfig
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def info(iid: str) -> InstanceInfo:
+    return InstanceInfo(iid, "decode", "http://w", "127.0.0.1:1", "m", 16, 100, 0.0)
+
+
+def run(coro, timeout: float = 20.0):
+    return asyncio.run(asyncio.wait_for(coro, timeout))
+
+
+def test_ttl_expiry_on_injected_clock() -> None:
+    clock = FakeClock()
+    reg = MemoryRegistry(clock=clock)
+    reg.put(info("a"), ttl_s=5.0)
+    reg.put(info("b"), ttl_s=5.0)
+    clock.t = 4.0
+    assert reg.heartbeat("a")
+    assert reg.set_load(InstanceLoad("b", running_requests=2))  # a load also refreshes
+    clock.t = 8.9
+    assert sorted(reg.list()) == ["a", "b"]
+    clock.t = 9.1
+    assert reg.list() == {}
+    assert not reg.heartbeat("a")  # expired: the worker must register again
+    assert not reg.set_load(InstanceLoad("a"))
+
+
+def test_watch_starts_with_resync_then_follows() -> None:
+    async def main() -> None:
+        clock = FakeClock()
+        reg = MemoryRegistry(clock=clock, sweep_interval_s=0.01)
+        reg.put(info("a"), ttl_s=1.0)
+        it = reg.watch()
+        first = await anext(it)
+        assert first.kind == "resync" and list(first.snapshot) == ["a"]
+        reg.put(info("b"), ttl_s=1.0)
+        ev = await anext(it)
+        assert (ev.kind, ev.instance_id, ev.load) == ("put", "b", InstanceLoad("b"))
+        reg.set_load(InstanceLoad("b", waiting_requests=3))
+        ev = await anext(it)
+        assert ev.kind == "load" and ev.load.waiting_requests == 3
+        clock.t = 1.5  # nobody calls anything: the idle watcher's sweep must notice
+        kinds = {(e.kind, e.instance_id) for e in [await anext(it), await anext(it)]}
+        assert kinds == {("delete", "a"), ("delete", "b")}
+        await it.aclose()
+        assert not reg._subs  # the subscriber is gone with its iterator
+    run(main())
+
+
+def test_slow_watcher_gets_resync_instead_of_backlog() -> None:
+    async def main() -> None:
+        reg = MemoryRegistry(clock=FakeClock(), queue_limit=3)
+        it = reg.watch()
+        assert (await anext(it)).kind == "resync"
+        for i in range(10):
+            reg.put(info(f"i{i}"), ttl_s=1.0)
+        ev = await anext(it)
+        assert ev.kind == "resync" and len(ev.snapshot) == 10
+        reg.remove("i0")
+        ev = await anext(it)
+        assert (ev.kind, ev.instance_id) == ("delete", "i0")
+        await it.aclose()
+    run(main())
+
+
+def test_in_process_register_keepalive_and_reregister() -> None:
+    async def main() -> None:
+        clock = FakeClock()
+        cfg = RegistryConfig(ttl_s=1.0, keepalive_interval_s=0.05)
+        reg = MemoryRegistry(cfg, clock=clock)
+        await reg.register(info("w"), ttl_s=1.0)
+        await reg.publish_load(InstanceLoad("w", kv_tokens_used=42))
+        clock.t = 100.0  # the process stalled past its TTL
+        assert reg.list() == {}
+        await asyncio.sleep(0.2)  # the keepalive notices (heartbeat False) and re-registers
+        snap = reg.list()
+        assert list(snap) == ["w"] and snap["w"][1].kv_tokens_used == 42
+        with pytest.raises(KeyError):
+            await reg.publish_load(InstanceLoad("stranger"))
+        await reg.deregister("w")
+        assert reg.list() == {}
+        await reg.close()
+    run(main())
