@@ -1,0 +1,70 @@
+"""The scheduler core's one config dataclass."""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass
+
+
+class Policy(enum.StrEnum):
+    RANDOM = "random"
+    LOAD_BALANCE = "load-balance"
+    CACHE_AWARE = "cache-aware"
+    KVCACHE_CENTRIC = "kvcache-centric"
+
+
+class Admission(enum.StrEnum):
+    NONE = "none"  # never refuse; SLOs are only measured
+    BASELINE = "baseline"  # TTFT gate before prefill; the decode side refuses after prefill
+    EARLY = "early"  # also judge the decode instances' current load before prefill (6.2)
+    PREDICTION = "prediction"  # judge the decode load forecast for when prefill ends (6.4)
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    """Knobs of the KVCache-centric scheduler (paper sections 4-6)."""
+
+    policy: Policy = Policy.KVCACHE_CENTRIC
+    """Prefill/decode selection policy."""
+    admission: Admission = Admission.PREDICTION
+    """Overload admission policy."""
+    block_size: int = 512
+    """Tokens per prefix block, the unit of the prefix index and of KV transfers."""
+    ttft_slo_s: float = 30.0
+    """A request whose predicted time to first token exceeds this is refused."""
+    tbt_slo_s: float = 0.1
+    """A decode instance whose predicted time between tokens would exceed this takes no more."""
+    kvcache_balancing_threshold: float = 1.5
+    """Algorithm 1: fetch the best holder's longer prefix when best_len / local_len reaches
+    this ratio; below it, recompute locally (a short extra prefix is not worth a transfer)."""
+    conditional_disaggregation: bool = True
+    """Let kvcache-centric prefill a short prompt on its decode instance (section 4)."""
+    colocate_max_new_tokens: int = 2048
+    """Largest uncached part that may be prefilled in one step on a decode instance."""
+    default_decode_s: float = 20.0
+    """Uniform decode duration t_d assumed by prediction until the cluster has measured one."""
+    min_retry_after_s: float = 1.0
+    """Floor of Retry-After (clients should not hammer)."""
+    max_retry_after_s: float = 300.0
+    """Ceiling of Retry-After, also given when waiting cannot help (prompt too long)."""
+    seed: int = 0
+    """Seed of the random policy's generator, for reproducible runs."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "policy", Policy(self.policy))
+        object.__setattr__(self, "admission", Admission(self.admission))
+        if self.block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {self.block_size}")
+        for name in ("ttft_slo_s", "tbt_slo_s", "default_decode_s"):
+            v = getattr(self, name)
+            if not (v > 0 and math.isfinite(v)):
+                raise ValueError(f"{name} must be a positive finite number of seconds, got {v}")
+        if not self.kvcache_balancing_threshold >= 1.0:
+            raise ValueError(
+                "kvcache_balancing_threshold is a ratio best_prefix/local_prefix and must be >= 1 "
+                f"(1 = always fetch a longer prefix), got {self.kvcache_balancing_threshold}")
+        if self.colocate_max_new_tokens < 0:
+            raise ValueError("colocate_max_new_tokens must be >= 0")
+        if not 0 <= self.min_retry_after_s <= self.max_retry_after_s:
+            raise ValueError("need 0 <= min_retry_after_s <= max_retry_after_s")

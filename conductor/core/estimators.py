@@ -1,0 +1,118 @@
+"""Time estimators: prefill, queue, KV transfer and decode TBT.
+
+Each is a small physical formula whose coefficients are fitted (non-negative least squares,
+relative error) from a profile table, so the same code prices a 135M model on a CPU and a
+70B model on eight GPUs:
+
+  T_prefill(L, p) = c0 + c1*n + c2*n*(p + n/2) + c3*p      n = L - p new tokens
+      (fixed cost, per-token linear layers, causal attention over the context, loading the
+       p cached tokens' KV)
+  T_queue(i)      = the instance's queued predicted prefill seconds
+  T_transfer(t)   = latency + (pending bytes on the sender + t*kv_bytes) / bandwidth
+      (the sender's link is a FIFO: what it is already sending delays us)
+  TBT(n, K)       = d0 + d1*n + d2*K      n sequences, K KV tokens in the batch
+      (weights read once per step, per-sequence compute, KV read)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from conductor.core.profile_table import ProfileTable
+from conductor.core.types import InstanceState
+
+
+def _nnls_relative(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Least squares on relative error with coefficients >= 0 (drop negatives, refit)."""
+    w = 1.0 / y
+    active = list(range(x.shape[1]))
+    coef = np.zeros(x.shape[1])
+    while active:
+        sol, *_ = np.linalg.lstsq(x[:, active] * w[:, None], y * w, rcond=None)
+        if (sol >= 0).all():
+            coef[active] = sol
+            return coef
+        active.pop(int(np.argmin(sol)))
+    return coef
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillModel:
+    c0: float
+    c1: float
+    c2: float
+    c3: float
+
+    def __post_init__(self) -> None:
+        if min(self.c0, self.c1, self.c2, self.c3) < 0:
+            raise ValueError(f"prefill coefficients must be >= 0: {self}")
+
+    def seconds(self, prompt_tokens: int, cached_tokens: int) -> float:
+        new = max(prompt_tokens - cached_tokens, 0)
+        return self.c0 + new * (self.c1 + self.c2 * (cached_tokens + new / 2)) + self.c3 * cached_tokens
+
+    @classmethod
+    def fit(cls, table: ProfileTable) -> PrefillModel:
+        rows = np.array([(r.prompt_tokens, r.cached_tokens, r.seconds) for r in table.prefill], dtype=float)
+        L, p, y = rows.T
+        n = L - p
+        x = np.stack([np.ones_like(n), n, n * (p + n / 2), p], axis=1)
+        return cls(*map(float, _nnls_relative(x, y)))
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeModel:
+    d0: float
+    d1: float
+    d2: float
+
+    def __post_init__(self) -> None:
+        if min(self.d0, self.d1, self.d2) < 0 or self.d0 + self.d1 <= 0:
+            raise ValueError(f"decode coefficients must be >= 0 with a positive step time: {self}")
+
+    def step_seconds(self, batch_size: int, kv_tokens: int) -> float:
+        return self.d0 + self.d1 * batch_size + self.d2 * kv_tokens
+
+    @classmethod
+    def fit(cls, table: ProfileTable) -> DecodeModel:
+        rows = np.array([(r.batch_size, r.kv_tokens, r.step_seconds) for r in table.decode], dtype=float)
+        b, k, y = rows.T
+        x = np.stack([np.ones_like(b), b, k], axis=1)
+        return cls(*map(float, _nnls_relative(x, y)))
+
+
+@dataclass(frozen=True, slots=True)
+class Estimators:
+    """All four estimators, fitted from one profile table."""
+
+    prefill: PrefillModel
+    decode: DecodeModel
+    kv_bytes_per_token: int
+    transfer_latency_s: float = 0.001
+
+    def __post_init__(self) -> None:
+        if self.kv_bytes_per_token <= 0 or self.transfer_latency_s < 0:
+            raise ValueError(f"bad estimator parameters: {self}")
+
+    @classmethod
+    def from_profile(cls, table: ProfileTable, transfer_latency_s: float = 0.001) -> Estimators:
+        return cls(PrefillModel.fit(table), DecodeModel.fit(table), table.kv_bytes_per_token, transfer_latency_s)
+
+    def prefill_s(self, prompt_tokens: int, cached_tokens: int) -> float:
+        return self.prefill.seconds(prompt_tokens, cached_tokens)
+
+    @staticmethod
+    def queue_s(instance: InstanceState) -> float:
+        return max(instance.queued_prefill_s, 0.0)
+
+    def transfer_s(self, n_tokens: int, sender: InstanceState) -> float:
+        """Time to pull n_tokens of KV from sender, behind what it is already sending."""
+        if n_tokens <= 0:
+            return 0.0
+        nbytes = n_tokens * self.kv_bytes_per_token
+        return self.transfer_latency_s + (sender.pending_send_bytes + nbytes) / sender.bandwidth_Bps
+
+    def tbt_s(self, batch_size: int, kv_tokens: int) -> float:
+        return self.decode.step_seconds(batch_size, kv_tokens)

@@ -1,0 +1,158 @@
+"""Global prefix index: which instance holds which prefix block.
+
+Each block key maps to a bitmask of instance slots. The longest cached prefix of every
+instance for a prompt is one walk down the prompt's keys, AND-ing masks: an instance drops
+out at the first block it lacks, so the walk records its prefix length then and stops once
+nobody is left. A 1,024-instance mask is a 16-word Python int, so the AND is cheap and the
+walk costs one dict lookup per block of the matched prefix, independent of the number of
+instances. Memory: one int per indexed block (about 10^6 blocks -> ~150 MB with 128-bit keys).
+
+The index is the one mutable part of the core's input: the shell applies the stores'
+"stored"/"removed" events to it in order; the scheduler only reads it.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Hashable, Iterable, Sequence
+from dataclasses import dataclass
+
+
+class EventKind(enum.StrEnum):
+    STORED = "stored"
+    REMOVED = "removed"
+
+
+@dataclass(frozen=True, slots=True)
+class KVEvent:
+    """A store's report that instance_id now holds (or dropped) these blocks."""
+
+    kind: EventKind
+    instance_id: str
+    block_hashes: tuple[Hashable, ...]
+
+
+def _bits(mask: int) -> Iterable[int]:
+    while mask:
+        low = mask & -mask
+        yield low.bit_length() - 1
+        mask ^= low
+
+
+class PrefixIndex:
+    """Block key -> set of holders, as bitmasks over instance slots.
+
+    Mutated only by apply/apply_stored/apply_removed/remove_instance; never blocks.
+    """
+
+    def __init__(self) -> None:
+        self._masks: dict[Hashable, int] = {}
+        self._slot_of: dict[str, int] = {}
+        self._id_of: dict[int, str] = {}
+        self._free_slots: list[int] = []
+        self._block_count: dict[str, int] = {}
+
+    # -- events ---------------------------------------------------------------------------
+
+    def _slot(self, instance_id: str) -> int:
+        slot = self._slot_of.get(instance_id)
+        if slot is None:
+            slot = self._free_slots.pop() if self._free_slots else len(self._slot_of)
+            self._slot_of[instance_id] = slot
+            self._id_of[slot] = instance_id
+            self._block_count[instance_id] = 0
+        return slot
+
+    def apply(self, event: KVEvent) -> None:
+        if event.kind is EventKind.STORED:
+            self.apply_stored(event.instance_id, event.block_hashes)
+        else:
+            self.apply_removed(event.instance_id, event.block_hashes)
+
+    def apply_stored(self, instance_id: str, block_hashes: Iterable[Hashable]) -> None:
+        bit = 1 << self._slot(instance_id)
+        masks = self._masks
+        added = 0
+        for h in block_hashes:
+            old = masks.get(h, 0)
+            if not old & bit:
+                masks[h] = old | bit
+                added += 1
+        self._block_count[instance_id] += added
+
+    def apply_removed(self, instance_id: str, block_hashes: Iterable[Hashable]) -> None:
+        slot = self._slot_of.get(instance_id)
+        if slot is None:
+            return  # removal from an instance we never heard of: nothing to undo
+        bit = 1 << slot
+        masks = self._masks
+        removed = 0
+        for h in block_hashes:
+            old = masks.get(h, 0)
+            if old & bit:
+                new = old & ~bit
+                if new:
+                    masks[h] = new
+                else:
+                    del masks[h]
+                removed += 1
+        self._block_count[instance_id] -= removed
+
+    def remove_instance(self, instance_id: str) -> None:
+        """Forget a dead instance. O(index size); instances leave rarely."""
+        slot = self._slot_of.pop(instance_id, None)
+        if slot is None:
+            return
+        bit = 1 << slot
+        masks = self._masks
+        for h in [h for h, m in masks.items() if m & bit]:
+            new = masks[h] & ~bit
+            if new:
+                masks[h] = new
+            else:
+                del masks[h]
+        del self._id_of[slot]
+        del self._block_count[instance_id]
+        self._free_slots.append(slot)
+
+    # -- queries --------------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self._masks)
+
+    def instances(self) -> list[str]:
+        return list(self._slot_of)
+
+    def block_count(self, instance_id: str) -> int:
+        return self._block_count.get(instance_id, 0)
+
+    def holders(self, block_hash: Hashable) -> frozenset[str]:
+        return frozenset(self._id_of[s] for s in _bits(self._masks.get(block_hash, 0)))
+
+    def holds(self, instance_id: str, block_hash: Hashable) -> bool:
+        slot = self._slot_of.get(instance_id)
+        return slot is not None and bool(self._masks.get(block_hash, 0) >> slot & 1)
+
+    def match(self, block_hashes: Sequence[Hashable]) -> dict[str, int]:
+        """Longest cached prefix, in blocks, of every instance that holds at least block 0.
+
+        Instances absent from the result hold no prefix of this prompt.
+        """
+        if not block_hashes:
+            return {}
+        masks = self._masks
+        alive = masks.get(block_hashes[0], 0)
+        result: dict[str, int] = {}
+        id_of = self._id_of
+        n = len(block_hashes)
+        i = 1
+        while alive and i < n:
+            new = alive & masks.get(block_hashes[i], 0)
+            if new != alive:
+                for slot in _bits(alive & ~new):
+                    result[id_of[slot]] = i
+                alive = new
+            i += 1
+        for slot in _bits(alive):
+            result[id_of[slot]] = n
+        return result

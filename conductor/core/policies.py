@@ -1,0 +1,100 @@
+"""Prefill-side selection policies (paper section 5).
+
+Each policy turns (request, prefill pool, prefix matches) into a PrefillChoice: where to
+prefill, how much prefix is reused, whether to fetch a longer prefix from another holder,
+and the predicted TTFT = T_transfer + T_queue + T_prefill.
+
+  random          any instance, uniformly; it still reuses whatever it holds locally.
+  load-balance    the instance with the shortest queue (T_queue).
+  cache-aware     the instance with the lowest T_queue + T_prefill(L, its local prefix).
+  kvcache-centric Algorithm 1: for each instance, if best_len / its_len reaches
+                  kvcache_balancing_threshold it fetches the best holder's prefix (paying
+                  T_transfer, and so replicating a hot prefix: hot-spot migration), else it
+                  recomputes from its own prefix; the lowest TTFT wins.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from conductor.core.config import Policy, SchedulerConfig
+from conductor.core.estimators import Estimators
+from conductor.core.types import InstanceState
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillChoice:
+    instance_id: str
+    cached_tokens: int
+    fetch_from: str | None
+    fetched_tokens: int
+    queue_s: float
+    prefill_s: float
+    transfer_s: float
+
+    @property
+    def ttft_s(self) -> float:
+        return self.transfer_s + self.queue_s + self.prefill_s
+
+
+def prefix_tokens(blocks: int, prompt_tokens: int, block_size: int) -> int:
+    """Reusable tokens of a prefix of `blocks` blocks; at least one token is always computed
+    (the engine needs the last position's logits), as vLLM does."""
+    return max(0, min(blocks * block_size, prompt_tokens - 1))
+
+
+def _local(inst: InstanceState, prompt: int, matches: Mapping[str, int], est: Estimators,
+           cfg: SchedulerConfig) -> PrefillChoice:
+    cached = prefix_tokens(matches.get(inst.instance_id, 0), prompt, cfg.block_size)
+    return PrefillChoice(inst.instance_id, cached, None, 0, est.queue_s(inst), est.prefill_s(prompt, cached), 0.0)
+
+
+def best_holder(matches: Mapping[str, int], instances: Sequence[InstanceState]) -> tuple[InstanceState | None, int]:
+    """FindBestPrefixMatch: the holder of the longest prefix; ties go to the least busy link."""
+    best: InstanceState | None = None
+    best_blocks = 0
+    for inst in instances:
+        blocks = matches.get(inst.instance_id, 0)
+        if blocks > best_blocks or (blocks == best_blocks and blocks and best is not None
+                                    and inst.pending_send_bytes < best.pending_send_bytes):
+            best, best_blocks = inst, blocks
+    return best, best_blocks
+
+
+def kvcache_centric(prompt: int, pool: Sequence[InstanceState], all_instances: Sequence[InstanceState],
+                    matches: Mapping[str, int], est: Estimators, cfg: SchedulerConfig) -> PrefillChoice:
+    holder, best_blocks = best_holder(matches, all_instances)
+    best_tokens = prefix_tokens(best_blocks, prompt, cfg.block_size)
+    best_fetch_prefill = est.prefill_s(prompt, best_tokens)
+    choice: PrefillChoice | None = None
+    for inst in pool:
+        local_blocks = matches.get(inst.instance_id, 0)
+        queue = est.queue_s(inst)
+        fetch = holder is not None and best_blocks > local_blocks and (
+            local_blocks == 0 or best_blocks / local_blocks >= cfg.kvcache_balancing_threshold)
+        if fetch:
+            local_tokens = prefix_tokens(local_blocks, prompt, cfg.block_size)
+            transfer = est.transfer_s(best_tokens - local_tokens, holder)
+            cand = PrefillChoice(inst.instance_id, best_tokens, holder.instance_id,
+                                 best_tokens - local_tokens, queue, best_fetch_prefill, transfer)
+        else:
+            cand = _local(inst, prompt, matches, est, cfg)
+        if choice is None or cand.ttft_s < choice.ttft_s:
+            choice = cand
+    assert choice is not None
+    return choice
+
+
+def choose_prefill(policy: Policy, prompt: int, pool: Sequence[InstanceState],
+                   all_instances: Sequence[InstanceState], matches: Mapping[str, int],
+                   est: Estimators, cfg: SchedulerConfig, rng: random.Random) -> PrefillChoice:
+    """The prefill choice of `policy` over a non-empty pool."""
+    if policy is Policy.RANDOM:
+        return _local(rng.choice(pool), prompt, matches, est, cfg)
+    if policy is Policy.LOAD_BALANCE:
+        return _local(min(pool, key=est.queue_s), prompt, matches, est, cfg)
+    if policy is Policy.CACHE_AWARE:
+        return min((_local(i, prompt, matches, est, cfg) for i in pool), key=lambda c: c.ttft_s)
+    return kvcache_centric(prompt, pool, all_instances, matches, est, cfg)

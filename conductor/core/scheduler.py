@@ -1,0 +1,131 @@
+"""The scheduler core: one request, one cluster snapshot, one clock reading -> a decision.
+
+Algorithm (paper Algorithm 1 plus sections 4 and 6):
+  1. Match the prompt's block keys against the global prefix index.
+  2. Prefill side: the policy picks a prefill instance and whether to fetch a longer prefix
+     (policies.py), giving the predicted TTFT.
+  3. Decode side: the instance with the lowest predicted TBT with this request added, as
+     seen by the admission policy's view of decode load (admission.py).
+  4. Conditional disaggregation (kvcache-centric only): a prompt whose uncached part fits in
+     one step may be prefilled on a decode instance itself, if that step keeps the running
+     batch within the TBT SLO and gives a lower TTFT than the disaggregated pair.
+  5. Admission: refuse when the predicted TTFT breaks the SLO (all but "none"), or when the
+     decode side does not fit (early, prediction), with a Retry-After from predicted drain.
+
+The scheduler is pure apart from the random policy's seeded generator; it never reads a
+clock or does I/O, so the live conductor and the simulator run the same object.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+from conductor.core.admission import DecodeChoice, LoadView, choose_decode, decode_admits, decode_drain_s, \
+    judge_decode, view_for
+from conductor.core.config import Admission, Policy, SchedulerConfig
+from conductor.core.estimators import Estimators
+from conductor.core.policies import PrefillChoice, choose_prefill, prefix_tokens
+from conductor.core.types import ClusterState, Decision, InstanceState, RejectReason, Rejection, Request
+
+__all__ = ["Scheduler", "decode_admits"]
+
+
+class Scheduler:
+    """schedule() is the only entry point; it does not mutate the cluster state or index."""
+
+    def __init__(self, config: SchedulerConfig, estimators: Estimators) -> None:
+        self.config = config
+        self.estimators = estimators
+        self._rng = random.Random(config.seed)  # only the random policy draws from it
+
+    def schedule(self, request: Request, state: ClusterState, now: float) -> Decision | Rejection:
+        cfg, est = self.config, self.estimators
+        prompt = request.prompt_tokens
+        if prompt <= 0:
+            raise ValueError(f"request {request.request_id}: prompt_tokens must be positive")
+        if not state.decode:
+            return Rejection(request.request_id, RejectReason.NO_INSTANCE, cfg.max_retry_after_s)
+        matches = state.index.match(request.block_hashes) if request.block_hashes else {}
+        t_d = state.mean_decode_s or cfg.default_decode_s
+        view = view_for(cfg.admission)
+        rng = self._rng if cfg.policy is Policy.RANDOM else None
+
+        pchoice: PrefillChoice | None = None
+        dchoice: DecodeChoice | None = None
+        if state.prefill:
+            pchoice = choose_prefill(cfg.policy, prompt, state.prefill, state.instances, matches, est, cfg,
+                                     self._rng)
+            dchoice = choose_decode(state.decode, prompt, view, now + pchoice.ttft_s, t_d, est, cfg, rng)
+        if cfg.policy is Policy.KVCACHE_CENTRIC and cfg.conditional_disaggregation:
+            coloc = self._colocated(prompt, state.decode, matches, view, now, t_d)
+            if coloc is not None and (pchoice is None or coloc[0].ttft_s < pchoice.ttft_s):
+                pchoice, dchoice = coloc
+        if pchoice is None or dchoice is None:
+            return Rejection(request.request_id, RejectReason.NO_INSTANCE, cfg.max_retry_after_s)
+
+        ttft = pchoice.ttft_s
+        if cfg.admission is not Admission.NONE and ttft > cfg.ttft_slo_s:
+            return Rejection(request.request_id, RejectReason.TTFT_SLO,
+                             self._ttft_retry(pchoice, state), ttft, dchoice.tbt_s)
+        if cfg.admission in (Admission.EARLY, Admission.PREDICTION) and dchoice.problem is not None:
+            drain = decode_drain_s(state.decode, prompt, now, t_d, est, cfg)
+            return Rejection(request.request_id, dchoice.problem, self._clip_retry(drain - ttft), ttft, dchoice.tbt_s)
+        return Decision(
+            request_id=request.request_id,
+            prefill_instance=pchoice.instance_id,
+            decode_instance=dchoice.instance_id,
+            cached_prefix_tokens=pchoice.cached_tokens,
+            fetch_from=pchoice.fetch_from,
+            fetched_blocks=math.ceil(pchoice.fetched_tokens / cfg.block_size),
+            predicted_ttft_s=ttft,
+            predicted_tbt_s=dchoice.tbt_s,
+            predicted_queue_s=pchoice.queue_s,
+            predicted_prefill_s=pchoice.prefill_s,
+            predicted_transfer_s=pchoice.transfer_s,
+        )
+
+    def decode_admits(self, decode: InstanceState, kv_tokens: int) -> RejectReason | None:
+        """The decode instance's own check on arrival of a prefilled request's KV."""
+        return decode_admits(decode, kv_tokens, self.estimators, self.config)
+
+    # -- helpers --------------------------------------------------------------------------
+
+    def _colocated(self, prompt: int, pool: tuple[InstanceState, ...], matches: dict[str, int],
+                   view: LoadView, now: float, t_d: float) -> tuple[PrefillChoice, DecodeChoice] | None:
+        """Best 'prefill on the decode instance itself' option, if any is allowed."""
+        cfg, est = self.config, self.estimators
+        best: tuple[PrefillChoice, DecodeChoice] | None = None
+        for inst in pool:
+            cached = prefix_tokens(matches.get(inst.instance_id, 0), prompt, cfg.block_size)
+            if prompt - cached > cfg.colocate_max_new_tokens:
+                continue
+            prefill = est.prefill_s(prompt, cached)
+            # The step that carries this prefill also carries the running batch: its length
+            # is every running request's TBT for that step, so it must meet the SLO itself.
+            step = prefill + (est.tbt_s(inst.batch_size, inst.kv_tokens) if inst.running else 0.0)
+            if step > cfg.tbt_slo_s:
+                continue
+            queue = est.queue_s(inst)
+            d = judge_decode(inst, prompt, view, now + queue + step, t_d, est, cfg)
+            if d.problem is not None:
+                continue
+            p = PrefillChoice(inst.instance_id, cached, None, 0, queue, step, 0.0)
+            if best is None or p.ttft_s < best[0].ttft_s:
+                best = (p, d)
+        return best
+
+    def _ttft_retry(self, choice: PrefillChoice, state: ClusterState) -> float:
+        # Queues drain at one second per second; the non-queue part of the best choice is a
+        # floor no wait can remove. If that floor alone breaks the SLO, waiting cannot help.
+        floor = choice.ttft_s - choice.queue_s
+        if floor > self.config.ttft_slo_s:
+            return self.config.max_retry_after_s
+        shortest = min((self.estimators.queue_s(i) for i in state.prefill), default=choice.queue_s)
+        return self._clip_retry(min(shortest, choice.queue_s) + floor - self.config.ttft_slo_s)
+
+    def _clip_retry(self, seconds: float) -> float:
+        cfg = self.config
+        if not math.isfinite(seconds):
+            return cfg.max_retry_after_s
+        return min(max(seconds, cfg.min_retry_after_s), cfg.max_retry_after_s)

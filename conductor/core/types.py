@@ -1,0 +1,145 @@
+"""Plain, frozen data that goes into and comes out of the scheduler core.
+
+The shell (live conductor or simulator) builds a ``ClusterState`` snapshot from its load
+reports, hands it to ``Scheduler.schedule`` with the current time, and acts on the returned
+``Decision`` or ``Rejection``. Nothing here does I/O or reads a clock.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from conductor.core.index import PrefixIndex
+    from mooncake.hashing import BlockHash
+
+
+class Role(enum.StrEnum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+class RejectReason(enum.StrEnum):
+    """Why a request was refused; the string is what the HTTP 429 body carries."""
+
+    TTFT_SLO = "ttft_slo"  # no prefill choice meets the TTFT SLO
+    TBT_SLO = "tbt_slo"  # no decode instance keeps its TBT within the SLO with this request
+    NO_CAPACITY = "no_capacity"  # no decode instance has KV room for this request
+    NO_INSTANCE = "no_instance"  # the pool needed for this request is empty
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """One request as the scheduler sees it.
+
+    block_hashes are the prefix keys of the prompt's full blocks (see mooncake.hashing);
+    the simulator passes the trace's hash_ids instead, which name prefixes the same way.
+    """
+
+    request_id: str
+    prompt_tokens: int
+    block_hashes: tuple[BlockHash, ...] | tuple[int, ...]
+    arrival_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeSeq:
+    """A sequence that occupies (or will occupy) a decode instance's batch.
+
+    start_s is when it began decoding (running) or is expected to arrive (incoming);
+    kv_tokens is its KV footprint in tokens.
+    """
+
+    start_s: float
+    kv_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceState:
+    """Load report of one instance at the time of the snapshot.
+
+    queued_prefill_s: predicted seconds of prefill work queued or running there (its queue
+      drains at one second per second). Decode instances report the colocated prefills they
+      have been given here.
+    running: sequences decoding now. incoming: sequences already assigned to this decode
+      instance whose prefill has not finished yet (start_s = predicted arrival).
+    kv_capacity_tokens: KV room of the decode batch (or of the prefill pool's cache).
+    bandwidth_Bps: measured outgoing transfer bandwidth in bytes per second.
+    pending_send_bytes: bytes already queued on its outgoing link (sender congestion).
+    """
+
+    instance_id: str
+    role: Role
+    queued_prefill_s: float = 0.0
+    running: tuple[DecodeSeq, ...] = ()
+    incoming: tuple[DecodeSeq, ...] = ()
+    kv_capacity_tokens: int = 1 << 62
+    bandwidth_Bps: float = 1e10
+    pending_send_bytes: float = 0.0
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.running)
+
+    @property
+    def kv_tokens(self) -> int:
+        return sum(s.kv_tokens for s in self.running)
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterState:
+    """Snapshot of every instance plus the global prefix index.
+
+    mean_decode_s is the measured mean time a request spends decoding; prediction-based
+    admission assumes every request decodes for this long (paper section 6.4). None means
+    "not measured yet" and the scheduler falls back to its configured default.
+    """
+
+    instances: tuple[InstanceState, ...]
+    index: PrefixIndex
+    mean_decode_s: float | None = None
+    prefill: tuple[InstanceState, ...] = field(init=False)
+    decode: tuple[InstanceState, ...] = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "prefill", tuple(i for i in self.instances if i.role is Role.PREFILL))
+        object.__setattr__(self, "decode", tuple(i for i in self.instances if i.role is Role.DECODE))
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """Where to run a request. prefill_instance == decode_instance means the prompt is
+    prefilled on the decode instance itself (conditional disaggregation, paper section 4).
+
+    fetch_from names the instance to pull fetched_blocks prefix blocks from before prefill
+    (hot-spot migration); None means use only what prefill_instance holds.
+    """
+
+    request_id: str
+    prefill_instance: str
+    decode_instance: str
+    cached_prefix_tokens: int
+    fetch_from: str | None
+    fetched_blocks: int
+    predicted_ttft_s: float
+    predicted_tbt_s: float
+    predicted_queue_s: float
+    predicted_prefill_s: float
+    predicted_transfer_s: float
+
+    @property
+    def colocated(self) -> bool:
+        return self.prefill_instance == self.decode_instance
+
+
+@dataclass(frozen=True, slots=True)
+class Rejection:
+    """A refusal; retry_after_s is when the predicted queues will have drained enough."""
+
+    request_id: str
+    reason: RejectReason
+    retry_after_s: float
+    predicted_ttft_s: float | None = None
+    predicted_tbt_s: float | None = None

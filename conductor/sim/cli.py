@@ -1,0 +1,115 @@
+"""`mooncake sim`: replay a Mooncake-format trace through the scheduler core."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+
+from conductor.core.config import Admission, Policy, SchedulerConfig
+from conductor.core.estimators import Estimators
+from conductor.core.profile_table import ProfileTable, load_profile
+from conductor.core.scheduler import Scheduler
+from conductor.sim.cost_model import CostModel, CostModelConfig
+from conductor.sim.engine import SimConfig, Simulation
+from conductor.sim.report import SimResult, summarize
+from conductor.sim.trace import TraceError, TraceRecord, load_trace
+
+
+def simulate(trace: list[TraceRecord], sched: SchedulerConfig, profile: ProfileTable,
+             n_prefill: int = 8, n_decode: int = 8, speedup: float = 1.0, noise_sigma: float = 0.1,
+             seed: int = 0, progress: bool = False, **sim_overrides) -> SimResult:
+    """Build scheduler, cost model and simulation from one profile table, and run it."""
+    est = Estimators.from_profile(profile)
+    sim_kwargs = dict(n_prefill=n_prefill, n_decode=n_decode, speedup=speedup,
+                      prefill_cache_blocks=profile.prefill_cache_blocks,
+                      decode_kv_capacity_tokens=profile.decode_kv_capacity_tokens,
+                      bandwidth_Bps=profile.bandwidth_Bps, block_size=sched.block_size, progress=progress)
+    sim_kwargs.update(sim_overrides)
+    cost = CostModel(est, CostModelConfig(noise_sigma=noise_sigma, seed=seed))
+    return Simulation(trace, Scheduler(sched, est), cost, SimConfig(**sim_kwargs)).run()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="mooncake sim",
+        description="Replay a Mooncake-format trace (JSONL: timestamp ms, input_length, output_length, hash_ids) "
+                    "against N prefill and M decode instances, scheduling every request with the same "
+                    "scheduler core as the live conductor, and report TTFT/TBT, SLO attainment and goodput.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--trace", required=True, help="path of the trace file (one JSON object per line)")
+    ap.add_argument("--prefill", type=int, default=8, metavar="N", help="number of prefill instances")
+    ap.add_argument("--decode", type=int, default=8, metavar="M", help="number of decode instances")
+    ap.add_argument("--policy", choices=[p.value for p in Policy], default=Policy.KVCACHE_CENTRIC.value,
+                    help="prefill/decode selection: random; load-balance (shortest prefill queue); cache-aware "
+                         "(lowest queue + prefill time with the local prefix); kvcache-centric (paper Algorithm 1: "
+                         "may fetch a longer prefix from another holder, and may prefill short prompts on the "
+                         "decode instance)")
+    ap.add_argument("--admission", choices=[a.value for a in Admission], default=Admission.PREDICTION.value,
+                    help="overload control: none (never refuse); baseline (refuse on predicted TTFT; the decode "
+                         "instance refuses after prefill); early (also refuse on the decode pool's current load); "
+                         "prediction (refuse on the decode load forecast for when prefill ends)")
+    ap.add_argument("--speedup", type=float, default=1.0, metavar="X",
+                    help="replay X times faster than the trace's timestamps (2 = twice the load)")
+    ap.add_argument("--ttft-slo", type=float, default=30.0, metavar="S", help="time-to-first-token SLO, seconds")
+    ap.add_argument("--tbt-slo", type=float, default=0.1, metavar="S", help="time-between-tokens SLO, seconds")
+    ap.add_argument("--profile", default="paper-70b-8gpu", metavar="NAME|PATH",
+                    help="profile table the estimators and cost models are fitted from: a bundled name "
+                         "(paper-70b-8gpu, smollm2-135m-cpu) or a JSON path written by `mooncake profile`")
+    ap.add_argument("--threshold", type=float, default=SchedulerConfig().kvcache_balancing_threshold, metavar="R",
+                    help="kvcache_balancing_threshold: fetch a remote prefix when best_len/local_len >= R")
+    ap.add_argument("--no-colocate", action="store_true",
+                    help="disable conditional disaggregation (prefill on the decode instance)")
+    ap.add_argument("--colocate-max-tokens", type=int, default=SchedulerConfig().colocate_max_new_tokens,
+                    metavar="T", help="largest uncached prompt part prefilled in one step on a decode instance")
+    ap.add_argument("--block-size", type=int, default=512, metavar="B", help="tokens per trace hash_id block")
+    ap.add_argument("--prefill-cache-blocks", type=int, default=None, metavar="K",
+                    help="KVCache pool per prefill instance, in blocks (default: from the profile)")
+    ap.add_argument("--noise", type=float, default=0.1, metavar="SIGMA",
+                    help="lognormal sigma of simulated durations around the estimators' predictions")
+    ap.add_argument("--limit", type=int, default=None, metavar="N", help="replay only the first N requests")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the noise and of the random policy")
+    ap.add_argument("--json", action="store_true", help="print one JSON object of summary metrics on stdout")
+    ap.add_argument("--plot", type=pathlib.Path, default=None, metavar="DIR",
+                    help="write ttft_cdf.png and load.png into DIR")
+    ap.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        trace = load_trace(args.trace)
+        profile = load_profile(args.profile)
+        sched = SchedulerConfig(policy=Policy(args.policy), admission=Admission(args.admission),
+                                block_size=args.block_size, ttft_slo_s=args.ttft_slo, tbt_slo_s=args.tbt_slo,
+                                kvcache_balancing_threshold=args.threshold,
+                                conditional_disaggregation=not args.no_colocate,
+                                colocate_max_new_tokens=args.colocate_max_tokens, seed=args.seed)
+        if args.limit is not None:
+            if args.limit <= 0:
+                raise ValueError("--limit must be positive")
+            trace = trace[: args.limit]
+        overrides = {} if args.prefill_cache_blocks is None else {"prefill_cache_blocks": args.prefill_cache_blocks}
+        res = simulate(trace, sched, profile, args.prefill, args.decode, args.speedup, args.noise, args.seed,
+                       progress=not args.no_progress and sys.stderr.isatty(), **overrides)
+    except (TraceError, ValueError, FileNotFoundError) as exc:
+        print(f"mooncake sim: error: {exc}", file=sys.stderr)
+        return 2
+    summary = summarize(res, args.ttft_slo, args.tbt_slo)
+    summary.update(policy=args.policy, admission=args.admission, speedup=args.speedup, prefill=args.prefill,
+                   decode=args.decode, profile=profile.name)
+    if args.plot is not None:
+        from conductor.sim.plots import plot_load, plot_ttft_cdf
+
+        args.plot.mkdir(parents=True, exist_ok=True)
+        label = f"{args.policy}/{args.admission} x{args.speedup:g}"
+        plot_ttft_cdf({label: res}, args.plot / "ttft_cdf.png", ttft_slo_s=args.ttft_slo)
+        plot_load(res, args.plot / "load.png", label, args.ttft_slo, args.tbt_slo)
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        for k, v in summary.items():
+            print(f"{k:24s} {v:.4g}" if isinstance(v, float) else f"{k:24s} {v}")
+    return 0

@@ -1,0 +1,269 @@
+"""Discrete-event replay of a trace against N prefill and M decode instances.
+
+Each arrival builds a frozen ClusterState snapshot and asks the very Scheduler the live
+conductor uses. Then the engine plays out the physics (cost_model.py):
+  - a prefill node runs one prompt at a time, FIFO; a fetched prefix is pulled over the
+    holder's link (FIFO per sender) starting at dispatch, and the prompt starts when both
+    the node and the fetched blocks are ready; finished blocks enter its LRU pool, whose
+    stored/evicted events update the global prefix index;
+  - the KV reaches the decode node kv_handoff_s after prefill ends (layer-wise streaming);
+    under any admission but "none" the decode node re-checks (decode_admits) and may refuse,
+    wasting the prefill; under "none" a request without KV room waits for room;
+  - a decode node steps its continuous batch; a colocated prefill rides in one step.
+Requests join and leave the batch only at step boundaries.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import sys
+import time
+from dataclasses import dataclass
+
+from tqdm import tqdm
+
+from conductor.core.config import Admission
+from conductor.core.policies import prefix_tokens
+from conductor.core.scheduler import Scheduler
+from conductor.core.types import ClusterState, Decision, Rejection, Request
+from conductor.sim.cost_model import CostModel
+from conductor.sim.instances import DecodeNode, Job, PrefillNode
+from conductor.sim.report import Outcome, SimResult, TimelinePoint
+from conductor.sim.trace import TraceRecord
+
+ARRIVE, PREFILL_DONE, KV_ARRIVE, STEP_DONE, SAMPLE = range(5)
+
+
+@dataclass(frozen=True, slots=True)
+class SimConfig:
+    n_prefill: int = 8
+    """Prefill instances."""
+    n_decode: int = 8
+    """Decode instances."""
+    speedup: float = 1.0
+    """Replay speed: trace timestamps are divided by this (2 = twice the load)."""
+    prefill_cache_blocks: int = 4768
+    """KVCache pool of each prefill node, in blocks."""
+    decode_kv_capacity_tokens: int = 1_378_784
+    """KV room of each decode node's batch, in tokens."""
+    bandwidth_Bps: float = 100e9
+    """Each node's outgoing link for KV transfers."""
+    block_size: int = 512
+    """Tokens per trace block (hash_id)."""
+    sample_interval_s: float = 5.0
+    """Load timeline resolution, simulated seconds."""
+    min_decode_samples: int = 20
+    """Completed requests needed before the measured mean decode time is reported."""
+    progress: bool = False
+    """Show a tqdm progress bar on stderr."""
+
+    def __post_init__(self) -> None:
+        if self.n_prefill < 0 or self.n_decode <= 0 or self.n_prefill + self.n_decode <= 0:
+            raise ValueError("need n_prefill >= 0 and n_decode >= 1")
+        if not (self.speedup > 0 and math.isfinite(self.speedup)):
+            raise ValueError(f"speedup must be a positive number, got {self.speedup}")
+        if min(self.prefill_cache_blocks, self.decode_kv_capacity_tokens, self.block_size) <= 0:
+            raise ValueError("cache, KV capacity and block size must be positive")
+        if self.bandwidth_Bps <= 0 or self.sample_interval_s <= 0:
+            raise ValueError("bandwidth and sample interval must be positive")
+
+
+class Simulation:
+    def __init__(self, trace: list[TraceRecord], scheduler: Scheduler, cost: CostModel, config: SimConfig) -> None:
+        from conductor.core.index import PrefixIndex
+
+        self.trace, self.scheduler, self.cost, self.config = trace, scheduler, cost, config
+        self.index = PrefixIndex()
+        self.prefills = {f"p{i}": PrefillNode(f"p{i}", config.prefill_cache_blocks, config.bandwidth_Bps, self.index)
+                         for i in range(config.n_prefill)}
+        self.decodes = {f"d{i}": DecodeNode(f"d{i}", config.decode_kv_capacity_tokens, config.bandwidth_Bps)
+                        for i in range(config.n_decode)}
+        self.outcomes: list[Outcome] = []
+        self.timeline: list[TimelinePoint] = []
+        self.step_times: list[tuple[float, int]] = []
+        self._events: list[tuple[float, int, int, object]] = []
+        self._seq = 0
+        self._coloc: dict[str, Job | None] = {d: None for d in self.decodes}
+        self._decode_sum, self._decode_n = 0.0, 0
+        self._wasted_prefill_s = 0.0
+        self._live = 0  # events other than SAMPLE still queued
+
+    # -- event plumbing -------------------------------------------------------------------
+
+    def _push(self, t: float, kind: int, payload: object) -> None:
+        self._seq += 1
+        heapq.heappush(self._events, (t, self._seq, kind, payload))
+        if kind != SAMPLE:
+            self._live += 1
+
+    def run(self) -> SimResult:
+        t0 = self.trace[0].timestamp_ms
+        for rid, rec in enumerate(self.trace):
+            self._push((rec.timestamp_ms - t0) / 1000.0 / self.config.speedup, ARRIVE, rid)
+        self._push(0.0, SAMPLE, None)
+        handlers = {ARRIVE: self._arrive, PREFILL_DONE: self._prefill_done, KV_ARRIVE: self._kv_arrive,
+                    STEP_DONE: self._step_done}
+        wall = time.perf_counter()
+        bar = tqdm(total=len(self.trace), file=sys.stderr, disable=not self.config.progress, unit="req",
+                   desc="sim", mininterval=0.5)
+        now = last = 0.0
+        while self._events:
+            now, _, kind, payload = heapq.heappop(self._events)
+            if kind == SAMPLE:
+                self._sample(now)
+                if self._live:
+                    self._push(now + self.config.sample_interval_s, SAMPLE, None)
+                continue
+            self._live -= 1
+            last = now
+            handlers[kind](now, payload)
+            if kind == ARRIVE:
+                bar.update(1)
+        bar.close()
+        return SimResult(outcomes=self.outcomes, timeline=self.timeline, step_times=self.step_times,
+                         makespan_s=last, wall_s=time.perf_counter() - wall, wasted_prefill_s=self._wasted_prefill_s)
+
+    def _state(self, now: float) -> ClusterState:
+        insts = tuple(p.snapshot(now) for p in self.prefills.values()) + \
+            tuple(d.snapshot(now) for d in self.decodes.values())
+        mean = self._decode_sum / self._decode_n if self._decode_n >= self.config.min_decode_samples else None
+        return ClusterState(insts, self.index, mean)
+
+    def _full_blocks(self, rec: TraceRecord) -> tuple[int, ...]:
+        return rec.hash_ids[: rec.input_length // self.config.block_size]
+
+    # -- handlers -------------------------------------------------------------------------
+
+    def _arrive(self, now: float, rid: int) -> None:
+        rec = self.trace[rid]
+        blocks = self._full_blocks(rec)
+        res = self.scheduler.schedule(Request(str(rid), rec.input_length, blocks, now), self._state(now), now)
+        if isinstance(res, Rejection):
+            self.outcomes.append(Outcome(rid, now, rec.input_length, rec.output_length, "rejected", res.reason.value))
+            return
+        assert isinstance(res, Decision)
+        job = Job(rid, now, rec.input_length, rec.output_length, blocks, res.decode_instance,
+                  res.predicted_prefill_s, now + res.predicted_ttft_s)
+        d = self.decodes[res.decode_instance]
+        d.incoming[rid] = job
+        if res.colocated:
+            d.coloc_queue.append(job)
+            d.coloc_pred_s += job.predicted_prefill_s
+            if not d.stepping:
+                self._start_step(d, now)
+            return
+        p = self.prefills[res.prefill_instance]
+        if res.fetch_from is not None:
+            sender = self.prefills[res.fetch_from]
+            start = max(now, sender.link_free_s)
+            sender.link_free_s = start + self.cost.transfer_s(res.fetched_blocks * self.config.block_size,
+                                                              sender.bandwidth_Bps)
+            job.fetch_ready_s = sender.link_free_s
+            job.fetch_blocks = math.ceil(res.cached_prefix_tokens / self.config.block_size)
+        p.queue.append(job)
+        p.queued_pred_s += job.predicted_prefill_s
+        if p.current is None:
+            self._start_prefill(p, now)
+
+    def _start_prefill(self, p: PrefillNode, now: float) -> None:
+        job = p.queue.popleft()
+        p.queued_pred_s -= job.predicted_prefill_s
+        start = max(now, job.fetch_ready_s)
+        if job.fetch_blocks:
+            p.store(job.hash_ids[: job.fetch_blocks])  # hot-spot migration: the copy stays here
+        blocks = p.local_prefix_blocks(job.hash_ids)
+        dur = self.cost.prefill_s(job.prompt, prefix_tokens(blocks, job.prompt, self.config.block_size))
+        p.current, p.current_pred_end_s = job, start + job.predicted_prefill_s
+        job.prefill_start_s, job.prefill_actual_s = start, dur
+        p.busy_s += dur
+        self._push(start + dur, PREFILL_DONE, p)
+
+    def _prefill_done(self, now: float, p: PrefillNode) -> None:
+        job = p.current
+        assert job is not None
+        p.store(job.hash_ids)
+        p.current = None
+        job.first_token_s = now
+        self._push(now + self.cost.config.kv_handoff_s, KV_ARRIVE, job)
+        if p.queue:
+            self._start_prefill(p, now)
+
+    def _kv_arrive(self, now: float, job: Job) -> None:
+        d = self.decodes[job.decode_id]
+        del d.incoming[job.rid]
+        if self.scheduler.config.admission is not Admission.NONE:
+            reason = self.scheduler.decode_admits(d.snapshot(now), job.prompt + sum(j.prompt for j in d.waiting))
+            if reason is not None:
+                self._wasted_prefill_s += job.prefill_actual_s
+                self.outcomes.append(Outcome(rid=job.rid, arrival_s=job.arrival_s, prompt=job.prompt,
+                                             output=job.output, status="rejected", reason=f"decode_{reason.value}",
+                                             ttft_s=job.first_token_s - job.arrival_s))
+                return
+        self._enter_decode(d, job, now)
+
+    def _enter_decode(self, d: DecodeNode, job: Job, now: float) -> None:
+        if job.output <= 1:
+            self._complete(job, now)
+            return
+        d.waiting.append(job)  # joins at the next step boundary, when KV room allows
+        if not d.stepping:
+            self._start_step(d, now)
+
+    def _admit_waiting(self, d: DecodeNode, now: float) -> None:
+        while d.waiting and d.kv_tokens + d.waiting[0].prompt <= d.kv_capacity:
+            d.join(d.waiting.popleft(), now)
+
+    def _start_step(self, d: DecodeNode, now: float) -> None:
+        self._admit_waiting(d, now)
+        batch = len(d.running)
+        dur = self.cost.decode_step_s(batch, d.kv_tokens) if batch else 0.0
+        if d.coloc_queue:
+            job = d.coloc_queue.popleft()
+            d.coloc_pred_s -= job.predicted_prefill_s
+            job.prefill_start_s = now
+            job.prefill_actual_s = self.cost.prefill_s(job.prompt, 0)
+            dur += job.prefill_actual_s
+            self._coloc[d.id] = job
+        elif not batch:
+            d.stepping = False
+            return
+        if batch:
+            self.step_times.append((dur, batch))
+        d.stepping = True
+        self._push(now + dur, STEP_DONE, d)
+
+    def _step_done(self, now: float, d: DecodeNode) -> None:
+        if d.running:
+            d.step += 1
+            d.kv_tokens += len(d.running)
+            for job in d.finish_due():
+                self._decode_sum += now - job.join_s
+                self._decode_n += 1
+                self._complete(job, now)
+        job = self._coloc[d.id]
+        if job is not None:
+            self._coloc[d.id] = None
+            job.first_token_s = now
+            del d.incoming[job.rid]
+            self._enter_decode(d, job, now)
+        self._start_step(d, now)
+
+    def _complete(self, job: Job, now: float) -> None:
+        tbt = (now - job.first_token_s) / (job.output - 1) if job.output > 1 else None
+        self.outcomes.append(Outcome(rid=job.rid, arrival_s=job.arrival_s, prompt=job.prompt, output=job.output,
+                                     status="completed", ttft_s=job.first_token_s - job.arrival_s, tbt_s=tbt,
+                                     finish_s=now))
+
+    def _sample(self, now: float) -> None:
+        ps = [p.snapshot(now).queued_prefill_s for p in self.prefills.values()]
+        ds = list(self.decodes.values())
+        kv = [d.kv_tokens / d.kv_capacity for d in ds]
+        tbt = [self.scheduler.estimators.tbt_s(len(d.running), d.kv_tokens) if d.running else 0.0 for d in ds]
+        self.timeline.append(TimelinePoint(
+            t_s=now,
+            prefill_queue_s=sum(ps) / len(ps) if ps else 0.0,
+            decode_batch=sum(len(d.running) for d in ds) / len(ds),
+            decode_kv_util=sum(kv) / len(kv),
+            decode_tbt_s=sum(tbt) / len(tbt),
+        ))

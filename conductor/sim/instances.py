@@ -1,0 +1,140 @@
+"""Simulated instances: a prefill node (FIFO of whole-prompt jobs, an LRU KVCache pool that
+reports to the prefix index, an outgoing link) and a decode node (continuous batching,
+bounded KV, optional colocated prefill). They keep their own mutable state; the engine
+drives them and turns them into frozen InstanceState snapshots for the scheduler.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+
+from conductor.core.index import PrefixIndex
+from conductor.core.types import DecodeSeq, InstanceState, Role
+
+
+@dataclass(slots=True)
+class Job:
+    """One request in flight."""
+
+    rid: int
+    arrival_s: float
+    prompt: int
+    output: int
+    hash_ids: tuple[int, ...]
+    decode_id: str
+    predicted_prefill_s: float
+    predicted_arrival_s: float  # when the scheduler expects the KV at the decode instance
+    fetch_blocks: int = 0  # leading blocks fetched from another holder before prefill
+    fetch_ready_s: float = 0.0
+    prefill_start_s: float = 0.0
+    first_token_s: float = 0.0
+    prefill_actual_s: float = 0.0
+    # decode-side bookkeeping
+    join_s: float = 0.0
+    join_step: int = 0
+
+
+class PrefillNode:
+    def __init__(self, instance_id: str, cache_blocks: int, bandwidth_Bps: float, index: PrefixIndex) -> None:
+        self.id = instance_id
+        self.cache_blocks = cache_blocks
+        self.bandwidth_Bps = bandwidth_Bps
+        self.index = index
+        self.queue: deque[Job] = deque()
+        self.current: Job | None = None
+        self.current_pred_end_s = 0.0
+        self.queued_pred_s = 0.0  # predicted seconds of jobs waiting (not the current one)
+        self.link_free_s = 0.0
+        self.cache: OrderedDict[int, None] = OrderedDict()
+        self.busy_s = 0.0
+
+    def local_prefix_blocks(self, hash_ids: tuple[int, ...]) -> int:
+        n = 0
+        for h in hash_ids:
+            if h not in self.cache:
+                break
+            n += 1
+        return n
+
+    def store(self, hash_ids: tuple[int, ...]) -> None:
+        """Put blocks in the pool (most recent last) and report stored/evicted to the index."""
+        cache, new = self.cache, []
+        for h in hash_ids:
+            if h in cache:
+                cache.move_to_end(h)
+            else:
+                cache[h] = None
+                new.append(h)
+        evicted = []
+        while len(cache) > self.cache_blocks:
+            evicted.append(cache.popitem(last=False)[0])
+        if new:
+            self.index.apply_stored(self.id, new)
+        if evicted:
+            self.index.apply_removed(self.id, evicted)
+
+    def pending_send_bytes(self, now: float) -> float:
+        return max(self.link_free_s - now, 0.0) * self.bandwidth_Bps
+
+    def snapshot(self, now: float) -> InstanceState:
+        queued = self.queued_pred_s + (max(self.current_pred_end_s - now, 0.0) if self.current else 0.0)
+        return InstanceState(self.id, Role.PREFILL, queued_prefill_s=queued, bandwidth_Bps=self.bandwidth_Bps,
+                             pending_send_bytes=self.pending_send_bytes(now))
+
+
+@dataclass(order=True, slots=True)
+class _Finish:
+    step: int
+    rid: int
+    job: Job = field(compare=False)
+
+
+class DecodeNode:
+    def __init__(self, instance_id: str, kv_capacity: int, bandwidth_Bps: float) -> None:
+        self.id = instance_id
+        self.kv_capacity = kv_capacity
+        self.bandwidth_Bps = bandwidth_Bps
+        self.running: dict[int, Job] = {}
+        self.finishing: list[_Finish] = []  # heap by the step at which each sequence ends
+        self.incoming: dict[int, Job] = {}
+        self.waiting: deque[Job] = deque()  # admitted but no KV room yet (admission "none")
+        self.coloc_queue: deque[Job] = deque()
+        self.coloc_pred_s = 0.0
+        self.step = 0  # steps completed
+        self.kv_tokens = 0
+        self.stepping = False
+        self._version = 0  # bumped whenever the running set changes
+        self._snap_key: tuple[int, int] | None = None
+        self._snap_running: tuple[DecodeSeq, ...] = ()
+
+    def kv_of(self, job: Job) -> int:
+        return job.prompt + (self.step - job.join_step)
+
+    def join(self, job: Job, now: float) -> None:
+        job.join_s, job.join_step = now, self.step
+        self.running[job.rid] = job
+        self._version += 1
+        self.kv_tokens += job.prompt
+        # The first token came from prefill; output-1 more come from decode steps.
+        heapq.heappush(self.finishing, _Finish(self.step + max(job.output - 1, 0), job.rid, job))
+
+    def finish_due(self) -> list[Job]:
+        done = []
+        while self.finishing and self.finishing[0].step <= self.step:
+            job = heapq.heappop(self.finishing).job
+            self.kv_tokens -= self.kv_of(job)
+            del self.running[job.rid]
+            self._version += 1
+            done.append(job)
+        return done
+
+    def snapshot(self, now: float) -> InstanceState:
+        key = (self.step, self._version)
+        if key != self._snap_key:  # sequences' KV grows each step: rebuild at most once per step
+            self._snap_running = tuple(DecodeSeq(j.join_s, self.kv_of(j)) for j in self.running.values())
+            self._snap_key = key
+        incoming = tuple(DecodeSeq(j.predicted_arrival_s, j.prompt) for j in self.incoming.values())
+        return InstanceState(self.id, Role.DECODE, queued_prefill_s=self.coloc_pred_s, running=self._snap_running,
+                             incoming=incoming, kv_capacity_tokens=self.kv_capacity, bandwidth_Bps=self.bandwidth_Bps)

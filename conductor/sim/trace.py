@@ -1,0 +1,140 @@
+"""Mooncake-format traces: strict loading, and a synthetic generator with stated parameters.
+
+Format: one JSON object per line: timestamp (ms), input_length, output_length, hash_ids
+(one id per 512-token block; equal ids = equal prefix blocks). A malformed line raises
+TraceError naming the file and line; nothing is skipped silently (blank lines excepted).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+
+class TraceError(ValueError):
+    def __init__(self, path: str, line: int, message: str) -> None:
+        super().__init__(f"{path}:{line}: {message}")
+        self.path, self.line = path, line
+
+
+@dataclass(frozen=True, slots=True)
+class TraceRecord:
+    line: int
+    timestamp_ms: float
+    input_length: int
+    output_length: int
+    hash_ids: tuple[int, ...]
+
+
+def _int_field(obj: dict, key: str, minimum: int, path: str, line: int) -> int:
+    v = obj.get(key)
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise TraceError(path, line, f"'{key}' must be an integer, got {v!r}")
+    if v < minimum:
+        raise TraceError(path, line, f"'{key}' must be >= {minimum}, got {v}")
+    return v
+
+
+def parse_line(text: str, line: int, path: str = "<trace>") -> TraceRecord:
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise TraceError(path, line, f"not valid JSON ({exc.msg} at column {exc.colno})") from None
+    if not isinstance(obj, dict):
+        raise TraceError(path, line, f"expected a JSON object, got {type(obj).__name__}")
+    ts = obj.get("timestamp")
+    if isinstance(ts, bool) or not isinstance(ts, int | float) or not math.isfinite(ts) or ts < 0:
+        raise TraceError(path, line, f"'timestamp' must be a non-negative number of ms, got {ts!r}")
+    ids = obj.get("hash_ids", [])
+    if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise TraceError(path, line, "'hash_ids' must be a list of integers")
+    return TraceRecord(line, float(ts), _int_field(obj, "input_length", 1, path, line),
+                       _int_field(obj, "output_length", 0, path, line), tuple(ids))
+
+
+def load_trace(path: str | pathlib.Path) -> list[TraceRecord]:
+    """All records, sorted by timestamp (stable). Raises TraceError on the first bad line."""
+    records: list[TraceRecord] = []
+    with open(path, encoding="utf-8") as f:
+        for n, text in enumerate(f, start=1):
+            if text.strip():
+                records.append(parse_line(text, n, str(path)))
+    if not records:
+        raise TraceError(str(path), 0, "trace has no records")
+    records.sort(key=lambda r: r.timestamp_ms)
+    return records
+
+
+# -- generator --------------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class TraceParams:
+    """A workload of shared prefixes (system prompts, documents, earlier turns) plus a
+    private suffix per request, arriving as a Poisson process."""
+
+    n_requests: int = 4000
+    """Number of requests."""
+    rate_rps: float = 4.0
+    """Mean arrival rate (Poisson), requests per second."""
+    n_prefixes: int = 200
+    """Distinct shared prefixes."""
+    zipf_a: float = 1.1
+    """Popularity of prefixes: prefix k is chosen with probability ~ 1/k^a."""
+    prefix_blocks_mean: float = 12.0
+    """Mean shared prefix length in blocks (geometric)."""
+    suffix_tokens_median: float = 3000.0
+    """Median private suffix length in tokens (lognormal)."""
+    suffix_sigma: float = 1.0
+    """Lognormal sigma of the suffix length."""
+    output_median: float = 300.0
+    """Median output length in tokens (lognormal)."""
+    output_sigma: float = 1.0
+    """Lognormal sigma of the output length."""
+    max_output: int = 8192
+    max_input: int = 131072
+    block_size: int = 512
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.n_requests <= 0 or self.rate_rps <= 0 or self.n_prefixes <= 0 or self.block_size <= 0:
+            raise ValueError("n_requests, rate_rps, n_prefixes and block_size must be positive")
+        if self.zipf_a <= 0 or self.prefix_blocks_mean < 1 or self.suffix_tokens_median < 1 or self.output_median < 1:
+            raise ValueError("zipf_a > 0, prefix_blocks_mean >= 1, suffix/output medians >= 1 required")
+
+
+def generate_trace(p: TraceParams) -> list[dict]:
+    rng = np.random.default_rng(p.seed)
+    prefix_len = rng.geometric(1.0 / p.prefix_blocks_mean, size=p.n_prefixes)
+    next_id = 0
+    prefixes: list[list[int]] = []
+    for n in prefix_len:
+        prefixes.append(list(range(next_id, next_id + int(n))))
+        next_id += int(n)
+    weights = 1.0 / np.arange(1, p.n_prefixes + 1) ** p.zipf_a
+    choice = rng.choice(p.n_prefixes, size=p.n_requests, p=weights / weights.sum())
+    gaps = rng.exponential(1.0 / p.rate_rps, size=p.n_requests)
+    times = np.cumsum(gaps) - gaps[0]
+    suffix = rng.lognormal(math.log(p.suffix_tokens_median), p.suffix_sigma, size=p.n_requests)
+    out = rng.lognormal(math.log(p.output_median), p.output_sigma, size=p.n_requests)
+    rows = []
+    for i in range(p.n_requests):
+        pre = prefixes[choice[i]]
+        length = min(len(pre) * p.block_size + max(int(suffix[i]), 1), p.max_input)
+        n_blocks = math.ceil(length / p.block_size)
+        ids = pre[:n_blocks] + list(range(next_id, next_id + max(n_blocks - len(pre), 0)))
+        next_id += max(n_blocks - len(pre), 0)
+        rows.append({"timestamp": int(times[i] * 1000), "input_length": int(length),
+                     "output_length": int(min(max(out[i], 1), p.max_output)), "hash_ids": ids})
+    return rows
+
+
+def write_trace(rows: list[dict], path: str | pathlib.Path, params: TraceParams | None = None) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+    if params is not None:
+        pathlib.Path(str(path) + ".params.json").write_text(json.dumps(asdict(params), indent=1) + "\n")

@@ -1,0 +1,64 @@
+"""Baseline, early and prediction-based early rejection (paper section 6)."""
+
+import pytest
+from core_helpers import decode, prefill, request, scheduler, state
+
+from conductor.core import Decision, Rejection, RejectReason
+
+# TBT = 0.01 + 0.001*batch: with a 0.1 s SLO a decode instance takes at most 90 sequences.
+SLO = dict(tbt_slo_s=0.1, ttft_slo_s=30.0)
+
+
+def test_baseline_never_refuses_on_decode_load_but_decode_side_does():
+    s = state(prefill("p0"), decode("d0", batch=95))
+    sch = scheduler(admission="baseline", **SLO)
+    d = sch.schedule(request(1000), s, 0.0)
+    assert isinstance(d, Decision)
+    assert sch.decode_admits(s.decode[0], 1000) is RejectReason.TBT_SLO
+    assert sch.decode_admits(decode("d0", batch=5), 1000) is None
+    assert sch.decode_admits(decode("d0", batch=5, cap=1200), 1000) is RejectReason.NO_CAPACITY
+
+
+def test_early_refuses_on_current_decode_load_with_retry_after():
+    # Sequences started at t=0 and decode for t_d = 20 s; the request needs 1 s of prefill.
+    s = state(prefill("p0"), decode("d0", batch=95, start=0.0), mean_decode_s=20.0)
+    r = scheduler(admission="early", **SLO).schedule(request(1000), s, now=5.0)
+    assert isinstance(r, Rejection) and r.reason is RejectReason.TBT_SLO
+    # Room appears when the running batch drains at t = 20 s; its KV would arrive 1 s after a retry.
+    assert r.retry_after_s == pytest.approx(20.0 - 5.0 - 1.0)
+
+
+def test_early_capacity_rejection_reason():
+    s = state(prefill("p0"), decode("d0", batch=2, cap=1100))
+    r = scheduler(admission="early", **SLO).schedule(request(1000), s, 0.0)
+    assert r.reason is RejectReason.NO_CAPACITY
+
+
+def test_prediction_admits_when_the_batch_will_have_drained_by_prefill_end():
+    # 95 sequences started at t=0 with t_d = 20 s are gone by t* = 19.5 + 1 s.
+    s = state(prefill("p0"), decode("d0", batch=95, start=0.0), mean_decode_s=20.0)
+    assert isinstance(scheduler(admission="early", **SLO).schedule(request(1000), s, 19.5), Rejection)
+    assert isinstance(scheduler(admission="prediction", **SLO).schedule(request(1000), s, 19.5), Decision)
+
+
+def test_prediction_refuses_for_work_still_in_prefill_that_early_does_not_see():
+    s = state(prefill("p0"), decode("d0", batch=10, incoming=85, start=0.0), mean_decode_s=20.0)
+    assert isinstance(scheduler(admission="early", **SLO).schedule(request(1000), s, 1.0), Decision)
+    r = scheduler(admission="prediction", **SLO).schedule(request(1000), s, 1.0)
+    assert isinstance(r, Rejection) and r.reason is RejectReason.TBT_SLO
+
+
+def test_prediction_uses_configured_decode_time_until_measured():
+    s = state(prefill("p0"), decode("d0", batch=95, start=0.0))
+    sch = scheduler(admission="prediction", default_decode_s=5.0, **SLO)
+    assert isinstance(sch.schedule(request(1000), s, 4.5), Decision)
+    sch = scheduler(admission="prediction", default_decode_s=50.0, **SLO)
+    assert isinstance(sch.schedule(request(1000), s, 4.5), Rejection)
+
+
+def test_prediction_picks_the_decode_instance_that_will_be_free():
+    s = state(prefill("p0"), decode("d0", batch=40, start=0.0), decode("d1", batch=20, start=15.0),
+              mean_decode_s=20.0)
+    # At t* = 19 + 1 s, d0's sequences are done while d1's run until 35 s.
+    assert scheduler(admission="prediction", **SLO).schedule(request(1000), s, 19.0).decode_instance == "d0"
+    assert scheduler(admission="early", **SLO).schedule(request(1000), s, 19.0).decode_instance == "d1"

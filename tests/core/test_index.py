@@ -1,0 +1,55 @@
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from conductor.core.index import EventKind, KVEvent, PrefixIndex
+
+INSTANCES = [f"i{k}" for k in range(5)]
+events = st.lists(st.tuples(st.sampled_from(list(EventKind)), st.sampled_from(INSTANCES),
+                            st.lists(st.integers(0, 12), max_size=6)), max_size=60)
+
+
+def reference_match(held: dict[str, set[int]], keys: list[int]) -> dict[str, int]:
+    out = {}
+    for inst, blocks in held.items():
+        n = 0
+        while n < len(keys) and keys[n] in blocks:
+            n += 1
+        if n:
+            out[inst] = n
+    return out
+
+
+@settings(max_examples=300)
+@given(events, st.lists(st.integers(0, 12), max_size=8), st.sets(st.sampled_from(INSTANCES), max_size=2))
+def test_index_matches_a_set_model_under_random_events(evs, keys, dead):
+    idx, held = PrefixIndex(), {i: set() for i in INSTANCES}
+    for kind, inst, blocks in evs:
+        idx.apply(KVEvent(kind, inst, tuple(blocks)))
+        (held[inst].update if kind is EventKind.STORED else held[inst].difference_update)(blocks)
+    for inst in dead:
+        idx.remove_instance(inst)
+        held[inst] = set()
+    assert idx.match(keys) == reference_match(held, keys)
+    for inst in INSTANCES:
+        assert idx.block_count(inst) == len(held[inst])
+    assert len(idx) == len(set().union(*held.values()))
+    for k in range(13):
+        assert idx.holders(k) == frozenset(i for i in INSTANCES if k in held[i])
+
+
+def test_slots_are_reused_after_an_instance_dies():
+    idx = PrefixIndex()
+    idx.apply_stored("a", [1, 2])
+    idx.remove_instance("a")
+    idx.apply_stored("b", [1])
+    assert idx.match([1, 2]) == {"b": 1}
+    assert not idx.holds("a", 1) and idx.holds("b", 1)
+
+
+def test_match_stops_at_first_missing_block():
+    idx = PrefixIndex()
+    idx.apply_stored("a", [1, 2, 3, 5])
+    idx.apply_stored("b", [1, 2])
+    idx.apply_stored("c", [2, 3])  # holds later blocks but not the first: no prefix
+    assert idx.match([1, 2, 3, 4, 5]) == {"a": 3, "b": 2}
+    assert idx.match([]) == {}

@@ -1,0 +1,131 @@
+"""Each rule of Algorithm 1, the threshold, the SLO gates and conditional disaggregation."""
+
+import pytest
+from core_helpers import BS, EST, decode, prefill, request, scheduler, state
+
+from conductor.core import Decision, PrefixIndex, Rejection, RejectReason, SchedulerConfig
+
+
+def idx(**held: int) -> PrefixIndex:
+    """Instance -> number of leading blocks (0..n-1) it holds."""
+    index = PrefixIndex()
+    for inst, n in held.items():
+        index.apply_stored(inst, range(n))
+    return index
+
+
+def test_cache_aware_takes_lowest_queue_plus_prefill_with_local_prefix():
+    # p0: empty queue, no cache -> 1.0 s; p1: 0.5 s queued, 800 cached -> 0.5 + 0.2 = 0.7 s.
+    s = state(prefill("p0"), prefill("p1", queued=0.5), decode("d0"), index=idx(p1=80))
+    d = scheduler(policy="cache-aware", admission="none").schedule(request(1000), s, now=0.0)
+    assert isinstance(d, Decision)
+    assert (d.prefill_instance, d.cached_prefix_tokens, d.fetch_from) == ("p1", 800, None)
+    assert d.predicted_ttft_s == pytest.approx(0.7)
+
+
+def test_load_balance_ignores_cache_and_random_is_seeded():
+    s = state(prefill("p0"), prefill("p1", queued=0.5), decode("d0"), index=idx(p1=80))
+    d = scheduler(policy="load-balance", admission="none").schedule(request(1000), s, 0.0)
+    assert d.prefill_instance == "p0"
+    picks = [scheduler(policy="random", admission="none", seed=3).schedule(request(1000), s, 0.0).prefill_instance
+             for _ in range(2)]
+    assert picks[0] == picks[1]
+
+
+def test_kvcache_centric_fetches_hot_prefix_from_busy_holder():
+    # The holder p1 is swamped; p0 is idle and fetches 900 tokens (0.09 s) instead of recomputing them.
+    s = state(prefill("p0"), prefill("p1", queued=5.0), decode("d0"), index=idx(p1=90))
+    d = scheduler(policy="kvcache-centric", admission="none").schedule(request(1000), s, 0.0)
+    assert (d.prefill_instance, d.fetch_from, d.cached_prefix_tokens, d.fetched_blocks) == ("p0", "p1", 900, 90)
+    assert d.predicted_transfer_s == pytest.approx(0.09)
+    assert d.predicted_ttft_s == pytest.approx(0.09 + 0.1)
+
+
+def test_threshold_below_ratio_recomputes_locally():
+    # p0 holds 60 blocks, best holder 90: ratio 1.5. Threshold 2 -> p0 recomputes the 30 extra blocks.
+    s = state(prefill("p0"), prefill("p1", queued=5.0), decode("d0"), index=idx(p0=60, p1=90))
+    local = scheduler(policy="kvcache-centric", admission="none", kvcache_balancing_threshold=2.0)
+    d = local.schedule(request(1000), s, 0.0)
+    assert (d.prefill_instance, d.fetch_from, d.cached_prefix_tokens) == ("p0", None, 600)
+    fetch = scheduler(policy="kvcache-centric", admission="none", kvcache_balancing_threshold=1.5)
+    d = fetch.schedule(request(1000), s, 0.0)
+    assert (d.prefill_instance, d.fetch_from, d.cached_prefix_tokens, d.fetched_blocks) == ("p0", "p1", 900, 30)
+
+
+def test_congested_sender_makes_fetching_lose():
+    # p1's link has 1 GB queued (100 s at 10 MB/s), so fetching its prefix costs more than waiting for it.
+    s = state(prefill("p0"), prefill("p1", queued=5.0, pending=1e9), decode("d0"), index=idx(p1=90))
+    d = scheduler(policy="kvcache-centric", admission="none", kvcache_balancing_threshold=1.0).schedule(
+        request(1000), s, 0.0)
+    # Algorithm 1 prices p0 with the fetch (100 s) and p1 locally (5.1 s): p1 wins.
+    assert (d.prefill_instance, d.fetch_from) == ("p1", None)
+
+
+def test_ttft_slo_rejects_with_retry_after_from_queue_drain():
+    s = state(prefill("p0", queued=12.0), prefill("p1", queued=15.0), decode("d0"))
+    r = scheduler(policy="cache-aware", admission="baseline", ttft_slo_s=10.0).schedule(request(1000), s, 0.0)
+    assert isinstance(r, Rejection) and r.reason is RejectReason.TTFT_SLO
+    assert r.retry_after_s == pytest.approx(12.0 + 1.0 - 10.0)  # shortest queue must drain by 3 s
+    none = scheduler(policy="cache-aware", admission="none", ttft_slo_s=10.0).schedule(request(1000), s, 0.0)
+    assert isinstance(none, Decision)
+
+
+def test_retry_after_is_the_ceiling_when_waiting_cannot_help():
+    s = state(prefill("p0"), decode("d0"))
+    r = scheduler(admission="early", ttft_slo_s=10.0, max_retry_after_s=120.0).schedule(request(20_000), s, 0.0)
+    assert r.reason is RejectReason.TTFT_SLO and r.retry_after_s == 120.0
+
+
+def test_decode_choice_lowest_tbt_within_capacity():
+    s = state(prefill("p0"), decode("d0", batch=5), decode("d1", batch=1, cap=500), decode("d2", batch=3))
+    d = scheduler(admission="early").schedule(request(1000), s, 0.0)
+    assert d.decode_instance == "d2"  # d1 has the smallest batch but no KV room
+    assert d.predicted_tbt_s == pytest.approx(0.01 + 0.001 * 4)
+
+
+def test_no_decode_pool_is_no_instance():
+    r = scheduler().schedule(request(100), state(prefill("p0")), 0.0)
+    assert r.reason is RejectReason.NO_INSTANCE
+
+
+def test_colocates_short_prompt_when_it_fits_one_step_and_wins():
+    # Prefill pool is 2 s behind; the 50-token prompt costs 0.05 s in one step on d0, whose batch
+    # of 10 steps in 0.02 s: 0.07 s <= 0.1 s TBT SLO.
+    s = state(prefill("p0", queued=2.0), decode("d0", batch=10))
+    sch = scheduler(admission="prediction", conditional_disaggregation=True, tbt_slo_s=0.1)
+    d = sch.schedule(request(50), s, 0.0)
+    assert d.colocated and d.prefill_instance == d.decode_instance == "d0"
+    assert d.predicted_ttft_s == pytest.approx(0.07)
+
+
+def test_no_colocation_when_the_step_breaks_running_tbt_or_prompt_too_long():
+    s = state(prefill("p0", queued=2.0), decode("d0", batch=10))
+    sch = scheduler(admission="prediction", conditional_disaggregation=True, tbt_slo_s=0.1)
+    assert not sch.schedule(request(90), s, 0.0).colocated  # 0.09 + 0.02 > 0.1
+    long_ok = scheduler(admission="prediction", conditional_disaggregation=True, tbt_slo_s=10.0,
+                        colocate_max_new_tokens=100)
+    assert not long_ok.schedule(request(500), s, 0.0).colocated  # over the one-step token budget
+    assert long_ok.schedule(request(100), s, 0.0).colocated
+
+
+def test_colocation_only_when_it_predicts_lower_ttft():
+    s = state(prefill("p0"), decode("d0", batch=10))
+    sch = scheduler(admission="prediction", conditional_disaggregation=True, tbt_slo_s=0.1)
+    d = sch.schedule(request(50), s, 0.0)
+    assert not d.colocated and d.prefill_instance == "p0"  # 0.05 s < 0.07 s
+
+
+@pytest.mark.parametrize("kw", [dict(block_size=0), dict(ttft_slo_s=0), dict(tbt_slo_s=float("inf")),
+                                dict(kvcache_balancing_threshold=0.5), dict(policy="fastest"),
+                                dict(min_retry_after_s=5, max_retry_after_s=1)])
+def test_config_rejects_bad_values(kw):
+    with pytest.raises(ValueError):
+        SchedulerConfig(**kw)
+
+
+def test_scheduler_does_not_mutate_state():
+    s = state(prefill("p0"), decode("d0", batch=2), index=idx(p0=5))
+    before = (s.instances, s.index.match(list(range(5))), len(s.index))
+    scheduler().schedule(request(100), s, 0.0)
+    assert before == (s.instances, s.index.match(list(range(5))), len(s.index))
+    assert BS == 10 and EST.prefill_s(1000, 0) == pytest.approx(1.0)
