@@ -1,18 +1,19 @@
 """Decode-side selection and overload admission (paper sections 5 and 6).
 
 Which decode load a decision looks at is the whole difference between the admission
-policies:
+policies. Every policy ranks decode instances by the predicted TBT of the load it believes
+they will carry, and refuses (or not) by a gate:
 
-  none / baseline  select on the committed load (decoding now + already assigned and still
-                   in prefill) and never refuse here; under baseline the decode instance
+  none / baseline  rank and gate on the committed load (decoding now + already assigned and
+                   still in prefill); never refuse here. Under baseline the decode instance
                    itself refuses when the KV arrives (decode_admits), wasting the prefill.
-  early            judge the load the decode instances report now (what is decoding), before
-                   prefill starts (6.2). It ignores work still in prefill, so it admits too
-                   much while the decode pool is emptying and too little while it fills: the
-                   anti-phase swings of paper Figure 7.
-  prediction       forecast the load at t* = now + predicted TTFT, when this request's KV
-                   would arrive, assuming every request decodes for a uniform t_d (6.4):
-                   sequences still running at t* plus those assigned and not finished by t*.
+  early            rank on the committed load, but gate on the load the decode instances
+                   report now (what is decoding), before prefill starts (6.2). The gate ignores
+                   work still in prefill, so it admits too much while the decode pool fills and
+                   too little while it empties: the anti-phase swings of paper Figure 7.
+  prediction       rank and gate on the load forecast for t* = now + predicted TTFT, when this
+                   request's KV would arrive, assuming every request decodes for a uniform t_d
+                   (6.4): sequences still running at t* plus those assigned and not done by t*.
 """
 
 from __future__ import annotations
@@ -33,23 +34,59 @@ class LoadView(enum.Enum):
     FORECAST = "forecast"
 
 
-def view_for(admission: Admission) -> LoadView:
+def views_for(admission: Admission) -> tuple[LoadView, LoadView]:
+    """(rank view, gate view) of an admission policy."""
     if admission is Admission.EARLY:
-        return LoadView.REPORTED
+        return LoadView.COMMITTED, LoadView.REPORTED
     if admission is Admission.PREDICTION:
-        return LoadView.FORECAST
-    return LoadView.COMMITTED
+        return LoadView.FORECAST, LoadView.FORECAST
+    return LoadView.COMMITTED, LoadView.COMMITTED
 
 
-def decode_load(inst: InstanceState, view: LoadView, t_star: float, t_d: float) -> tuple[int, int]:
-    """(batch size, KV tokens) of a decode instance as `view` sees it at time t_star."""
+@dataclass(frozen=True, slots=True)
+class Horizon:
+    """now; t_star, the time the request's KV is predicted to reach decode; t_d, the uniform
+    decode duration; fluid selects the forecast of running sequences (see decode_load)."""
+
+    now: float
+    t_star: float
+    t_d: float
+    fluid: bool = True
+
+
+def decode_load(inst: InstanceState, view: LoadView, h: Horizon, est: Estimators) -> tuple[float, float]:
+    """(batch size, KV tokens) of a decode instance as `view` sees it at time h.t_star.
+
+    FORECAST, "age" form (paper 6.4 as written): a sequence is gone at t* if it started more
+    than t_d before. "fluid" form (default): a sequence running now survives to t* with weight
+    1 - (t* - now)/t_d, i.e. the instance completes batch*(t*-now)/t_d sequences by t*
+    (Little's law with mean decode time t_d). The age form misjudges heavy-tailed outputs:
+    the running population is length-biased, so many sequences already older than t_d keep
+    running, and it forecasts room that is not there. Both add the KV the survivors generate
+    until t* at the current step time; incoming sequences use the age rule from their arrival.
+    """
     if view is LoadView.REPORTED:
         return len(inst.running), inst.kv_tokens
-    seqs = inst.running + inst.incoming
     if view is LoadView.COMMITTED:
+        seqs = inst.running + inst.incoming
         return len(seqs), sum(s.kv_tokens for s in seqs)
-    alive = [s for s in seqs if s.start_s + t_d > t_star]
-    return len(alive), sum(s.kv_tokens for s in alive)
+    dt = max(h.t_star - h.now, 0.0)
+    step = est.tbt_s(max(len(inst.running), 1), inst.kv_tokens)
+    batch = kv = 0.0
+    if h.fluid:
+        w = max(1.0 - dt / h.t_d, 0.0)
+        batch += w * len(inst.running)
+        kv += w * (inst.kv_tokens + len(inst.running) * dt / step)
+    else:
+        for s in inst.running:
+            if s.start_s + h.t_d > h.t_star:
+                batch += 1
+                kv += s.kv_tokens + dt / step
+    for s in inst.incoming:
+        if s.start_s + h.t_d > h.t_star:
+            batch += 1
+            kv += s.kv_tokens + max(h.t_star - s.start_s, 0.0) / step
+    return batch, kv
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,11 +96,11 @@ class DecodeChoice:
     problem: RejectReason | None  # None when it fits within KV capacity and the TBT SLO
 
 
-def judge_decode(inst: InstanceState, kv_need: int, view: LoadView, t_star: float, t_d: float,
-           est: Estimators, cfg: SchedulerConfig) -> DecodeChoice:
-    batch, kv = decode_load(inst, view, t_star, t_d)
+def judge_decode(inst: InstanceState, kv_need: int, view: LoadView, h: Horizon, est: Estimators,
+                 cfg: SchedulerConfig, headroom: float = 0.0) -> DecodeChoice:
+    batch, kv = decode_load(inst, view, h, est)
     tbt = est.tbt_s(batch + 1, kv + kv_need)
-    if kv + kv_need > inst.kv_capacity_tokens:
+    if kv + kv_need > inst.kv_capacity_tokens * (1.0 - headroom):
         problem: RejectReason | None = RejectReason.NO_CAPACITY
     elif tbt > cfg.tbt_slo_s:
         problem = RejectReason.TBT_SLO
@@ -72,17 +109,34 @@ def judge_decode(inst: InstanceState, kv_need: int, view: LoadView, t_star: floa
     return DecodeChoice(inst.instance_id, tbt, problem)
 
 
-def choose_decode(pool: Sequence[InstanceState], kv_need: int, view: LoadView, t_star: float,
-                  t_d: float, est: Estimators, cfg: SchedulerConfig,
+def rank_and_gate(inst: InstanceState, kv_need: int, views: tuple[LoadView, LoadView], h: Horizon,
+                  est: Estimators, cfg: SchedulerConfig) -> DecodeChoice:
+    """TBT under the rank view; problem under the gate view (with the gate's KV headroom)."""
+    rank = judge_decode(inst, kv_need, views[0], h, est, cfg)
+    gating = cfg.admission in (Admission.EARLY, Admission.PREDICTION)
+    headroom = cfg.gate_kv_headroom if gating else 0.0
+    if views[1] is views[0] and headroom == 0.0:
+        return rank
+    gate = judge_decode(inst, kv_need, views[1], h, est, cfg, headroom)
+    return DecodeChoice(inst.instance_id, rank.tbt_s, gate.problem)
+
+    _, kv = decode_load(inst, view, h, est)
+    if kv + kv_need > inst.kv_capacity_tokens * (1.0 - cfg.gate_kv_headroom):
+        return DecodeChoice(c.instance_id, c.tbt_s, RejectReason.NO_CAPACITY)
+    return c
+
+
+def choose_decode(pool: Sequence[InstanceState], kv_need: int, views: tuple[LoadView, LoadView], h: Horizon, est: Estimators, cfg: SchedulerConfig,
                   rng: random.Random | None = None) -> DecodeChoice:
-    """The decode instance with the lowest predicted TBT among those that fit; if none fits,
-    the lowest TBT overall, carrying its problem. With rng, a uniformly random instance."""
+    """Among instances that pass the gate view, the one with the lowest TBT under the rank
+    view; if none passes, the lowest TBT overall, carrying its problem. With rng, a uniformly
+    random instance."""
     if rng is not None:
-        return judge_decode(rng.choice(pool), kv_need, view, t_star, t_d, est, cfg)
+        return rank_and_gate(rng.choice(pool), kv_need, views, h, est, cfg)
     best_ok: DecodeChoice | None = None
     best_any: DecodeChoice | None = None
     for inst in pool:
-        c = judge_decode(inst, kv_need, view, t_star, t_d, est, cfg)
+        c = rank_and_gate(inst, kv_need, views, h, est, cfg)
         if c.problem is None and (best_ok is None or c.tbt_s < best_ok.tbt_s):
             best_ok = c
         # Among misfits, exceeding the TBT SLO beats exceeding KV capacity (which would stall).
@@ -99,7 +153,7 @@ def _misfit_key(c: DecodeChoice) -> tuple[bool, float]:
 def decode_admits(inst: InstanceState, kv_need: int, est: Estimators, cfg: SchedulerConfig) -> RejectReason | None:
     """The decode instance's own check when a prefilled request's KV arrives (baseline's only
     decode-side check, and the last line of defence under early and prediction)."""
-    return judge_decode(inst, kv_need, LoadView.REPORTED, 0.0, 1.0, est, cfg).problem
+    return judge_decode(inst, kv_need, LoadView.REPORTED, Horizon(0.0, 0.0, 1.0), est, cfg).problem
 
 
 def decode_drain_s(pool: Sequence[InstanceState], kv_need: int, now: float, t_d: float,

@@ -44,6 +44,12 @@ class SchedulerConfig:
     """Largest uncached part that may be prefilled in one step on a decode instance."""
     default_decode_s: float = 20.0
     """Uniform decode duration t_d assumed by prediction until the cluster has measured one."""
+    decode_forecast: str = "fluid"
+    """How prediction forecasts running sequences at t*: "fluid" (Little's law thinning) or
+    "age" (gone t_d after they started, the paper's wording); see admission.decode_load."""
+    gate_kv_headroom: float = 0.0
+    """Fraction of each decode instance's KV capacity that the early and prediction gates keep
+    free as a margin for forecast error (the decode side's own check uses all of it)."""
     min_retry_after_s: float = 1.0
     """Floor of Retry-After (clients should not hammer)."""
     max_retry_after_s: float = 300.0
@@ -64,6 +70,10 @@ class SchedulerConfig:
             raise ValueError(
                 "kvcache_balancing_threshold is a ratio best_prefix/local_prefix and must be >= 1 "
                 f"(1 = always fetch a longer prefix), got {self.kvcache_balancing_threshold}")
+        if self.decode_forecast not in ("fluid", "age"):
+            raise ValueError(f"decode_forecast must be 'fluid' or 'age', got {self.decode_forecast!r}")
+        if not 0.0 <= self.gate_kv_headroom < 1.0:
+            raise ValueError(f"gate_kv_headroom must be in [0, 1), got {self.gate_kv_headroom}")
         if self.colocate_max_new_tokens < 0:
             raise ValueError("colocate_max_new_tokens must be >= 0")
         if not 0 <= self.min_retry_after_s <= self.max_retry_after_s:

@@ -5,7 +5,7 @@ Algorithm (paper Algorithm 1 plus sections 4 and 6):
   2. Prefill side: the policy picks a prefill instance and whether to fetch a longer prefix
      (policies.py), giving the predicted TTFT.
   3. Decode side: the instance with the lowest predicted TBT with this request added, as
-     seen by the admission policy's view of decode load (admission.py).
+     seen by the admission policy's views of decode load (admission.py).
   4. Conditional disaggregation (kvcache-centric only): a prompt whose uncached part fits in
      one step may be prefilled on a decode instance itself, if that step keeps the running
      batch within the TBT SLO and gives a lower TTFT than the disaggregated pair.
@@ -21,8 +21,8 @@ from __future__ import annotations
 import math
 import random
 
-from conductor.core.admission import DecodeChoice, LoadView, choose_decode, decode_admits, decode_drain_s, \
-    judge_decode, view_for
+from conductor.core.admission import DecodeChoice, Horizon, LoadView, choose_decode, decode_admits, decode_drain_s, \
+    rank_and_gate, views_for
 from conductor.core.config import Admission, Policy, SchedulerConfig
 from conductor.core.estimators import Estimators
 from conductor.core.policies import PrefillChoice, choose_prefill, prefix_tokens
@@ -48,7 +48,7 @@ class Scheduler:
             return Rejection(request.request_id, RejectReason.NO_INSTANCE, cfg.max_retry_after_s)
         matches = state.index.match(request.block_hashes) if request.block_hashes else {}
         t_d = state.mean_decode_s or cfg.default_decode_s
-        view = view_for(cfg.admission)
+        views = views_for(cfg.admission)
         rng = self._rng if cfg.policy is Policy.RANDOM else None
 
         pchoice: PrefillChoice | None = None
@@ -56,9 +56,9 @@ class Scheduler:
         if state.prefill:
             pchoice = choose_prefill(cfg.policy, prompt, state.prefill, state.instances, matches, est, cfg,
                                      self._rng)
-            dchoice = choose_decode(state.decode, prompt, view, now + pchoice.ttft_s, t_d, est, cfg, rng)
+            dchoice = choose_decode(state.decode, prompt, views, self._horizon(now, pchoice.ttft_s, t_d), est, cfg, rng)
         if cfg.policy is Policy.KVCACHE_CENTRIC and cfg.conditional_disaggregation:
-            coloc = self._colocated(prompt, state.decode, matches, view, now, t_d)
+            coloc = self._colocated(prompt, state.decode, matches, views, now, t_d)
             if coloc is not None and (pchoice is None or coloc[0].ttft_s < pchoice.ttft_s):
                 pchoice, dchoice = coloc
         if pchoice is None or dchoice is None:
@@ -92,7 +92,8 @@ class Scheduler:
     # -- helpers --------------------------------------------------------------------------
 
     def _colocated(self, prompt: int, pool: tuple[InstanceState, ...], matches: dict[str, int],
-                   view: LoadView, now: float, t_d: float) -> tuple[PrefillChoice, DecodeChoice] | None:
+                   views: tuple[LoadView, LoadView], now: float, t_d: float
+                   ) -> tuple[PrefillChoice, DecodeChoice] | None:
         """Best 'prefill on the decode instance itself' option, if any is allowed."""
         cfg, est = self.config, self.estimators
         best: tuple[PrefillChoice, DecodeChoice] | None = None
@@ -107,13 +108,16 @@ class Scheduler:
             if step > cfg.tbt_slo_s:
                 continue
             queue = est.queue_s(inst)
-            d = judge_decode(inst, prompt, view, now + queue + step, t_d, est, cfg)
+            d = rank_and_gate(inst, prompt, views, self._horizon(now, queue + step, t_d), est, cfg)
             if d.problem is not None:
                 continue
             p = PrefillChoice(inst.instance_id, cached, None, 0, queue, step, 0.0)
             if best is None or p.ttft_s < best[0].ttft_s:
                 best = (p, d)
         return best
+
+    def _horizon(self, now: float, ttft: float, t_d: float) -> Horizon:
+        return Horizon(now, now + ttft, t_d, self.config.decode_forecast == "fluid")
 
     def _ttft_retry(self, choice: PrefillChoice, state: ClusterState) -> float:
         # Queues drain at one second per second; the non-queue part of the best choice is a

@@ -17,7 +17,8 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
 
-log = logging.getLogger(__name__)
+# Under "vllm." so the messages show in vLLM's worker processes, whose logging vLLM configures.
+log = logging.getLogger("vllm.mooncake." + __name__)
 
 
 def _cdiv(a: int, b: int) -> int:

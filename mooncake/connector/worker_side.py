@@ -26,7 +26,8 @@ from messenger.tcp import TcpClient, TcpConfig, TcpServer, TransferError
 from mooncake.connector.metadata import LoadSpec, MooncakeConnectorMetadata, SaveSpec
 from mooncake.connector.staging import KVStaging, StagedLayer, StagedTransfer, StagingConfig
 
-log = logging.getLogger(__name__)
+# Under "vllm." so the messages show in vLLM's worker processes, whose logging vLLM configures.
+log = logging.getLogger("vllm.mooncake." + __name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -138,6 +139,9 @@ class ConnectorWorker:
             with self._stats_lock:
                 return {"ok": True, "stats": asdict(self._stats),
                         "staged_bytes": self._staging.used_bytes}
+        if op == "drop":  # the conductor will not decode this transfer here
+            self._staging.pop(str(header.get("transfer_id")))
+            return {"ok": True}
         if op == "ping":
             return {"ok": True}
         return {"ok": False, "error": f"unknown op {op!r}"}

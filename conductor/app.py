@@ -1,0 +1,160 @@
+"""The conductor: the cluster's only public API (OpenAI-compatible), built by create_app(config)."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+from contextlib import asynccontextmanager
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse
+
+from conductor.config import ConductorConfig
+from conductor.errors import APIError, error_body, install_error_handlers
+from conductor.metrics import ConductorMetrics
+from conductor.relay import Relay
+from conductor.routing import Router
+from conductor.schemas import ChatCompletionRequest, CompletionRequest
+from conductor.serving import CompletionService
+from conductor.workers import WorkerClient, WorkerPool
+
+log = logging.getLogger(__name__)
+
+
+def create_app(config: ConductorConfig) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        from transformers import AutoTokenizer  # slow import; only the running server needs it
+
+        tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, config.model_path)
+        pool = WorkerPool()
+        for url in (*config.prefill_urls, *config.decode_urls):
+            pool.add(url)
+        client = WorkerClient(token_timeout_s=config.token_timeout_s)
+        router = Router(pool)
+        relay = Relay(client, config.kv_wait_timeout_s,
+                      pick_fallback=lambda tried: next(
+                          (h for h in pool.ready("decode") if h.name not in tried), None))
+        app.state.pool = pool
+        app.state.service = CompletionService(config, tokenizer, router, relay, app.state.metrics)
+        poller = asyncio.create_task(_poll_health(pool, client, config.health_interval_s))
+        try:
+            yield
+        finally:
+            poller.cancel()
+            await client.close()
+
+    app = FastAPI(title="mooncake conductor", version="0.1.0", lifespan=lifespan)
+    app.state.config = config
+    app.state.metrics = ConductorMetrics()
+    app.state.started = int(time.time())
+    install_error_handlers(app)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes)
+
+    def authorize(request: Request) -> None:
+        if config.api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        if not hmac.compare_digest(header.encode(), f"Bearer {config.api_key}".encode()):
+            raise APIError(401, "missing or wrong API key (send `Authorization: Bearer <key>`)",
+                           code="invalid_api_key")
+
+    @app.get("/v1/models", dependencies=[Depends(authorize)])
+    async def models():
+        return {"object": "list", "data": [_model_card(config, app.state.started)]}
+
+    @app.get("/v1/models/{model_id:path}", dependencies=[Depends(authorize)])
+    async def model(model_id: str):
+        if model_id != config.served_model_name:
+            raise APIError(404, f"The model `{model_id}` does not exist.", param="model", code="model_not_found")
+        return _model_card(config, app.state.started)
+
+    @app.post("/v1/completions", dependencies=[Depends(authorize)])
+    async def completions(body: CompletionRequest, request: Request):
+        service: CompletionService = request.app.state.service
+        return await _serve(service, body, "completions")
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(authorize)])
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        service: CompletionService = request.app.state.service
+        return await _serve(service, body, "chat")
+
+    @app.get("/health")
+    async def health(request: Request):
+        pool: WorkerPool = request.app.state.pool
+        workers = [{"url": h.http_url, "instance_id": h.instance_id, "role": h.role, "status": h.status,
+                    "error": h.last_error} for h in pool.all()]
+        ok = bool(pool.ready("decode"))
+        body = {"status": "ok" if ok else "unavailable", "ready": {"prefill": len(pool.ready("prefill")),
+                "decode": len(pool.ready("decode"))}, "workers": workers}
+        return JSONResponse(body, status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics(request: Request):
+        pool: WorkerPool = request.app.state.pool
+        service: CompletionService = request.app.state.service
+        ready = {"prefill": len(pool.ready("prefill")), "decode": len(pool.ready("decode"))}
+        return PlainTextResponse(request.app.state.metrics.render(service.in_flight, ready),
+                                 media_type="text/plain; version=0.0.4")
+
+    return app
+
+
+async def _serve(service: CompletionService, body, endpoint: str):
+    try:
+        prepared = await service.prepare(body)
+        return await service.serve(prepared, endpoint)
+    except APIError as exc:
+        service.metrics.requests.inc(endpoint=endpoint, status=str(exc.status))
+        raise
+
+
+def _model_card(config: ConductorConfig, created: int) -> dict:
+    return {"id": config.served_model_name, "object": "model", "created": created, "owned_by": "mooncake",
+            "root": config.model_path, "parent": None, "max_model_len": config.max_model_len}
+
+
+async def _poll_health(pool: WorkerPool, client: WorkerClient, interval_s: float) -> None:
+    while True:
+        await asyncio.gather(*(client.check(h) for h in pool.all()))
+        await asyncio.sleep(interval_s)
+
+
+class BodyLimitMiddleware:
+    """Refuses request bodies over `max_bytes` with 413, counting chunked bodies as they arrive."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            return await _too_large(send, self.max_bytes)
+        seen = 0
+
+        async def counting_receive():
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.max_bytes:
+                raise _BodyTooLarge()
+            return message
+
+        try:
+            await self.app(scope, counting_receive, send)
+        except _BodyTooLarge:
+            await _too_large(send, self.max_bytes)
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+async def _too_large(send, limit: int) -> None:
+    response = JSONResponse(error_body(413, f"request body is larger than {limit} bytes"), status_code=413)
+    await response({"type": "http"}, None, send)

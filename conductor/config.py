@@ -1,0 +1,39 @@
+"""ConductorConfig: the public API server's settings, validated up front."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ConductorConfig:
+    model_path: str
+    """Safetensors folder; the conductor loads only its tokenizer and chat template."""
+    served_model_name: str
+    host: str = "127.0.0.1"
+    port: int = 8000
+    prefill_urls: tuple[str, ...] = ()
+    """Internal URLs of prefill-capable workers (embedded cluster; a registry adds more)."""
+    decode_urls: tuple[str, ...] = ()
+    max_model_len: int = 8192
+    api_key: str | None = None
+    """If set, every /v1 request must carry `Authorization: Bearer <api_key>` (else 401)."""
+    max_body_bytes: int = 16 << 20
+    """Larger request bodies are refused with 413 before they are parsed."""
+    max_in_flight: int = 256
+    """Requests in progress beyond this are refused with 429 and a Retry-After."""
+    token_timeout_s: float = 120.0
+    """A worker silent for this long mid-request is treated as dead (error, never a hung stream)."""
+    kv_wait_timeout_s: float = 30.0
+    """How long a decode worker waits for pushed KV before recomputing the prompt itself."""
+    health_interval_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not self.served_model_name:
+            raise ValueError("served_model_name must not be empty")
+        if not 0 <= self.port < 65536:
+            raise ValueError("port must be in 0..65535")
+        if self.max_model_len < 16 or self.max_body_bytes < 1024 or self.max_in_flight < 1:
+            raise ValueError("max_model_len, max_body_bytes and max_in_flight are too small")
+        if self.token_timeout_s <= 0 or self.kv_wait_timeout_s <= 0 or self.health_interval_s <= 0:
+            raise ValueError("timeouts and intervals must be positive")

@@ -1,0 +1,68 @@
+"""OpenAI-style errors: every failure the conductor reports has the same JSON shape.
+
+    {"error": {"message": ..., "type": ..., "param": ..., "code": ...}}
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+_TYPES = {
+    400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+    413: "request_too_large", 422: "invalid_request_error", 429: "rate_limit_exceeded",
+    500: "internal_error", 502: "upstream_error", 503: "service_unavailable", 504: "timeout",
+}
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, *, param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.status, self.message, self.param, self.code)
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": _TYPES.get(status, "error"), "param": param, "code": code}}
+
+
+def sse_error(err: APIError) -> str:
+    """An error inside an event stream that has already started (status 200 is gone)."""
+    return f"data: {json.dumps(err.body())}\n\n"
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError):
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError):
+        errors = exc.errors()
+        first = errors[0] if errors else {}
+        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        if first.get("type") == "json_invalid":
+            return JSONResponse(error_body(400, f"request body is not valid JSON: {first.get('msg')}",
+                                           code="invalid_json"), status_code=400)
+        param = ".".join(loc) or None
+        message = f"{param}: {first.get('msg')}" if param else str(first.get("msg", "invalid request"))
+        return JSONResponse(error_body(400, message, param=param, code="invalid_value"), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException):
+        message = exc.detail if isinstance(exc.detail, str) else "error"
+        if exc.status_code == 404:
+            message = f"no route {request.method} {request.url.path}"
+        return JSONResponse(error_body(exc.status_code, message), status_code=exc.status_code)

@@ -1,0 +1,42 @@
+"""The conductor's own metrics: what users saw (status codes, TTFT, TBT, end-to-end latency)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from mooncake.promtext import Counter, Histogram, gauge
+
+_LATENCY_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0)
+_TBT_S = (0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 1.0, 2.0)
+
+
+@dataclass
+class ConductorMetrics:
+    requests: Counter = field(default_factory=lambda: Counter(
+        "mooncake_requests_total", "Requests answered, by endpoint and HTTP status."))
+    rejections: Counter = field(default_factory=lambda: Counter(
+        "mooncake_rejections_total", "Requests refused before any work, by reason."))
+    retries: Counter = field(default_factory=lambda: Counter(
+        "mooncake_retries_total", "Requests moved to another worker after a failure, by stage."))
+    prompt_tokens: Counter = field(default_factory=lambda: Counter(
+        "mooncake_prompt_tokens_total", "Prompt tokens received (tokens)."))
+    cached_prompt_tokens: Counter = field(default_factory=lambda: Counter(
+        "mooncake_cached_prompt_tokens_total", "Prompt tokens served from a prefix cache (tokens)."))
+    generated_tokens: Counter = field(default_factory=lambda: Counter(
+        "mooncake_generated_tokens_total", "Tokens generated (tokens)."))
+    ttft: Histogram = field(default_factory=lambda: Histogram(
+        "mooncake_time_to_first_token_seconds", "Arrival to first token (seconds).", _LATENCY_S))
+    tbt: Histogram = field(default_factory=lambda: Histogram(
+        "mooncake_time_between_tokens_seconds", "Gap between streamed token chunks (seconds).", _TBT_S))
+    e2e: Histogram = field(default_factory=lambda: Histogram(
+        "mooncake_request_latency_seconds", "Arrival to last token (seconds).", _LATENCY_S))
+
+    def render(self, in_flight: int, ready_workers: dict[str, int]) -> str:
+        lines: list[str] = []
+        for inst in (self.requests, self.rejections, self.retries, self.prompt_tokens,
+                     self.cached_prompt_tokens, self.generated_tokens, self.ttft, self.tbt, self.e2e):
+            lines += inst.render()
+        lines += gauge("mooncake_in_flight_requests", "Requests in progress.", in_flight)
+        for role, count in sorted(ready_workers.items()):
+            lines += gauge("mooncake_ready_workers", "Workers whose engine is ready, by role.", count, role=role)
+        return "\n".join(lines) + "\n"

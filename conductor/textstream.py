@@ -1,0 +1,91 @@
+"""Turning a stream of token ids into a stream of text, with OpenAI stop strings.
+
+Pure: a tokenizer in, strings out. The conductor detokenizes (not the workers) because the
+first token comes from the prefill worker and the rest from the decode worker: only one place
+sees the whole sequence, and a stop string may straddle the two.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+
+class Tokenizer(Protocol):
+    def decode(self, ids: list[int], skip_special_tokens: bool = ...) -> str: ...
+
+
+class IncrementalDetokenizer:
+    """Emits text as tokens arrive, holding back bytes of a character split across tokens.
+
+    Decodes a short window (from `prefix_offset`) rather than the whole output each time, so
+    cost per token stays constant; the window keeps enough left context for tokenizers whose
+    output depends on the previous token.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True):
+        self._tok = tokenizer
+        self._skip = skip_special_tokens
+        self._ids: list[int] = []
+        self._prefix_offset = 0
+        self._read_offset = 0
+
+    def push(self, new_ids: list[int]) -> str:
+        self._ids.extend(new_ids)
+        prefix = self._decode(self._ids[self._prefix_offset:self._read_offset])
+        full = self._decode(self._ids[self._prefix_offset:])
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            self._prefix_offset = self._read_offset
+            self._read_offset = len(self._ids)
+            return full[len(prefix):]
+        return ""
+
+    def flush(self) -> str:
+        """Whatever is still held back (an incomplete character at the very end)."""
+        prefix = self._decode(self._ids[self._prefix_offset:self._read_offset])
+        full = self._decode(self._ids[self._prefix_offset:])
+        self._prefix_offset = self._read_offset = len(self._ids)
+        return full[len(prefix):]
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=self._skip) if ids else ""
+
+
+@dataclass
+class StopResult:
+    text: str  # safe to send now
+    stopped: bool  # a stop string matched; nothing more will be emitted
+
+
+class StopStringMatcher:
+    """Withholds the tail that could still become a stop string, and cuts text at a match.
+
+    The stop string itself is not included in the output (OpenAI semantics).
+    """
+
+    def __init__(self, stops: list[str]):
+        self._stops = [s for s in stops if s]
+        self._hold = max((len(s) for s in self._stops), default=1) - 1
+        self._pending = ""
+        self._stopped = False
+
+    def push(self, text: str) -> StopResult:
+        if self._stopped:
+            return StopResult("", True)
+        self._pending += text
+        cut = min((i for i in (self._pending.find(s) for s in self._stops) if i >= 0), default=-1)
+        if cut >= 0:
+            self._stopped = True
+            out, self._pending = self._pending[:cut], ""
+            return StopResult(out, True)
+        if not self._stops:
+            out, self._pending = self._pending, ""
+            return StopResult(out, False)
+        keep = min(self._hold, len(self._pending))
+        out = self._pending[: len(self._pending) - keep]
+        self._pending = self._pending[len(self._pending) - keep:]
+        return StopResult(out, False)
+
+    def flush(self) -> str:
+        out, self._pending = ("" if self._stopped else self._pending), ""
+        return out

@@ -1,0 +1,142 @@
+"""The conductor's view of its workers, and the HTTP client that talks to them.
+
+WorkerPool holds one WorkerHandle per instance, whatever told us about it (static URLs in the
+embedded cluster, the registry in a real one). Health polling marks handles ready or not; the
+conductor also counts what it has sent to each, which is fresher than any report.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import httpx
+
+from mooncake.protocol import GenerateChunk, GenerateRequest
+
+log = logging.getLogger(__name__)
+
+
+class WorkerError(RuntimeError):
+    """A worker could not be reached, failed the request, or went silent."""
+
+    def __init__(self, message: str, *, started: bool = False):
+        super().__init__(message)
+        self.started = started  # True when tokens were already relayed before the failure
+
+
+@dataclass
+class WorkerHandle:
+    http_url: str
+    role: str = "unknown"  # "prefill" | "decode" | "both", from the worker's /health
+    instance_id: str = ""
+    kv_address: str = ""
+    ready: bool = False
+    status: str = "unknown"
+    last_error: str | None = None
+    last_seen: float = 0.0
+    in_flight: int = 0
+    queued_prefill_tokens: int = 0
+
+    @property
+    def name(self) -> str:
+        return self.instance_id or self.http_url
+
+    def serves(self, role: str) -> bool:
+        return self.role in (role, "both")
+
+
+@dataclass
+class WorkerPool:
+    handles: dict[str, WorkerHandle] = field(default_factory=dict)  # by http_url
+
+    def add(self, url: str) -> WorkerHandle:
+        return self.handles.setdefault(url.rstrip("/"), WorkerHandle(http_url=url.rstrip("/")))
+
+    def remove(self, url: str) -> None:
+        self.handles.pop(url.rstrip("/"), None)
+
+    def ready(self, role: str) -> list[WorkerHandle]:
+        return [h for h in self.handles.values() if h.ready and h.serves(role)]
+
+    def all(self) -> list[WorkerHandle]:
+        return list(self.handles.values())
+
+
+class WorkerClient:
+    def __init__(self, token_timeout_s: float, connect_timeout_s: float = 5.0):
+        # `read` bounds the silence between two lines of a worker's answer: a stalled or
+        # frozen worker becomes an error after token_timeout_s instead of a hung stream.
+        self._http = httpx.AsyncClient(timeout=httpx.Timeout(
+            connect=connect_timeout_s, read=token_timeout_s, write=30.0, pool=connect_timeout_s))
+
+    async def close(self) -> None:
+        await self._http.aclose()
+
+    async def check(self, handle: WorkerHandle) -> None:
+        """Refresh one handle from the worker's /health."""
+        try:
+            resp = await self._http.get(f"{handle.http_url}/health", timeout=2.0)
+            body = resp.json()
+            handle.role = body.get("role", handle.role)
+            handle.instance_id = body.get("instance_id", handle.instance_id)
+            handle.kv_address = body.get("kv_address", handle.kv_address)
+            handle.status = body.get("status", "unknown")
+            handle.ready = resp.status_code == 200
+            handle.last_error = body.get("error")
+            handle.last_seen = time.monotonic()
+        except (httpx.HTTPError, ValueError) as exc:
+            handle.ready = False
+            handle.status = "unreachable"
+            handle.last_error = f"{type(exc).__name__}: {exc}"
+
+    async def generate(self, handle: WorkerHandle, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
+        """Stream a request's chunks. Raises WorkerError on any failure; closing the iterator
+        early aborts the request on the worker."""
+        started = False
+        handle.in_flight += 1
+        try:
+            async with self._http.stream("POST", f"{handle.http_url}/internal/generate",
+                                         json=request.to_dict()) as resp:
+                if resp.status_code != 200:
+                    body = (await resp.aread()).decode(errors="replace")[:500]
+                    raise WorkerError(f"{handle.name} answered {resp.status_code}: {body}")
+                async for line in resp.aiter_lines():
+                    if not line:
+                        continue
+                    chunk = GenerateChunk.from_dict(json.loads(line))
+                    if chunk.error:
+                        raise WorkerError(f"{handle.name}: {chunk.error}", started=started)
+                    started = started or bool(chunk.token_ids)
+                    yield chunk
+                    if chunk.finish_reason is not None:
+                        return
+            raise WorkerError(f"{handle.name} ended the stream without finishing", started=started)
+        except httpx.ReadTimeout as exc:
+            await self.abort(handle, request.request_id)
+            raise WorkerError(f"{handle.name} sent nothing for too long", started=started) from exc
+        except (httpx.HTTPError, json.JSONDecodeError) as exc:
+            raise WorkerError(f"{handle.name} failed: {type(exc).__name__}: {exc}", started=started) from exc
+        except (asyncio.CancelledError, GeneratorExit):
+            # The client went away or a stop string matched: free the worker's slot now.
+            asyncio.ensure_future(self.abort(handle, request.request_id))
+            raise
+        finally:
+            handle.in_flight -= 1
+
+    async def abort(self, handle: WorkerHandle, request_id: str) -> None:
+        try:
+            await self._http.post(f"{handle.http_url}/internal/abort", json={"request_id": request_id}, timeout=2.0)
+        except httpx.HTTPError:
+            pass
+
+    async def drop_transfer(self, handle: WorkerHandle, transfer_id: str) -> None:
+        """Tell a decode worker to free KV pushed for a request that will not decode there."""
+        try:
+            await self._http.post(f"{handle.http_url}/internal/kv_drop", json={"transfer_id": transfer_id}, timeout=2.0)
+        except httpx.HTTPError:
+            pass

@@ -1,0 +1,134 @@
+"""The `mooncake` command line.
+
+  mooncake serve          the embedded single-machine cluster: conductor + workers
+  mooncake prefill        one prefill worker (for multi-host clusters)
+  mooncake decode         one decode worker
+  mooncake conductor      the OpenAI-compatible API server alone, pointed at workers
+  mooncake prepare-model  convert the default model to safetensors (done by serve when needed)
+  mooncake sim            replay a trace through the scheduler in a simulated cluster
+  mooncake profile        measure the real engine and write the scheduler's profile table
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+
+def _resolve_model(path: str | None) -> str:
+    from mooncake.model import ensure_model
+
+    return path or str(ensure_model())
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from mooncake.launcher import ClusterConfig, serve
+
+    model = _resolve_model(args.model)
+    return serve(ClusterConfig(
+        model_path=model, served_model_name=args.served_model_name or Path(model).name, host=args.host,
+        port=args.port, num_prefill=args.prefill, num_decode=args.decode, first_worker_port=args.worker_port,
+        dtype=args.dtype, max_model_len=args.max_model_len, kv_cache_gib=args.kv_cache_gib,
+        chunk_size=args.chunk_size, api_key=args.api_key,
+    ))
+
+
+def _cmd_conductor(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from conductor.app import create_app
+    from conductor.config import ConductorConfig
+
+    model = _resolve_model(args.model)
+    config = ConductorConfig(
+        model_path=model, served_model_name=args.served_model_name or Path(model).name, host=args.host,
+        port=args.port, prefill_urls=tuple(args.prefill_url), decode_urls=tuple(args.decode_url),
+        max_model_len=args.max_model_len, api_key=args.api_key, kv_wait_timeout_s=args.kv_wait_timeout,
+    )
+    uvicorn.run(create_app(config), host=args.host, port=args.port, log_level="info")
+    return 0
+
+
+def _cmd_worker(module):
+    def run(args: argparse.Namespace) -> int:
+        return module.run(args, _resolve_model(args.model))
+    return run
+
+
+def _cmd_prepare(args: argparse.Namespace) -> int:
+    print(_resolve_model(None))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from decode import main as decode_main
+    from prefill import main as prefill_main
+
+    parser = argparse.ArgumentParser(prog="mooncake", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    serve = sub.add_parser("serve", help="run the embedded cluster (conductor + prefill + decode)",
+                           description="Start N prefill and M decode workers on this machine and the "
+                                       "OpenAI-compatible conductor in front of them. Ctrl-C stops all.")
+    serve.add_argument("--model", default=None, help="safetensors model folder (default: SmolLM2-135M-Instruct)")
+    serve.add_argument("--served-model-name", default=None, help="model name clients use")
+    serve.add_argument("--host", default="127.0.0.1", help="conductor bind address")
+    serve.add_argument("--port", type=int, default=8000, help="conductor port (the public API)")
+    serve.add_argument("--prefill", type=int, default=1, help="prefill workers to start")
+    serve.add_argument("--decode", type=int, default=1, help="decode workers to start")
+    serve.add_argument("--worker-port", type=int, default=8100, help="first internal port of the workers")
+    serve.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                       help="float32 keeps greedy output exact on CPU; bfloat16 is faster")
+    serve.add_argument("--max-model-len", type=int, default=8192, help="longest prompt+output (tokens)")
+    serve.add_argument("--kv-cache-gib", type=float, default=1.0, help="KV cache per worker (GiB)")
+    serve.add_argument("--chunk-size", type=int, default=2048, help="prefill chunk (tokens per step)")
+    serve.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1")
+    serve.set_defaults(func=_cmd_serve)
+
+    for name, module, text in (("prefill", prefill_main, "run one prefill worker"),
+                               ("decode", decode_main, "run one decode worker")):
+        p = sub.add_parser(name, help=text, description=module.__doc__)
+        module.add_arguments(p)
+        p.set_defaults(func=_cmd_worker(module))
+
+    cond = sub.add_parser("conductor", help="run the API server alone, pointed at workers",
+                          description="The OpenAI-compatible conductor for workers started elsewhere.")
+    cond.add_argument("--model", default=None, help="model folder (for the tokenizer and chat template)")
+    cond.add_argument("--served-model-name", default=None, help="model name clients use")
+    cond.add_argument("--host", default="127.0.0.1", help="bind address")
+    cond.add_argument("--port", type=int, default=8000, help="public port")
+    cond.add_argument("--prefill-url", action="append", default=[], help="a prefill worker's URL (repeat)")
+    cond.add_argument("--decode-url", action="append", default=[], help="a decode worker's URL (repeat)")
+    cond.add_argument("--max-model-len", type=int, default=8192, help="longest prompt+output (tokens)")
+    cond.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1")
+    cond.add_argument("--kv-wait-timeout", type=float, default=30.0,
+                      help="seconds a decode worker waits for pushed KV before recomputing")
+    cond.set_defaults(func=_cmd_conductor)
+
+    prep = sub.add_parser("prepare-model", help="convert the default model once; prints its folder")
+    prep.set_defaults(func=_cmd_prepare)
+    for name, target, text in (("sim", "conductor.sim.cli", "simulate the scheduler on a trace"),
+                               ("profile", "conductor.core.profile_cli", "profile the engine for the scheduler")):
+        p = sub.add_parser(name, help=text, add_help=False)
+        p.set_defaults(forward=target)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if argv and argv[0] in ("sim", "profile"):
+        # These have their own parsers (owned by the scheduler package); forward the rest.
+        import importlib
+
+        target = {"sim": "conductor.sim.cli", "profile": "conductor.core.profile_cli"}[argv[0]]
+        return importlib.import_module(target).main(argv[1:])
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,43 @@
+"""Command-line options of a worker (`mooncake prefill` / `mooncake decode`)."""
+
+from __future__ import annotations
+
+import argparse
+
+from mooncake.worker.config import DTYPES, WorkerConfig
+
+
+def add_worker_arguments(parser: argparse.ArgumentParser, default_port: int) -> None:
+    parser.add_argument("--model", default=None,
+                        help="safetensors model folder (default: the prepared SmolLM2-135M-Instruct)")
+    parser.add_argument("--served-model-name", default=None,
+                        help="model name clients use (default: the folder's name)")
+    parser.add_argument("--host", default="127.0.0.1", help="bind address of the internal HTTP API")
+    parser.add_argument("--port", type=int, default=default_port, help="port of the internal HTTP API")
+    parser.add_argument("--kv-port", type=int, default=0,
+                        help="port where this worker receives KV bytes (0: any free port)")
+    parser.add_argument("--advertise-host", default=None,
+                        help="address other hosts use to reach this worker (default: --host)")
+    parser.add_argument("--dtype", choices=DTYPES, default="float32",
+                        help="weights and KV dtype; float32 keeps greedy output exact on CPU")
+    parser.add_argument("--max-model-len", type=int, default=8192, help="longest prompt+output (tokens)")
+    parser.add_argument("--kv-cache-gib", type=float, default=1.0, help="KV cache size (GiB)")
+    parser.add_argument("--cpu-bind", default=None,
+                        help='cores for the engine threads, e.g. "0" or "0-3" (VLLM_CPU_OMP_THREADS_BIND)')
+    parser.add_argument("--chunk-size", type=int, default=2048,
+                        help="tokens per engine step; longer prompts prefill in chunks (tokens)")
+    parser.add_argument("--no-prefix-caching", action="store_true", help="disable the local prefix cache")
+    parser.add_argument("--instance-id", default=None, help="stable name of this instance (default: random)")
+
+
+def worker_config(args: argparse.Namespace, role: str, model_path: str) -> WorkerConfig:
+    from pathlib import Path
+
+    extra = {"instance_id": args.instance_id} if args.instance_id else {}
+    return WorkerConfig(
+        role=role, model=model_path, served_model_name=args.served_model_name or Path(model_path).name,
+        host=args.host, port=args.port, kv_host=args.host if args.host != "0.0.0.0" else "0.0.0.0",
+        kv_port=args.kv_port, advertise_host=args.advertise_host, dtype=args.dtype,
+        max_model_len=args.max_model_len, kv_cache_gib=args.kv_cache_gib, cpu_bind=args.cpu_bind,
+        max_num_batched_tokens=args.chunk_size, enable_prefix_caching=not args.no_prefix_caching, **extra,
+    )

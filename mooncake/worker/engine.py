@@ -1,0 +1,82 @@
+"""Starting the vLLM engine of a worker, with our KV connector, and driving one request."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+from mooncake.protocol import GenerateChunk, GenerateRequest
+from mooncake.worker.config import WorkerConfig
+
+if TYPE_CHECKING:
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+
+def set_engine_environment(config: WorkerConfig) -> None:
+    """vLLM-CPU reads these at engine start; set them before the engine is built."""
+    os.environ["VLLM_CPU_KVCACHE_SPACE"] = f"{config.kv_cache_gib:g}"
+    if config.cpu_bind:
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = config.cpu_bind
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO")
+
+
+def build_engine(config: WorkerConfig, kv_port: int) -> "AsyncLLM":
+    set_engine_environment(config)
+    # Imported here: importing vLLM takes seconds and must follow the environment above.
+    from vllm.config import KVTransferConfig
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    args = AsyncEngineArgs(
+        model=config.model,
+        served_model_name=[config.served_model_name],
+        dtype=config.dtype,
+        max_model_len=config.max_model_len,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        enable_prefix_caching=config.enable_prefix_caching,
+        enforce_eager=config.enforce_eager,
+        enable_log_requests=False,
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="MooncakeConnector",
+            kv_connector_module_path="mooncake.connector.connector",
+            kv_role="kv_both",
+            # A lost or corrupt transfer is recomputed locally: slower, never wrong text.
+            kv_load_failure_policy="recompute",
+            kv_connector_extra_config={"kv_host": config.kv_host, "kv_port": kv_port},
+        ),
+    )
+    return AsyncLLM.from_engine_args(args)
+
+
+def sampling_params(request: GenerateRequest):
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    s = request.sampling
+    return SamplingParams(
+        max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+        min_p=s.min_p, seed=s.seed, min_tokens=s.min_tokens,
+        presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
+        repetition_penalty=s.repetition_penalty, stop_token_ids=list(s.stop_token_ids),
+        ignore_eos=s.ignore_eos,
+        # The conductor detokenizes (it owns stop strings across the prefill/decode boundary).
+        detokenize=False,
+        output_kind=RequestOutputKind.DELTA,
+        extra_args={"kv_transfer_params": request.kv_transfer_params} if request.kv_transfer_params else None,
+    )
+
+
+async def run_request(engine: "AsyncLLM", request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
+    """Yields token deltas. Closing the iterator early aborts the request inside vLLM."""
+    first = True
+    async for output in engine.generate(
+        {"prompt_token_ids": request.prompt_token_ids}, sampling_params(request), request.request_id
+    ):
+        completion = output.outputs[0]
+        yield GenerateChunk(
+            token_ids=list(completion.token_ids),
+            finish_reason=completion.finish_reason if output.finished else None,
+            num_cached_tokens=output.num_cached_tokens if first else None,
+        )
+        first = False

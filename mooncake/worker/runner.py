@@ -1,0 +1,29 @@
+"""Runs one worker process: picks its KV port, builds the app, serves it with uvicorn."""
+
+from __future__ import annotations
+
+import logging
+import socket
+
+import uvicorn
+
+from mooncake.worker.app import create_app
+from mooncake.worker.config import WorkerConfig
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def run_worker(config: WorkerConfig) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # The conductor must know where to push KV before the engine (which binds it) is up, so
+    # the port is chosen here rather than by the engine.
+    kv_port = config.kv_port or free_port(config.kv_host)
+    logging.getLogger(__name__).info(
+        "%s worker %s: http %s, kv %s:%d, model %s", config.role, config.instance_id,
+        config.http_url, config.public_host, kv_port, config.model)
+    uvicorn.run(create_app(config, kv_port), host=config.host, port=config.port,
+                log_level="warning", timeout_graceful_shutdown=5)
