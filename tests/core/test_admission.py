@@ -38,7 +38,8 @@ def test_prediction_admits_when_the_batch_will_have_drained_by_prefill_end():
     # 95 sequences started at t=0 with t_d = 20 s are gone by t* = 19.5 + 1 s.
     s = state(prefill("p0"), decode("d0", batch=95, start=0.0), mean_decode_s=20.0)
     assert isinstance(scheduler(admission="early", **SLO).schedule(request(1000), s, 19.5), Rejection)
-    assert isinstance(scheduler(admission="prediction", **SLO).schedule(request(1000), s, 19.5), Decision)
+    assert isinstance(scheduler(admission="prediction", decode_forecast="age", **SLO).schedule(request(1000), s, 19.5),
+                      Decision)
 
 
 def test_prediction_refuses_for_work_still_in_prefill_that_early_does_not_see():
@@ -50,7 +51,7 @@ def test_prediction_refuses_for_work_still_in_prefill_that_early_does_not_see():
 
 def test_prediction_uses_configured_decode_time_until_measured():
     s = state(prefill("p0"), decode("d0", batch=95, start=0.0))
-    sch = scheduler(admission="prediction", default_decode_s=5.0, **SLO)
+    sch = scheduler(admission="prediction", default_decode_s=5.0, decode_forecast="age", **SLO)
     assert isinstance(sch.schedule(request(1000), s, 4.5), Decision)
     sch = scheduler(admission="prediction", default_decode_s=50.0, **SLO)
     assert isinstance(sch.schedule(request(1000), s, 4.5), Rejection)
@@ -60,5 +61,26 @@ def test_prediction_picks_the_decode_instance_that_will_be_free():
     s = state(prefill("p0"), decode("d0", batch=40, start=0.0), decode("d1", batch=20, start=15.0),
               mean_decode_s=20.0)
     # At t* = 19 + 1 s, d0's sequences are done while d1's run until 35 s.
-    assert scheduler(admission="prediction", **SLO).schedule(request(1000), s, 19.0).decode_instance == "d0"
+    assert scheduler(admission="prediction", decode_forecast="age", **SLO).schedule(
+        request(1000), s, 19.0).decode_instance == "d0"
     assert scheduler(admission="early", **SLO).schedule(request(1000), s, 19.0).decode_instance == "d1"
+
+
+def test_fluid_forecast_thins_the_running_batch_by_elapsed_share_of_t_d():
+    # 100 running, t_d = 10 s, prefill 1 s: the fluid forecast expects 10 to finish -> 90 + 1 > 90 slots.
+    s = state(prefill("p0"), decode("d0", batch=100, start=0.0), mean_decode_s=10.0)
+    r = scheduler(admission="prediction", **SLO).schedule(request(1000), s, 100.0)
+    assert isinstance(r, Rejection)  # the age form would call them all finished long ago
+    assert isinstance(scheduler(admission="prediction", decode_forecast="age", **SLO).schedule(request(1000), s, 100.0),
+                      Decision)
+    s = state(prefill("p0"), decode("d0", batch=100, start=0.0), mean_decode_s=5.0)
+    assert isinstance(scheduler(admission="prediction", **SLO).schedule(request(1000), s, 100.0), Decision)
+
+
+def test_gate_headroom_keeps_kv_margin_only_for_gating_admissions():
+    s = state(prefill("p0"), decode("d0", batch=1, kv_each=1000, cap=2100))
+    assert isinstance(scheduler(admission="early", gate_kv_headroom=0.1, **SLO).schedule(request(1000), s, 0.0),
+                      Rejection)
+    assert isinstance(scheduler(admission="early", **SLO).schedule(request(1000), s, 0.0), Decision)
+    assert isinstance(scheduler(admission="baseline", gate_kv_headroom=0.1, **SLO).schedule(request(1000), s, 0.0),
+                      Decision)

@@ -1,0 +1,44 @@
+import json
+
+import pytest
+
+from conductor.sim.cli import main
+from conductor.sim.trace import TraceError, TraceParams, generate_trace, load_trace, write_trace
+
+GOOD = '{"timestamp": 0, "input_length": 1024, "output_length": 4, "hash_ids": [0, 1]}'
+
+
+@pytest.mark.parametrize("bad, msg", [
+    ("{not json", "not valid JSON"),
+    ("[1, 2]", "expected a JSON object"),
+    ('{"timestamp": -1, "input_length": 5, "output_length": 1}', "timestamp"),
+    ('{"timestamp": 0, "input_length": "5", "output_length": 1}', "input_length"),
+    ('{"timestamp": 0, "input_length": 0, "output_length": 1}', "input_length"),
+    ('{"timestamp": 0, "input_length": 5, "output_length": 1, "hash_ids": [1, "a"]}', "hash_ids"),
+])
+def test_malformed_line_is_reported_with_its_line_number(tmp_path, bad, msg):
+    p = tmp_path / "t.jsonl"
+    p.write_text(GOOD + "\n\n" + bad + "\n" + GOOD + "\n")
+    with pytest.raises(TraceError, match=msg) as exc:
+        load_trace(p)
+    assert exc.value.line == 3 and f"{p}:3:" in str(exc.value)
+
+
+def test_cli_reports_bad_line_and_exits_2(tmp_path, capsys):
+    p = tmp_path / "t.jsonl"
+    p.write_text(GOOD + "\n" + "{oops\n")
+    assert main(["--trace", str(p), "--json"]) == 2
+    assert f"{p}:2:" in capsys.readouterr().err
+
+
+def test_generator_shares_prefixes_and_is_reproducible(tmp_path):
+    params = TraceParams(n_requests=300, rate_rps=2.0, n_prefixes=5, seed=1)
+    rows = generate_trace(params)
+    assert rows == generate_trace(params)
+    assert all(len(r["hash_ids"]) == -(-r["input_length"] // 512) for r in rows)
+    first_ids = [r["hash_ids"][0] for r in rows]
+    assert len(set(first_ids)) <= 5  # every prompt starts with one of the shared prefixes
+    write_trace(rows, tmp_path / "g.jsonl", params)
+    loaded = load_trace(tmp_path / "g.jsonl")
+    assert len(loaded) == 300 and loaded[0].hash_ids == tuple(rows[0]["hash_ids"])
+    assert json.loads((tmp_path / "g.jsonl.params.json").read_text())["seed"] == 1
