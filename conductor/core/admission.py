@@ -68,8 +68,7 @@ def decode_load(inst: InstanceState, view: LoadView, h: Horizon, est: Estimators
     if view is LoadView.REPORTED:
         return len(inst.running), inst.kv_tokens
     if view is LoadView.COMMITTED:
-        seqs = inst.running + inst.incoming
-        return len(seqs), sum(s.kv_tokens for s in seqs)
+        return len(inst.running) + len(inst.incoming), inst.kv_tokens + inst.incoming_kv_tokens
     dt = max(h.t_star - h.now, 0.0)
     step = est.tbt_s(max(len(inst.running), 1), inst.kv_tokens)
     batch = kv = 0.0

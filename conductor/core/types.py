@@ -78,14 +78,17 @@ class InstanceState:
     kv_capacity_tokens: int = 1 << 62
     bandwidth_Bps: float = 1e10
     pending_send_bytes: float = 0.0
+    kv_tokens: int = field(init=False)
+    """KV tokens of the running sequences (derived; summed once here, read per decision)."""
+    incoming_kv_tokens: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kv_tokens", sum(s.kv_tokens for s in self.running))
+        object.__setattr__(self, "incoming_kv_tokens", sum(s.kv_tokens for s in self.incoming))
 
     @property
     def batch_size(self) -> int:
         return len(self.running)
-
-    @property
-    def kv_tokens(self) -> int:
-        return sum(s.kv_tokens for s in self.running)
 
 
 @dataclass(frozen=True, slots=True)

@@ -53,3 +53,21 @@ def test_match_stops_at_first_missing_block():
     idx.apply_stored("c", [2, 3])  # holds later blocks but not the first: no prefix
     assert idx.match([1, 2, 3, 4, 5]) == {"a": 3, "b": 2}
     assert idx.match([]) == {}
+
+
+@settings(max_examples=200)
+@given(events, st.lists(st.integers(0, 12), max_size=12))
+def test_match_is_the_same_across_chunk_boundaries(evs, keys):
+    import conductor.core.index as index_mod
+
+    idx, held = PrefixIndex(), {i: set() for i in INSTANCES}
+    for kind, inst, blocks in evs:
+        idx.apply(KVEvent(kind, inst, tuple(blocks)))
+        (held[inst].update if kind is EventKind.STORED else held[inst].difference_update)(blocks)
+    saved = index_mod._CHUNK
+    try:
+        for chunk in (1, 2, 3):
+            index_mod._CHUNK = chunk
+            assert idx.match(keys) == reference_match(held, keys)
+    finally:
+        index_mod._CHUNK = saved
