@@ -182,8 +182,11 @@ class MemoryRegistry(Registry):
             while True:
                 while not sub.items and not sub.overflowed:
                     sub.ready.clear()
+                    # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a
+                    # cancel that lands as the event fires, and the watcher never stops.
                     try:
-                        await asyncio.wait_for(sub.ready.wait(), self._sweep_s)
+                        async with asyncio.timeout(self._sweep_s):
+                            await sub.ready.wait()
                     except TimeoutError:
                         self.expire()
                 if sub.overflowed:

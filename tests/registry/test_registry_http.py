@@ -1,0 +1,158 @@
+"""Embedded registry over HTTP: a real uvicorn server, worker clients, conductor restarts."""
+
+import asyncio
+import socket
+import time
+
+import httpx
+import uvicorn
+from fastapi import FastAPI
+
+from mooncake.registry import (ClusterView, InstanceInfo, InstanceLoad, MemoryRegistry,
+                               RegistryConfig, ViewConfig, open_registry)
+from mooncake.registry.http import HttpRegistryClient, registry_router
+
+
+def info(iid: str, role: str = "prefill") -> InstanceInfo:
+    return InstanceInfo(iid, role, f"http://127.0.0.1:1/{iid}", "127.0.0.1:2", "m", 16, 64,
+                        time.time())
+
+
+def run(coro, timeout: float = 30.0):
+    return asyncio.run(asyncio.wait_for(coro, timeout))
+
+
+async def wait_until(pred, timeout: float = 5.0, what: str = "condition") -> float:
+    start = time.monotonic()
+    while not pred():
+        if time.monotonic() - start > timeout:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        await asyncio.sleep(0.02)
+    return time.monotonic() - start
+
+
+class Conductor:
+    """Just enough of a conductor: a FastAPI app with the registry routes, and a watcher
+    feeding a ClusterView, the way the real one will."""
+
+    def __init__(self, port: int, cfg: RegistryConfig) -> None:
+        self.port, self.cfg = port, cfg
+        self.registry = MemoryRegistry(cfg, sweep_interval_s=0.05)
+        self.view = ClusterView(ViewConfig(expire_after_s=3 * cfg.ttl_s))
+
+    async def start(self) -> None:
+        app = FastAPI()
+        app.include_router(registry_router(self.registry))
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", self.port))
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+        self.serving = asyncio.create_task(self.server.serve(sockets=[sock]))
+        self.watching = asyncio.create_task(self._watch())
+        await wait_until(lambda: self.server.started, what="uvicorn start")
+
+    async def _watch(self) -> None:
+        async for ev in self.registry.watch():
+            self.view.apply(ev, time.monotonic())
+
+    async def stop(self) -> None:
+        self.watching.cancel()
+        self.server.should_exit = True
+        await asyncio.gather(self.serving, self.watching, return_exceptions=True)
+
+    def ids(self) -> set[str]:
+        return {i.instance_id for i in self.view.instances()}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_workers_register_expire_and_survive_conductor_restart() -> None:
+    async def main() -> None:
+        port = free_port()
+        cfg = RegistryConfig(url=f"embedded+http://127.0.0.1:{port}", ttl_s=1.0,
+                             keepalive_interval_s=0.2, poll_interval_s=0.1,
+                             retry_min_s=0.05, retry_max_s=0.2)
+        conductor = Conductor(port, cfg)
+        await conductor.start()
+        w1, w2 = open_registry(cfg), open_registry(cfg)
+        assert isinstance(w1, HttpRegistryClient)
+        await w1.register(info("p0"), cfg.ttl_s)
+        await w2.register(info("d0", "decode"), cfg.ttl_s)
+        await w1.publish_load(InstanceLoad("p0", queued_prefill_tokens=300))
+        await wait_until(lambda: conductor.ids() == {"p0", "d0"}, what="both workers")
+        await wait_until(lambda: conductor.view.load("p0").queued_prefill_tokens == 300,
+                         what="p0's load")
+        assert [i.instance_id for i in conductor.view.instances("decode")] == ["d0"]
+
+        # A remote watcher (polling) sees the same cluster, then an outage, then a resync.
+        remote = HttpRegistryClient(cfg)
+        remote_view, remote_kinds = ClusterView(), []
+
+        async def follow() -> None:
+            async for ev in remote.watch():
+                remote_kinds.append(ev.kind)
+                remote_view.apply(ev, time.monotonic())
+        following = asyncio.create_task(follow())
+        await wait_until(lambda: len(remote_view) == 2, what="remote watcher sync")
+        assert (await remote.snapshot())["p0"][1].queued_prefill_tokens == 300
+
+        # w2 stops heartbeating (as if it crashed): gone within about one TTL.
+        await w2.close()
+        waited = await wait_until(lambda: conductor.ids() == {"p0"}, timeout=3.0,
+                                  what="d0 to expire")
+        assert waited < cfg.ttl_s + 0.6, waited
+        await asyncio.sleep(2 * cfg.keepalive_interval_s)
+        assert conductor.ids() == {"p0"}, "the live worker must not expire"
+
+        # The conductor restarts and forgets everything; w1 comes back on its own.
+        await conductor.stop()
+        await asyncio.sleep(0.4)  # long enough for the remote poller to notice
+        conductor = Conductor(port, cfg)
+        await conductor.start()
+        await wait_until(lambda: conductor.ids() == {"p0"}, timeout=3.0, what="p0 back")
+        await wait_until(lambda: conductor.view.load("p0").queued_prefill_tokens == 300,
+                         what="p0's load re-sent with the registration")
+        await wait_until(lambda: remote_kinds[-1] != "outage" and "p0" in remote_view,
+                         what="remote watcher resync")
+        assert remote_kinds[0] == "resync" and "outage" in remote_kinds
+        assert remote_kinds.count("resync") == 2
+
+        # Graceful exit removes the entry at once.
+        await w1.deregister("p0")
+        await wait_until(lambda: conductor.ids() == set(), timeout=0.5, what="deregister")
+        following.cancel()
+        await asyncio.gather(following, return_exceptions=True)
+        for c in (w1, remote):
+            await c.close()
+        await conductor.stop()
+    run(main())
+
+
+def test_routes_reject_bad_input_and_unknown_instances() -> None:
+    async def main() -> None:
+        app = FastAPI()
+        reg = MemoryRegistry()
+        app.include_router(registry_router(reg))
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+            base = "/internal/registry/instances"
+            assert (await c.post(f"{base}/nobody/heartbeat")).status_code == 404
+            assert (await c.put(f"{base}/nobody/load",
+                                json={"v": 1, "instance_id": "nobody"})).status_code == 404
+            assert (await c.post(base, content=b"[")).status_code == 400
+            assert (await c.post(base, json={"info": {"v": 1}, "ttl_s": 1})).status_code == 400
+            body = {"info": {"v": 1, "instance_id": "a", "role": "decode", "http_url": "u",
+                             "kv_address": "h:1", "model": "m", "block_size": 16,
+                             "kv_capacity_tokens": 8, "started_at": 0.0}, "ttl_s": 5}
+            assert (await c.post(base, json=body)).status_code == 200
+            assert (await c.put(f"{base}/a/load",
+                                json={"v": 1, "instance_id": "b"})).status_code == 400
+            listed = (await c.get(base)).json()
+            assert listed["v"] == 1 and listed["instances"][0]["info"]["instance_id"] == "a"
+            assert (await c.delete(f"{base}/a")).json() == {"removed": True}
+            assert (await c.delete(f"{base}/a")).json() == {"removed": False}
+    run(main())
