@@ -63,6 +63,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="disable conditional disaggregation (prefill on the decode instance)")
     ap.add_argument("--colocate-max-tokens", type=int, default=SchedulerConfig().colocate_max_new_tokens,
                     metavar="T", help="largest uncached prompt part prefilled in one step on a decode instance")
+    ap.add_argument("--gate-headroom", type=float, default=0.0, metavar="F",
+                    help="fraction of decode KV capacity the early/prediction gates keep free for forecast error")
+    ap.add_argument("--forecast", choices=["fluid", "age"], default="fluid",
+                    help="prediction's forecast of running sequences: fluid (Little's law) or age (paper's wording: "
+                         "gone t_d after they start)")
     ap.add_argument("--block-size", type=int, default=512, metavar="B", help="tokens per trace hash_id block")
     ap.add_argument("--prefill-cache-blocks", type=int, default=None, metavar="K",
                     help="KVCache pool per prefill instance, in blocks (default: from the profile)")
@@ -86,7 +91,8 @@ def main(argv: list[str] | None = None) -> int:
                                 block_size=args.block_size, ttft_slo_s=args.ttft_slo, tbt_slo_s=args.tbt_slo,
                                 kvcache_balancing_threshold=args.threshold,
                                 conditional_disaggregation=not args.no_colocate,
-                                colocate_max_new_tokens=args.colocate_max_tokens, seed=args.seed)
+                                colocate_max_new_tokens=args.colocate_max_tokens, seed=args.seed,
+                                gate_kv_headroom=args.gate_headroom, decode_forecast=args.forecast)
         if args.limit is not None:
             if args.limit <= 0:
                 raise ValueError("--limit must be positive")
