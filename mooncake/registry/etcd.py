@@ -93,7 +93,9 @@ class EtcdRegistry(Registry):
             self._ops = self._new_client()
         client = self._ops
         try:
-            return await asyncio.wait_for(op(client), 2 * self._config.request_timeout_s)
+            # asyncio.timeout, not wait_for: 3.11's wait_for can swallow a cancel.
+            async with asyncio.timeout(2 * self._config.request_timeout_s):
+                return await op(client)
         except _FAILURES as e:
             if self._ops is client:
                 self._ops = None
@@ -111,7 +113,7 @@ class EtcdRegistry(Registry):
         async def op(c: aetcd.Client) -> int:
             lease = await c.lease(reg.ttl_s)
             iid = reg.info.instance_id
-            await c.transaction(compare=[], success=[
+            await c.transaction(compare=[], failure=[], success=[
                 c.transactions.put(self._ikey(iid), encode_info(reg.info), lease.id),
                 c.transactions.put(self._lkey(iid), encode_load(reg.load), lease.id)])
             return lease.id
@@ -226,11 +228,9 @@ class EtcdRegistry(Registry):
         while True:
             client = self._new_client()
             try:
-                snap, rev = await asyncio.wait_for(self._read_all(client),
-                                                   2 * self._config.request_timeout_s)
-                stream = await asyncio.wait_for(
-                    client.watch_prefix(self._prefix, start_revision=rev + 1),
-                    2 * self._config.request_timeout_s)
+                async with asyncio.timeout(2 * self._config.request_timeout_s):
+                    snap, rev = await self._read_all(client)
+                    stream = await client.watch_prefix(self._prefix, start_revision=rev + 1)
                 backoff.reset()
                 synced, outage_sent = True, False
                 yield RegistryEvent("resync", snapshot=snap)

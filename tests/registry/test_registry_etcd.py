@@ -1,0 +1,214 @@
+"""EtcdRegistry against a real etcd: leases, watches, a crashed worker, an etcd restart."""
+
+import asyncio
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from mooncake.registry import (ClusterView, InstanceInfo, InstanceLoad, RegistryConfig,
+                               open_registry)
+from mooncake.registry.etcd import EtcdRegistry
+
+pytestmark = pytest.mark.etcd
+REPO = Path(__file__).resolve().parents[2]
+
+
+def cfg_for(server, **kw) -> RegistryConfig:
+    base = dict(url=server.url, ttl_s=2.0, keepalive_interval_s=0.3, request_timeout_s=1.0,
+                retry_min_s=0.05, retry_max_s=0.3)
+    return RegistryConfig(**{**base, **kw})
+
+
+def info(iid: str, role: str = "prefill") -> InstanceInfo:
+    return InstanceInfo(iid, role, f"http://127.0.0.1:1/{iid}", "127.0.0.1:2", "m", 16, 64,
+                        time.time())
+
+
+def run(coro, timeout: float = 40.0):
+    return asyncio.run(asyncio.wait_for(coro, timeout))
+
+
+async def wait_until(pred, timeout: float = 5.0, what: str = "condition") -> float:
+    start = time.monotonic()
+    while not pred():
+        if time.monotonic() - start > timeout:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        await asyncio.sleep(0.02)
+    return time.monotonic() - start
+
+
+class Follower:
+    """A conductor-side watcher feeding a ClusterView, recording every event kind."""
+
+    def __init__(self, registry) -> None:
+        self.view, self.kinds = ClusterView(), []
+        self.task = asyncio.create_task(self._run(registry))
+
+    async def _run(self, registry) -> None:
+        async for ev in registry.watch():
+            self.kinds.append(ev.kind)
+            self.view.apply(ev, time.monotonic())
+
+    def ids(self) -> set[str]:
+        return {i.instance_id for i in self.view.instances()}
+
+    async def stop(self) -> None:
+        self.task.cancel()
+        await asyncio.gather(self.task, return_exceptions=True)
+
+
+def test_register_watch_load_deregister(etcd_server) -> None:
+    async def main() -> None:
+        cfg = cfg_for(etcd_server)
+        worker, conductor = open_registry(cfg), open_registry(cfg)
+        assert isinstance(worker, EtcdRegistry)
+        await worker.register(info("p0"), cfg.ttl_s)
+        f = Follower(conductor)
+        await wait_until(lambda: f.ids() == {"p0"}, what="initial resync")
+        assert f.kinds[0] == "resync"
+        await worker.register(info("d0", "decode"), cfg.ttl_s)
+        await worker.publish_load(InstanceLoad("d0", running_requests=5))
+        await wait_until(lambda: f.ids() == {"p0", "d0"}, what="put d0")
+        await wait_until(lambda: (f.view.load("d0") or InstanceLoad("d0")).running_requests == 5,
+                         what="d0's load")
+        snap = await conductor.snapshot()
+        assert snap["d0"][1].running_requests == 5 and snap["p0"][0].role == "prefill"
+
+        # Key layout, as documented: both keys attached to one lease.
+        keys = etcd_server.etcdctl("get", "--prefix", "/mooncake/v1/", "--keys-only").split()
+        assert keys == ["/mooncake/v1/instances/d0", "/mooncake/v1/instances/p0",
+                        "/mooncake/v1/load/d0", "/mooncake/v1/load/p0"]
+        raw = json.loads(etcd_server.etcdctl("get", "/mooncake/v1/instances/p0", "-w", "json"))
+        lease = raw["kvs"][0]["lease"]
+        raw = json.loads(etcd_server.etcdctl("get", "/mooncake/v1/load/p0", "-w", "json"))
+        assert lease != 0 and raw["kvs"][0]["lease"] == lease
+
+        # Liveness: the keepalive rewrites the load key, so a live worker keeps sending
+        # "load" events and outlives several TTLs.
+        await asyncio.sleep(2.5)
+        assert f.ids() == {"p0", "d0"} and f.kinds.count("load") >= 4
+
+        await worker.deregister("d0")
+        await wait_until(lambda: f.ids() == {"p0"}, timeout=1.0, what="delete d0")
+        await f.stop()
+        await worker.close()
+        await conductor.close()
+    run(main())
+
+
+WORKER = """
+import asyncio, sys, time
+from mooncake.registry import InstanceInfo, RegistryConfig, open_registry
+async def main():
+    cfg = RegistryConfig(url=sys.argv[1], ttl_s=2.0, keepalive_interval_s=0.3)
+    reg = open_registry(cfg)
+    await reg.register(InstanceInfo("crashy", "decode", "http://x", "h:1", "m", 16, 8,
+                                    time.time()), cfg.ttl_s)
+    print("READY", flush=True)
+    await asyncio.sleep(3600)
+asyncio.run(main())
+"""
+
+
+def test_crashed_worker_process_disappears_within_ttl(etcd_server) -> None:
+    async def main() -> None:
+        cfg = cfg_for(etcd_server)
+        conductor = open_registry(cfg)
+        f = Follower(conductor)
+        proc = subprocess.Popen([sys.executable, "-c", WORKER, etcd_server.url], cwd=REPO,
+                                stdout=subprocess.PIPE, text=True)
+        try:
+            line = await asyncio.to_thread(proc.stdout.readline)
+            assert line.strip() == "READY"
+            await wait_until(lambda: f.ids() == {"crashy"}, what="worker registered")
+            await asyncio.sleep(1.0)  # alive past half a TTL: the keepalive works
+            assert f.ids() == {"crashy"}
+            proc.kill()  # SIGKILL: no deregister, no lease revoke
+            waited = await wait_until(lambda: f.ids() == set(), timeout=cfg.ttl_s + 3,
+                                      what="lease expiry")
+            assert waited <= cfg.ttl_s + 1.5, waited
+        finally:
+            proc.kill()
+            proc.wait()
+        await f.stop()
+        await conductor.close()
+    run(main())
+
+
+def test_etcd_restart_keeps_view_then_resyncs_and_lost_lease_reregisters(etcd_server) -> None:
+    async def main() -> None:
+        cfg = cfg_for(etcd_server)
+        worker, conductor = open_registry(cfg), open_registry(cfg)
+        await worker.register(info("p0"), cfg.ttl_s)
+        f = Follower(conductor)
+        await wait_until(lambda: f.ids() == {"p0"}, what="initial sync")
+
+        etcd_server.kill()
+        await wait_until(lambda: "outage" in f.kinds, timeout=5.0, what="outage event")
+        # The worker keeps running: publishing during the outage must not raise.
+        await worker.publish_load(InstanceLoad("p0", queued_prefill_tokens=1234))
+        with pytest.raises(Exception):
+            await conductor.snapshot()
+        await asyncio.sleep(1.0)
+        assert f.ids() == {"p0"} and f.view.outage_since is not None  # last view kept
+
+        resyncs = f.kinds.count("resync")
+        await asyncio.to_thread(etcd_server.start)  # same ports, same data dir
+        await wait_until(lambda: f.kinds.count("resync") > resyncs, timeout=8.0,
+                         what="resync after restart")
+        assert f.view.outage_since is None and f.ids() == {"p0"}
+        # The keepalive re-sends the load recorded during the outage.
+        await wait_until(lambda: f.view.load("p0").queued_prefill_tokens == 1234,
+                         timeout=3.0, what="latest load after restart")
+
+        # The lease is lost (revoked by an operator, or expired during a long partition):
+        # the worker registers again by itself.
+        lease = json.loads(etcd_server.etcdctl("get", "/mooncake/v1/instances/p0", "-w",
+                                               "json"))["kvs"][0]["lease"]
+        n_puts = f.kinds.count("put")
+        etcd_server.etcdctl("lease", "revoke", format(lease, "x"))
+        await wait_until(lambda: f.kinds.count("put") > n_puts, timeout=3.0,
+                         what="re-registration")
+        await wait_until(lambda: f.ids() == {"p0"}, what="p0 back")
+        assert "delete" in f.kinds
+        await f.stop()
+        await worker.close()
+        await conductor.close()
+    run(main())
+
+
+def test_compacted_watch_revision_takes_a_fresh_snapshot(etcd_server) -> None:
+    async def main() -> None:
+        cfg = cfg_for(etcd_server)
+        worker, conductor = open_registry(cfg), open_registry(cfg)
+        await worker.register(info("p0"), cfg.ttl_s)
+        for i in range(5):
+            await worker.publish_load(InstanceLoad("p0", running_requests=i))
+        status = json.loads(etcd_server.etcdctl("endpoint", "status", "-w", "json"))
+        etcd_server.etcdctl("compaction", str(status[0]["Status"]["header"]["revision"]))
+
+        real_read_all, calls = conductor._read_all, []
+
+        async def stale_first(client):
+            snap, rev = await real_read_all(client)
+            calls.append(rev)
+            # First read pretends to be old: its revision is compacted by now, as when
+            # compaction lands between a snapshot and its watch.
+            return snap, (1 if len(calls) == 1 else rev)
+        conductor._read_all = stale_first
+        f = Follower(conductor)
+        # etcd accepts the watch, then cancels it as compacted: the watcher reads again.
+        await wait_until(lambda: len(calls) == 2 and f.kinds.count("resync") == 2,
+                         what="second resync after compaction")
+        assert f.kinds == ["resync", "resync"] and f.ids() == {"p0"}  # no outage event
+        assert f.view.load("p0").running_requests == 4
+        await worker.register(info("d0", "decode"), cfg.ttl_s)
+        await wait_until(lambda: f.ids() == {"p0", "d0"}, what="watch works afterwards")
+        await f.stop()
+        await worker.close()
+        await conductor.close()
+    run(main())
