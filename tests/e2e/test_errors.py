@@ -1,0 +1,119 @@
+"""Bad input gets an OpenAI-style error with the right status, and loses nothing: the cluster
+still answers correctly afterwards."""
+
+import httpx
+import openai
+import pytest
+
+from tests.conftest import MODEL_NAME
+from tests.processes import free_port, start, wait_http
+
+pytestmark = pytest.mark.vllm
+
+
+def assert_openai_error(resp: httpx.Response, status: int, code: str | None = None) -> dict:
+    assert resp.status_code == status, resp.text
+    err = resp.json()["error"]
+    assert set(err) >= {"message", "type", "param", "code"} and err["message"]
+    if code:
+        assert err["code"] == code
+    return err
+
+
+def test_worker_not_up_yet_is_503_with_retry_after(spine_cluster):
+    early = spine_cluster.early
+    assert early["status"] == 503, early
+    assert early["body"]["error"]["code"] == "workers_unavailable"
+    assert int(early["headers"]["retry-after"]) > 0
+
+
+def test_prompt_longer_than_context_is_400(spine_cluster):
+    resp = httpx.post(spine_cluster.api + "/completions", json={
+        "model": MODEL_NAME, "prompt": "word " * 9000, "max_tokens": 4}, timeout=60)
+    assert_openai_error(resp, 400, "context_length_exceeded")
+    resp = httpx.post(spine_cluster.api + "/completions", json={
+        "model": MODEL_NAME, "prompt": "hi", "max_tokens": 100_000}, timeout=60)
+    assert_openai_error(resp, 400, "context_length_exceeded")
+
+
+def test_unknown_model_is_404(spine_cluster):
+    client = openai.OpenAI(base_url=spine_cluster.api, api_key="x", max_retries=0)
+    with pytest.raises(openai.NotFoundError) as info:
+        client.chat.completions.create(model="gpt-17", messages=[{"role": "user", "content": "hi"}])
+    assert info.value.body["code"] == "model_not_found"
+    assert_openai_error(httpx.get(spine_cluster.api + "/models/gpt-17"), 404)
+
+
+@pytest.mark.parametrize("body,param", [
+    ('{"model": "x", "prompt": ', None),                              # malformed JSON
+    ('{"model": "%s"}' % MODEL_NAME, "prompt"),                         # missing field
+    ('{"model": "%s", "messages": []}' % MODEL_NAME, "messages"),       # empty list
+    ('{"model": "%s", "prompt": "a", "temperature": 9}' % MODEL_NAME, "temperature"),
+    ('{"model": "%s", "prompt": "a", "max_tokens": 0}' % MODEL_NAME, "max_tokens"),
+    ('[1, 2]', None),
+])
+def test_malformed_requests_are_400(spine_cluster, body, param):
+    path = "/chat/completions" if "messages" in body else "/completions"
+    resp = httpx.post(spine_cluster.api + path, content=body, headers={"content-type": "application/json"})
+    err = assert_openai_error(resp, 400)
+    if param:
+        assert err["param"] == param
+
+
+def test_unsupported_options_are_refused_not_ignored(spine_cluster):
+    for extra, param in (({"n": 2}, "n"), ({"logprobs": 3}, "logprobs"),
+                         ({"prompt": ["a", "b"]}, "prompt"), ({"prompt": [10**9]}, "prompt")):
+        body = {"model": MODEL_NAME, "prompt": "a", **extra}
+        err = assert_openai_error(httpx.post(spine_cluster.api + "/completions", json=body), 400)
+        assert err["param"] == param
+
+
+def test_oversized_body_is_413(spine_cluster):
+    resp = httpx.post(spine_cluster.api + "/completions", content=b"x" * (17 << 20),
+                      headers={"content-type": "application/json"}, timeout=60)
+    assert_openai_error(resp, 413)
+
+
+def test_models_lists_served_model_with_root(spine_cluster, model_path):
+    models = openai.OpenAI(base_url=spine_cluster.api, api_key="x").models.list().data
+    assert [m.id for m in models] == [MODEL_NAME]
+    assert models[0].model_extra["root"] == model_path
+
+
+def test_cluster_still_serves_after_bad_input(spine_cluster):
+    client = openai.OpenAI(base_url=spine_cluster.api, api_key="x", max_retries=0)
+    r = client.chat.completions.create(model=MODEL_NAME, temperature=0, max_tokens=12,
+                                       messages=[{"role": "user", "content": "What is the capital of France?"}])
+    assert "Paris" in r.choices[0].message.content
+    health = httpx.get(spine_cluster.base_url + "/health").json()
+    assert health["status"] == "ok"
+    for role, url in spine_cluster.worker_urls.items():
+        assert httpx.get(url + "/internal/load").json()["running_requests"] == 0, role
+
+
+def test_api_key_is_enforced_with_401(spine_cluster, model_path, log_dir):
+    """A second conductor in front of the same workers, started with --api-key."""
+    port = free_port()
+    proc = start("conductor-auth", ["-m", "mooncake.cli", "conductor", "--port", str(port), "--model", model_path,
+                                    "--served-model-name", MODEL_NAME, "--api-key", "s3cret",
+                                    "--prefill-url", spine_cluster.worker_urls["prefill"],
+                                    "--decode-url", spine_cluster.worker_urls["decode"]], log_dir)
+    try:
+        wait_http(proc, f"http://127.0.0.1:{port}/health", 120)
+        api = f"http://127.0.0.1:{port}/v1"
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=api, api_key="wrong", max_retries=0).models.list()
+        assert_openai_error(httpx.get(api + "/models"), 401, "invalid_api_key")
+        good = openai.OpenAI(base_url=api, api_key="s3cret", max_retries=0)
+        r = good.completions.create(model=MODEL_NAME, prompt="The capital of France is", max_tokens=4, temperature=0)
+        assert "Paris" in r.choices[0].text
+    finally:
+        proc.stop()
+
+
+def test_metrics_have_units_and_count_requests(spine_cluster):
+    text = httpx.get(spine_cluster.base_url + "/metrics").text
+    assert "mooncake_time_to_first_token_seconds_bucket" in text
+    assert 'mooncake_requests_total{endpoint="completions",status="400"}' in text
+    worker = httpx.get(spine_cluster.worker_urls["decode"] + "/metrics").text
+    assert "mooncake_kv_loaded_bytes_total" in worker

@@ -1,0 +1,89 @@
+"""Disaggregated greedy output equals the same vLLM engine run colocated, token for token,
+through the official openai client, streamed and not."""
+
+import httpx
+import openai
+import pytest
+
+from tests.conftest import MODEL_NAME
+from tests.e2e.prompts import CHAT_CONVERSATIONS, COMPLETION_PROMPTS
+
+pytestmark = pytest.mark.vllm
+MAX_TOKENS = 32
+
+
+def completion_texts(base_url: str, stream: bool) -> list[str]:
+    client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=300)
+    texts = []
+    for prompt in COMPLETION_PROMPTS:
+        if stream:
+            parts = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=MAX_TOKENS,
+                                              temperature=0, stream=True)
+            texts.append("".join(p.choices[0].text for p in parts if p.choices))
+        else:
+            r = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
+            texts.append(r.choices[0].text)
+    return texts
+
+
+def chat_texts(base_url: str, stream: bool) -> list[str]:
+    client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=300)
+    texts = []
+    for messages in CHAT_CONVERSATIONS:
+        if stream:
+            parts = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=MAX_TOKENS,
+                                                   temperature=0, stream=True)
+            texts.append("".join((p.choices[0].delta.content or "") for p in parts if p.choices))
+        else:
+            r = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=MAX_TOKENS,
+                                               temperature=0)
+            texts.append(r.choices[0].message.content)
+    return texts
+
+
+@pytest.fixture(scope="module")
+def reference(colocated_server):
+    return {"completions": completion_texts(colocated_server, False), "chat": chat_texts(colocated_server, False)}
+
+
+def test_prompt_lengths_cover_short_to_over_1000_tokens(model_path):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_path)
+    lengths = [len(tok.encode(p)) for p in COMPLETION_PROMPTS]
+    assert min(lengths) < 10 and max(lengths) > 1000, lengths
+    assert len(set(lengths)) == len(lengths) >= 5
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+def test_completions_identical_to_colocated(reference, spine_cluster, stream):
+    assert completion_texts(spine_cluster.api, stream) == reference["completions"]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+def test_chat_identical_to_colocated(reference, spine_cluster, stream):
+    assert chat_texts(spine_cluster.api, stream) == reference["chat"]
+
+
+def test_decode_loaded_prompt_kv_and_computed_only_new_tokens(spine_cluster):
+    """The decode worker must take the whole prompt from the connector: vLLM reports every
+    prompt token as cached (not computed), and the connector counts the loaded tokens."""
+    decode = spine_cluster.worker_urls["decode"]
+    before = httpx.get(decode + "/internal/kv_stats").json()["stats"]
+    prompt = "A unique prompt for the recompute check: " + " ".join(f"item-{i}" for i in range(400))
+    resp = httpx.post(spine_cluster.api + "/completions", timeout=300, json={
+        "model": MODEL_NAME, "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True})
+    assert resp.status_code == 200, resp.text
+    body = resp.json()
+    prompt_tokens = body["usage"]["prompt_tokens"]
+    assert prompt_tokens > 800 and body["usage"]["completion_tokens"] == 8
+    assert resp.headers["x-mooncake-prefill"] != resp.headers["x-mooncake-decode"]
+    # vLLM's own statistic on the decode engine: all prompt tokens came from outside (the
+    # decode prompt is prompt + first token; only that first token is computed).
+    assert int(resp.headers["x-mooncake-decode-cached-tokens"]) == prompt_tokens
+    after = httpx.get(decode + "/internal/kv_stats").json()["stats"]
+    assert after["loaded_transfers"] == before["loaded_transfers"] + 1
+    assert after["loaded_tokens"] - before["loaded_tokens"] == prompt_tokens
+    assert after["load_failures"] == before["load_failures"]
+    prefill = httpx.get(spine_cluster.worker_urls["prefill"] + "/internal/kv_stats").json()["stats"]
+    assert prefill["pushed_transfers"] >= 1 and prefill["push_failures"] == 0

@@ -1,0 +1,95 @@
+"""Starting and stopping the real processes the end-to-end tests talk to."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def free_port_block(n: int) -> int:
+    """First of n consecutive free ports (worker ports are consecutive)."""
+    for _ in range(50):
+        base = free_port()
+        if base + n >= 65535:
+            continue
+        try:
+            socks = []
+            for i in range(n):
+                s = socket.socket()
+                s.bind(("127.0.0.1", base + i))
+                socks.append(s)
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no block of free ports")
+
+
+@dataclass
+class Proc:
+    name: str
+    process: subprocess.Popen
+    log_path: Path
+
+    def log_tail(self, n: int = 60) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def stop(self, sig: int = signal.SIGTERM, grace_s: float = 20.0) -> None:
+        if not self.alive():
+            return
+        try:
+            os.killpg(self.process.pid, sig)
+            self.process.wait(timeout=grace_s)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            pass
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def start(name: str, args: list[str], log_dir: Path, env: dict[str, str] | None = None) -> Proc:
+    log_path = log_dir / f"{name}.log"
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([sys.executable, *args], stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
+                                env=full_env, start_new_session=True)
+    return Proc(name, proc, log_path)
+
+
+def wait_http(proc: Proc, url: str, timeout_s: float, want: int = 200) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not proc.alive():
+            raise RuntimeError(f"{proc.name} exited with {proc.process.returncode}:\n{proc.log_tail()}")
+        try:
+            if httpx.get(url, timeout=2.0).status_code == want:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1.0)
+    raise RuntimeError(f"{proc.name} not ready at {url} after {timeout_s:.0f} s:\n{proc.log_tail()}")

@@ -1,0 +1,52 @@
+import socket
+
+import pytest
+
+from messenger.tcp import TcpClient, TcpServer, TransferError, parse_address
+from messenger.wire import WireError, decode_prefix, encode_prefix
+from mooncake.connector.params import PullParams, PushParams, parse_pull, parse_push
+from mooncake.launcher import plan_cpu_binding
+
+
+@pytest.mark.parametrize("cores,count,expected", [
+    ([0, 1], 2, ["0", "1"]),
+    ([0, 1, 2, 3], 2, ["0-1", "2-3"]),
+    ([0, 1, 2], 2, ["0-1", "2"]),
+    ([0, 1], 3, ["0", "1", "0"]),
+    ([0], 1, ["0"]),
+])
+def test_cpu_binding_plan(cores, count, expected):
+    assert plan_cpu_binding(cores, count) == expected
+
+
+def test_params_round_trip():
+    push = PushParams("t", "10.0.0.2:7000", 123)
+    pull = PullParams("t", 123, 9.0)
+    assert parse_push(push.to_params()) == push and parse_pull(pull.to_params()) == pull
+    assert parse_push(None) is None and parse_pull({}) is None
+
+
+def test_wire_rejects_foreign_and_oversized_frames():
+    with pytest.raises(WireError):
+        decode_prefix(b"HTTP" + encode_prefix(b"{}", 0)[4:])
+    with pytest.raises(WireError):
+        decode_prefix(encode_prefix(b"{}", 1 << 40))
+
+
+def test_tcp_request_reply_and_errors():
+    server = TcpServer("127.0.0.1", 0, lambda h, p: {"ok": True, "n": len(p), "echo": h["x"]}).start()
+    client = TcpClient()
+    try:
+        reply = client.request(server.address, {"x": 5}, b"a" * 100_000)
+        assert reply == {"ok": True, "n": 100_000, "echo": 5}
+        with pytest.raises(TransferError):
+            client.request(server.address, {"y": 1})  # handler raises KeyError -> refused, not hung
+    finally:
+        server.close()
+        client.close()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        free = s.getsockname()[1]
+    with pytest.raises(TransferError):
+        TcpClient().request(f"127.0.0.1:{free}", {"op": "ping"})
+    assert parse_address("[::1]:80") == ("::1", 80)
