@@ -21,6 +21,7 @@ import logging
 import math
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import TypeVar
 
 import aetcd
@@ -37,14 +38,14 @@ T = TypeVar("T")
 
 # gRPC keepalive pings find a half-open TCP connection (a host that vanished) within ~15 s.
 # etcd refuses pings more often than every 5 s, or on a connection with no stream open.
-_GRPC_OPTIONS = {
+_GRPC_OPTIONS = MappingProxyType({
     "grpc.keepalive_time_ms": 10_000,
     "grpc.keepalive_timeout_ms": 5_000,
     "grpc.keepalive_permit_without_calls": 0,
     "grpc.initial_reconnect_backoff_ms": 100,
     "grpc.min_reconnect_backoff_ms": 100,
     "grpc.max_reconnect_backoff_ms": 2_000,
-}
+})
 _FAILURES = (aetcd.exceptions.ClientError, grpc.RpcError, OSError, asyncio.TimeoutError)
 
 

@@ -104,7 +104,7 @@ def test_workers_register_expire_and_survive_conductor_restart() -> None:
         await w2.close()
         waited = await wait_until(lambda: conductor.ids() == {"p0"}, timeout=3.0,
                                   what="d0 to expire")
-        assert waited < cfg.ttl_s + 0.6, waited
+        assert waited < cfg.ttl_s + 1.0, waited
         await asyncio.sleep(2 * cfg.keepalive_interval_s)
         assert conductor.ids() == {"p0"}, "the live worker must not expire"
 
