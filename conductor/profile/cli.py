@@ -32,7 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--batch-sizes", default="1,4,16", help="comma-separated decode batch sizes")
     ap.add_argument("--contexts", default="128,1024", help="comma-separated decode context lengths")
     ap.add_argument("--decode-tokens", type=int, default=24, help="tokens generated per decode measurement")
-    ap.add_argument("--block-size", type=int, default=16, help="vLLM KV block size")
+    ap.add_argument("--block-size", type=int, default=128,
+                    help="vLLM KV block size (the CPU attention backend needs a multiple of 32)")
     ap.add_argument("--kv-cache-gib", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE for the engine")
     ap.add_argument("--bandwidth", type=float, default=3e8,
                     help="bytes/s recorded for KV transfers (default: the TCP figure measured in DESIGN.md)")

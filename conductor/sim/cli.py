@@ -56,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--tbt-slo", type=float, default=0.1, metavar="S", help="time-between-tokens SLO, seconds")
     ap.add_argument("--profile", default="paper-70b-8gpu", metavar="NAME|PATH",
                     help="profile table the estimators and cost models are fitted from: a bundled name "
-                         "(paper-70b-8gpu, smollm2-135m-cpu) or a JSON path written by `mooncake profile`")
+                         "(paper-70b-8gpu) or a JSON path written by `mooncake profile`")
     ap.add_argument("--threshold", type=float, default=SchedulerConfig().kvcache_balancing_threshold, metavar="R",
                     help="kvcache_balancing_threshold: fetch a remote prefix when best_len/local_len >= R")
     ap.add_argument("--no-colocate", action="store_true",
