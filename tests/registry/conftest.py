@@ -19,8 +19,8 @@ def etcd_server(tmp_path):
         server = etcd_server_mod.EtcdServer(tmp_path)
     except RuntimeError as e:
         pytest.fail(str(e), pytrace=False)
-    server.start()
     try:
+        server.start()  # inside the try: a start that times out must not leak the process
         yield server
     finally:
         server.kill()
