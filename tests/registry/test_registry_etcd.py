@@ -93,7 +93,7 @@ def test_register_watch_load_deregister(etcd_server) -> None:
         assert f.ids() == {"p0", "d0"} and f.kinds.count("load") >= 4
 
         await worker.deregister("d0")
-        await wait_until(lambda: f.ids() == {"p0"}, timeout=1.0, what="delete d0")
+        await wait_until(lambda: f.ids() == {"p0"}, timeout=3.0, what="delete d0")
         await f.stop()
         await worker.close()
         await conductor.close()

@@ -123,7 +123,7 @@ def test_workers_register_expire_and_survive_conductor_restart() -> None:
 
         # Graceful exit removes the entry at once.
         await w1.deregister("p0")
-        await wait_until(lambda: conductor.ids() == set(), timeout=0.5, what="deregister")
+        await wait_until(lambda: conductor.ids() == set(), timeout=2.0, what="deregister")
         following.cancel()
         await asyncio.gather(following, return_exceptions=True)
         for c in (w1, remote):
