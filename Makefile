@@ -34,7 +34,7 @@ model: $(STAMP)
 	$(PY) -m mooncake.cli prepare-model
 
 etcd:
-	@command -v etcd >/dev/null 2>&1 || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq etcd-server etcd-client >/dev/null; }
+	@{ command -v etcd && command -v etcdctl; } >/dev/null 2>&1 || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq etcd-server etcd-client >/dev/null; }
 	@etcd --version | head -1
 
 serve: setup

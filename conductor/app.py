@@ -12,13 +12,20 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 
 from conductor.config import ConductorConfig
+from conductor.core.estimators import Estimators
+from conductor.core.index import PrefixIndex
+from conductor.core.profile_table import load_profile
+from conductor.core.scheduler import Scheduler
 from conductor.errors import APIError, error_body, install_error_handlers
+from conductor.membership import follow_registry, poll_health, poll_kv_events
 from conductor.metrics import ConductorMetrics
 from conductor.relay import Relay
 from conductor.routing import Router
 from conductor.schemas import ChatCompletionRequest, CompletionRequest
 from conductor.serving import CompletionService
 from conductor.workers import WorkerClient, WorkerPool
+from mooncake.registry import ClusterView, MemoryRegistry, RegistryConfig, ViewConfig, open_registry
+from mooncake.registry.http import registry_router
 
 log = logging.getLogger(__name__)
 
@@ -29,22 +36,31 @@ def create_app(config: ConductorConfig) -> FastAPI:
         from transformers import AutoTokenizer  # slow import; only the running server needs it
 
         tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, config.model_path)
-        pool = WorkerPool()
+        pool, index = WorkerPool(), PrefixIndex()
         for url in (*config.prefill_urls, *config.decode_urls):
-            pool.add(url)
+            pool.add(url, static=True)
         client = WorkerClient(token_timeout_s=config.token_timeout_s)
-        router = Router(pool)
+        scheduler = Scheduler(config.scheduler, Estimators.from_profile(load_profile(config.profile)))
+        router = Router(pool, index, scheduler, app.state.metrics)
         relay = Relay(client, config.kv_wait_timeout_s,
                       pick_fallback=lambda tried: next(
                           (h for h in pool.ready("decode") if h.name not in tried), None))
-        app.state.pool = pool
+        app.state.pool, app.state.index, app.state.router = pool, index, router
         app.state.service = CompletionService(config, tokenizer, router, relay, app.state.metrics)
-        poller = asyncio.create_task(_poll_health(pool, client, config.health_interval_s))
+        registry = app.state.registry if config.registry_url is None else open_registry(
+            RegistryConfig(url=config.registry_url, ttl_s=config.registry_ttl_s))
+        view = ClusterView(ViewConfig(expire_after_s=2 * config.registry_ttl_s))
+        tasks = [asyncio.create_task(poll_health(pool, client, index, config.health_interval_s)),
+                 asyncio.create_task(poll_kv_events(pool, index, config.kv_events_interval_s)),
+                 asyncio.create_task(follow_registry(registry, view, pool, index))]
+        app.state.view = view
         try:
             yield
         finally:
-            poller.cancel()
+            for task in tasks:
+                task.cancel()
             await client.close()
+            await registry.close()
 
     app = FastAPI(title="mooncake conductor", version="0.1.0", lifespan=lifespan)
     app.state.config = config
@@ -52,6 +68,10 @@ def create_app(config: ConductorConfig) -> FastAPI:
     app.state.started = int(time.time())
     install_error_handlers(app)
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes)
+    if config.registry_url is None:
+        # The embedded registry: workers on this machine register here over HTTP.
+        app.state.registry = MemoryRegistry(RegistryConfig(url="memory://", ttl_s=config.registry_ttl_s))
+        app.include_router(registry_router(app.state.registry))
 
     def authorize(request: Request) -> None:
         if config.api_key is None:
@@ -87,8 +107,12 @@ def create_app(config: ConductorConfig) -> FastAPI:
         workers = [{"url": h.http_url, "instance_id": h.instance_id, "role": h.role, "status": h.status,
                     "error": h.last_error} for h in pool.all()]
         ok = bool(pool.ready("decode"))
+        view = request.app.state.view
         body = {"status": "ok" if ok else "unavailable", "ready": {"prefill": len(pool.ready("prefill")),
-                "decode": len(pool.ready("decode"))}, "workers": workers}
+                "decode": len(pool.ready("decode"))}, "workers": workers,
+                "registry": {"url": config.registry_url or "embedded", "instances": len(view),
+                             "outage_since": view.outage_since},
+                "prefix_index_blocks": len(request.app.state.index)}
         return JSONResponse(body, status_code=200 if ok else 503)
 
     @app.get("/metrics")
@@ -114,12 +138,6 @@ async def _serve(service: CompletionService, body, endpoint: str):
 def _model_card(config: ConductorConfig, created: int) -> dict:
     return {"id": config.served_model_name, "object": "model", "created": created, "owned_by": "mooncake",
             "root": config.model_path, "parent": None, "max_model_len": config.max_model_len}
-
-
-async def _poll_health(pool: WorkerPool, client: WorkerClient, interval_s: float) -> None:
-    while True:
-        await asyncio.gather(*(client.check(h) for h in pool.all()))
-        await asyncio.sleep(interval_s)
 
 
 class BodyLimitMiddleware:

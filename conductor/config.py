@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from conductor.core.config import SchedulerConfig
+
+DEFAULT_PROFILE = "smollm2-135m-cpu"
 
 
 @dataclass(frozen=True)
@@ -27,6 +31,17 @@ class ConductorConfig:
     kv_wait_timeout_s: float = 30.0
     """How long a decode worker waits for pushed KV before recomputing the prompt itself."""
     health_interval_s: float = 1.0
+    registry_url: str | None = None
+    """etcd://HOST:PORT to follow an etcd cluster; None hosts the embedded registry on this
+    server (workers register with --registry embedded+http://THIS_HOST:PORT)."""
+    registry_ttl_s: float = 5.0
+    kv_events_interval_s: float = 0.25
+    """How often each worker's KV events are pulled into the global prefix index."""
+    scheduler: SchedulerConfig = field(default_factory=lambda: SchedulerConfig(
+        block_size=128, ttft_slo_s=30.0, tbt_slo_s=0.5, default_decode_s=5.0))
+    """The scheduling core's knobs (policy, admission, SLOs). block_size must equal the workers'."""
+    profile: str = DEFAULT_PROFILE
+    """Profile table the estimators are fitted from: a bundled name or a JSON path."""
 
     def __post_init__(self) -> None:
         if not self.served_model_name:

@@ -14,21 +14,12 @@ import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 
+from conductor.routing import Route
 from conductor.workers import WorkerClient, WorkerError, WorkerHandle
 from mooncake.connector.params import PullParams, PushParams
 from mooncake.protocol import GenerateChunk, GenerateRequest, Sampling
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class Route:
-    prefill: WorkerHandle
-    decode: WorkerHandle
-
-    @property
-    def colocated(self) -> bool:
-        return self.prefill is self.decode
 
 
 @dataclass

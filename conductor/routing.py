@@ -1,39 +1,123 @@
-"""Choosing the (prefill, decode) pair for a request.
+"""Choosing the (prefill, decode) pair for a request with the scheduling core.
 
-This is the spine's placeholder policy: least-loaded prefill and least-loaded decode among the
-ready workers, by what this conductor has in flight on each. With no prefill worker ready, a
-ready decode worker runs the request whole (colocated), so the service degrades instead of
-failing.
+The router is the shell around `conductor.core.Scheduler`: it hashes the prompt's blocks with
+the same function the workers' KV events are keyed by, builds a ClusterState snapshot from the
+ready workers and the conductor's own ledger, asks the core, and turns the answer into a Route
+or an HTTP refusal (429 with Retry-After, counted by reason). It also keeps the ledger current
+as requests pass their first token and finish.
+
+Hot-spot migration (`Decision.fetch_from`) needs the KVCache store to pull blocks between
+instances; until that exists the prefill instance recomputes what it does not hold, which is
+what the decision predicts when fetch_from is None.
 """
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass, field
+
+from conductor.core.index import PrefixIndex
+from conductor.core.scheduler import Scheduler
+from conductor.core.types import ClusterState, Decision, InstanceState, Rejection, RejectReason, Request, Role
 from conductor.errors import APIError
-from conductor.relay import Route
-from conductor.workers import WorkerPool
+from conductor.ledger import predicted_prefill_s
+from conductor.metrics import ConductorMetrics
+from conductor.workers import WorkerHandle, WorkerPool
+from mooncake.hashing import hash_prompt_blocks
+
+DEFAULT_BANDWIDTH_BPS = 2e9  # loopback TCP measured here; replaced per instance when measured
+
+
+@dataclass
+class Route:
+    prefill: WorkerHandle
+    decode: WorkerHandle
+    request_id: str = ""
+    decision: Decision | None = None
+    kv_tokens: int = 0
+    released: bool = field(default=False)
+
+    @property
+    def colocated(self) -> bool:
+        return self.prefill is self.decode
 
 
 class Router:
-    def __init__(self, pool: WorkerPool):
+    def __init__(self, pool: WorkerPool, index: PrefixIndex, scheduler: Scheduler, metrics: ConductorMetrics):
         self.pool = pool
+        self.index = index
+        self.scheduler = scheduler
+        self.metrics = metrics
+        self.mean_decode_s: float | None = None
 
-    def pick(self, prompt: list[int], exclude: set[str] = frozenset(), allow_none: bool = False) -> Route | None:
-        prefills = [h for h in self.pool.ready("prefill") if h.name not in exclude and h.role != "decode"]
-        decodes = [h for h in self.pool.ready("decode") if h.role != "prefill"]
+    def block_size(self) -> int:
+        sizes = [h.block_size for h in self.pool.all() if h.block_size]
+        return sizes[0] if sizes else 0
+
+    def pick(self, request_id: str, prompt: list[int], max_tokens: int, now: float,
+             exclude: frozenset[str] | set[str] = frozenset(), allow_none: bool = False) -> Route | None:
+        handles = {h.name: h for h in self.pool.all() if h.ready and h.name not in exclude}
+        decodes = [h for h in handles.values() if h.serves("decode")]
         if not decodes:
             if allow_none:
                 return None
             states = ", ".join(f"{h.http_url} {h.status}" for h in self.pool.all()) or "none configured"
+            self.metrics.rejections.inc(reason="no_instance")
             raise APIError(503, f"no decode worker is ready (workers: {states})", code="workers_unavailable",
                            headers={"Retry-After": "5"})
-        decode = min(decodes, key=lambda h: h.in_flight)
-        if not prefills:
-            if decode.name in exclude:
-                return None if allow_none else _unavailable()
-            return Route(prefill=decode, decode=decode)
-        prefill = min(prefills, key=lambda h: (h.in_flight, h.queued_prefill_tokens))
-        return Route(prefill=prefill, decode=decode)
+        block = self.block_size()
+        hashes = tuple(hash_prompt_blocks(prompt, block)) if block else ()
+        state = ClusterState(instances=tuple(self._instance(h) for h in handles.values()), index=self.index,
+                             mean_decode_s=self.mean_decode_s)
+        result = self.scheduler.schedule(Request(request_id, len(prompt), hashes, now), state, now)
+        if isinstance(result, Rejection):
+            if result.reason is RejectReason.NO_INSTANCE:
+                # No prefill pool (or none fits): degrade to running whole on a decode worker.
+                decode = min(decodes, key=lambda h: len(h.ledger.running) + len(h.ledger.incoming))
+                return self._commit(Route(decode, decode, request_id), prompt, max_tokens, now, 0)
+            if allow_none:
+                return None
+            self.metrics.rejections.inc(reason=str(result.reason))
+            raise APIError(429, _rejection_message(result), code=str(result.reason),
+                           headers={"Retry-After": str(max(1, math.ceil(result.retry_after_s)))})
+        route = Route(handles[result.prefill_instance], handles[result.decode_instance], request_id, result)
+        return self._commit(route, prompt, max_tokens, now, result.cached_prefix_tokens)
+
+    def _commit(self, route: Route, prompt: list[int], max_tokens: int, now: float, cached: int) -> Route:
+        route.kv_tokens = len(prompt) + max_tokens
+        seconds = predicted_prefill_s(self.scheduler.estimators, len(prompt), cached)
+        route.decode.ledger.assign(route.request_id, route.prefill.ledger, seconds, now, route.kv_tokens)
+        return route
+
+    def first_token(self, route: Route, now: float) -> None:
+        route.decode.ledger.prefill_done(route.request_id, route.prefill.ledger, now)
+
+    def finished(self, route: Route, decode_seconds: float | None) -> None:
+        if route.released:
+            return
+        route.released = True
+        route.decode.ledger.finished(route.request_id, route.prefill.ledger)
+        if decode_seconds is not None and decode_seconds > 0:
+            # Exponential average: prediction-based admission needs the typical decode length.
+            m = self.mean_decode_s
+            self.mean_decode_s = decode_seconds if m is None else 0.9 * m + 0.1 * decode_seconds
+
+    def reroute(self, route: Route, new: Route) -> None:
+        """A retry moved the request: release the old assignment (the new one is committed)."""
+        self.finished(route, None)
+
+    def _instance(self, h: WorkerHandle) -> InstanceState:
+        role = Role.PREFILL if h.role == "prefill" else Role.DECODE
+        return h.ledger.state(h.name, role, h.kv_capacity_tokens, DEFAULT_BANDWIDTH_BPS)
 
 
-def _unavailable():
-    raise APIError(503, "no worker is ready", code="workers_unavailable", headers={"Retry-After": "5"})
+def _rejection_message(r: Rejection) -> str:
+    parts = {
+        RejectReason.TTFT_SLO: "no instance can produce the first token within the TTFT SLO",
+        RejectReason.TBT_SLO: "no decode instance can take this request within the TBT SLO",
+        RejectReason.NO_CAPACITY: "no decode instance has KV cache room for this request",
+    }
+    text = parts.get(r.reason, str(r.reason))
+    if r.predicted_ttft_s is not None:
+        text += f" (predicted TTFT {r.predicted_ttft_s:.2f} s)"
+    return f"{text}; retry after {math.ceil(r.retry_after_s)} s"

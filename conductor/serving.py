@@ -19,8 +19,8 @@ from conductor import responses
 from conductor.config import ConductorConfig
 from conductor.errors import APIError, sse_error
 from conductor.metrics import ConductorMetrics
-from conductor.relay import Relay, RelayStats, Route
-from conductor.routing import Router
+from conductor.relay import Relay, RelayStats
+from conductor.routing import Route, Router
 from conductor.schemas import ChatCompletionRequest, CompletionRequest
 from conductor.textstream import IncrementalDetokenizer, StopStringMatcher
 from conductor.workers import WorkerError
@@ -126,20 +126,25 @@ class CompletionService:
             raise APIError(429, f"{self.in_flight} requests are in progress (limit "
                                 f"{self.config.max_in_flight}); retry shortly",
                            code="overloaded", headers={"Retry-After": "1"})
-        route = self.router.pick(req.prompt)
+        route = self.router.pick(req.request_id, req.prompt, req.sampling.max_tokens, time.monotonic())
         stats = RelayStats()
         self.in_flight += 1
         try:
-            chunks, first = await self._start(req, route, stats)
+            chunks, first, route = await self._start(req, route, stats)
         except BaseException:
             self.in_flight -= 1
+            self.router.finished(route, None)
             raise
-        self.metrics.ttft.observe(time.monotonic() - req.arrived)
+        first_at = time.monotonic()
+        self.router.first_token(route, first_at)
+        self.metrics.ttft.observe(first_at - req.arrived)
         self.metrics.prompt_tokens.inc(len(req.prompt))
         self.metrics.cached_prompt_tokens.inc(stats.prefill_cached_tokens)
         headers = {"x-mooncake-prefill": route.prefill.name, "x-mooncake-decode": route.decode.name,
                    "x-mooncake-cached-tokens": str(stats.prefill_cached_tokens)}
-        events = self._events(req, chunks, first, stats)
+        if route.decision is not None:
+            headers["x-mooncake-predicted-ttft-ms"] = str(round(route.decision.predicted_ttft_s * 1000))
+        events = self._events(req, chunks, first, stats, route, first_at)
         if req.stream:
             return StreamingResponse(self._sse(req, events, stats, endpoint), media_type="text/event-stream",
                                      headers=headers)
@@ -159,25 +164,28 @@ class CompletionService:
         return JSONResponse(responses.full_response(req.meta, text, finish, usage), headers=headers)
 
     async def _start(self, req: Prepared, route: Route, stats: RelayStats):
-        """Run until the first token, so a failure before it is still an honest HTTP error."""
+        """Run until the first token, so a failure before it is still an honest HTTP error.
+        A prefill that fails is retried once per other instance; returns the route that worked."""
         tried: set[str] = set()
         while True:
             chunks = self.relay.run(req.request_id, req.prompt, req.sampling, route, stats)
             try:
-                return chunks, await chunks.__anext__()
+                return chunks, await chunks.__anext__(), route
             except WorkerError as exc:
                 await chunks.aclose()
                 tried.add(route.prefill.name)
-                retry = self.router.pick(req.prompt, exclude=tried, allow_none=True)
+                self.router.finished(route, None)
+                retry = self.router.pick(req.request_id, req.prompt, req.sampling.max_tokens, time.monotonic(),
+                                         exclude=tried, allow_none=True)
                 if retry is None:
                     raise APIError(503, f"no worker could run the prompt: {exc}", code="workers_unavailable",
                                    headers={"Retry-After": "5"}) from exc
                 log.warning("prefill on %s failed (%s); retrying on %s", route.prefill.name, exc, retry.prefill.name)
                 self.metrics.retries.inc(stage="prefill")
-                route.prefill, route.decode = retry.prefill, retry.decode
+                route = retry
 
     async def _events(self, req: Prepared, chunks: AsyncIterator[GenerateChunk], first: GenerateChunk,
-                      stats: RelayStats) -> AsyncIterator[tuple[str, str | None, int]]:
+                      stats: RelayStats, route: Route, first_at: float) -> AsyncIterator[tuple[str, str | None, int]]:
         """(text, finish_reason, tokens so far), with stop strings applied; aborts on a stop."""
         detok = IncrementalDetokenizer(self.tokenizer)
         stopper = StopStringMatcher(req.stops)
@@ -208,6 +216,7 @@ class CompletionService:
         finally:
             await chunks.aclose()  # aborts the worker's request if we stopped early
             self.in_flight -= 1
+            self.router.finished(route, time.monotonic() - first_at)
             self.metrics.e2e.observe(time.monotonic() - req.arrived)
 
     async def _sse(self, req: Prepared, events, stats: RelayStats, endpoint: str) -> AsyncIterator[str]:

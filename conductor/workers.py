@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from conductor.ledger import Ledger
 from mooncake.protocol import GenerateChunk, GenerateRequest
 
 log = logging.getLogger(__name__)
@@ -41,6 +42,11 @@ class WorkerHandle:
     last_seen: float = 0.0
     in_flight: int = 0
     queued_prefill_tokens: int = 0
+    block_size: int = 0  # from the registry (0: not known yet)
+    kv_capacity_tokens: int = 0
+    ledger: Ledger = field(default_factory=Ledger)
+    events_seq: int = -1  # last KV event applied to the prefix index (-1: need a snapshot)
+    static: bool = False  # given by --prefill-url/--decode-url: kept even when not registered
 
     @property
     def name(self) -> str:
@@ -54,8 +60,10 @@ class WorkerHandle:
 class WorkerPool:
     handles: dict[str, WorkerHandle] = field(default_factory=dict)  # by http_url
 
-    def add(self, url: str) -> WorkerHandle:
-        return self.handles.setdefault(url.rstrip("/"), WorkerHandle(http_url=url.rstrip("/")))
+    def add(self, url: str, static: bool = False) -> WorkerHandle:
+        handle = self.handles.setdefault(url.rstrip("/"), WorkerHandle(http_url=url.rstrip("/")))
+        handle.static = handle.static or static
+        return handle
 
     def remove(self, url: str) -> None:
         self.handles.pop(url.rstrip("/"), None)

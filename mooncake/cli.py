@@ -24,6 +24,7 @@ def _resolve_model(path: str | None) -> str:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
+    from conductor.cli_args import scheduler_config
     from mooncake.launcher import ClusterConfig, serve
 
     model = _resolve_model(args.model)
@@ -31,7 +32,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         model_path=model, served_model_name=args.served_model_name or Path(model).name, host=args.host,
         port=args.port, num_prefill=args.prefill, num_decode=args.decode, first_worker_port=args.worker_port,
         dtype=args.dtype, max_model_len=args.max_model_len, kv_cache_gib=args.kv_cache_gib,
-        chunk_size=args.chunk_size, api_key=args.api_key,
+        chunk_size=args.chunk_size, api_key=args.api_key, scheduler=scheduler_config(args), profile=args.profile,
     ))
 
 
@@ -41,11 +42,16 @@ def _cmd_conductor(args: argparse.Namespace) -> int:
     from conductor.app import create_app
     from conductor.config import ConductorConfig
 
+    from conductor.cli_args import scheduler_config
+    from mooncake.worker.cli import registry_url
+
     model = _resolve_model(args.model)
     config = ConductorConfig(
         model_path=model, served_model_name=args.served_model_name or Path(model).name, host=args.host,
         port=args.port, prefill_urls=tuple(args.prefill_url), decode_urls=tuple(args.decode_url),
         max_model_len=args.max_model_len, api_key=args.api_key, kv_wait_timeout_s=args.kv_wait_timeout,
+        registry_url=registry_url(args), registry_ttl_s=args.registry_ttl, scheduler=scheduler_config(args),
+        profile=args.profile,
     )
     uvicorn.run(create_app(config), host=args.host, port=args.port, log_level="info")
     return 0
@@ -63,6 +69,7 @@ def _cmd_prepare(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from conductor.cli_args import add_scheduler_arguments
     from decode import main as decode_main
     from prefill import main as prefill_main
 
@@ -86,6 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--kv-cache-gib", type=float, default=1.0, help="KV cache per worker (GiB)")
     serve.add_argument("--chunk-size", type=int, default=2048, help="prefill chunk (tokens per step)")
     serve.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1")
+    add_scheduler_arguments(serve)
     serve.set_defaults(func=_cmd_serve)
 
     for name, module, text in (("prefill", prefill_main, "run one prefill worker"),
@@ -106,12 +114,18 @@ def build_parser() -> argparse.ArgumentParser:
     cond.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1")
     cond.add_argument("--kv-wait-timeout", type=float, default=30.0,
                       help="seconds a decode worker waits for pushed KV before recomputing")
+    cond.add_argument("--etcd", default=None,
+                      help="follow an etcd cluster's registry (http://HOST:PORT or etcd://HOST:PORT); "
+                           "default: host the embedded registry (workers use --registry embedded+http://...)")
+    cond.add_argument("--registry", default=None, help="registry URL (etcd://HOST:PORT); same as --etcd")
+    cond.add_argument("--registry-ttl", type=float, default=5.0, help="seconds before a silent worker leaves routing")
+    add_scheduler_arguments(cond)
     cond.set_defaults(func=_cmd_conductor)
 
     prep = sub.add_parser("prepare-model", help="convert the default model once; prints its folder")
     prep.set_defaults(func=_cmd_prepare)
     for name, target, text in (("sim", "conductor.sim.cli", "simulate the scheduler on a trace"),
-                               ("profile", "conductor.core.profile_cli", "profile the engine for the scheduler")):
+                               ("profile", "conductor.profile.cli", "profile the engine for the scheduler")):
         p = sub.add_parser(name, help=text, add_help=False)
         p.set_defaults(forward=target)
     return parser
@@ -124,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         # These have their own parsers (owned by the scheduler package); forward the rest.
         import importlib
 
-        target = {"sim": "conductor.sim.cli", "profile": "conductor.core.profile_cli"}[argv[0]]
+        target = {"sim": "conductor.sim.cli", "profile": "conductor.profile.cli"}[argv[0]]
         return importlib.import_module(target).main(argv[1:])
     args = build_parser().parse_args(argv)
     return args.func(args)

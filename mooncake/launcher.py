@@ -13,7 +13,9 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from conductor.core.config import SchedulerConfig
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +34,9 @@ class ClusterConfig:
     kv_cache_gib: float = 1.0
     chunk_size: int = 2048
     api_key: str | None = None
+    scheduler: SchedulerConfig = field(default_factory=lambda: SchedulerConfig(
+        block_size=128, ttft_slo_s=30.0, tbt_slo_s=0.5, default_decode_s=5.0))
+    profile: str = "smollm2-135m-cpu"
 
     def __post_init__(self) -> None:
         if self.num_prefill < 0 or self.num_decode < 1:
@@ -78,8 +83,11 @@ class Cluster:
                    "--served-model-name", c.served_model_name, "--host", "127.0.0.1", "--port", str(port),
                    "--dtype", c.dtype, "--max-model-len", str(c.max_model_len),
                    "--kv-cache-gib", f"{c.kv_cache_gib:g}", "--chunk-size", str(c.chunk_size),
-                   "--cpu-bind", cores, "--instance-id", f"{role}-{i}"]
-            proc = subprocess.Popen(cmd, start_new_session=True)
+                   "--cpu-bind", cores, "--instance-id", f"{role}-{i}",
+                   "--block-size", str(c.scheduler.block_size),
+                   # The conductor in this process hosts the embedded registry.
+                   "--registry", f"embedded+http://127.0.0.1:{c.port}"]
+            proc = subprocess.Popen(cmd, start_new_session=True, preexec_fn=_die_with_parent)
             self.workers.append(WorkerProcess(role, f"http://127.0.0.1:{port}", proc))
             log.info("started %s worker on port %d (cores %s, pid %d)", role, port, cores, proc.pid)
 
@@ -100,6 +108,22 @@ class Cluster:
         self.workers.clear()
 
 
+def _die_with_parent() -> None:
+    """In the child: get SIGTERM if the launcher dies, even by SIGKILL, so no worker is orphaned."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def _exit_on_sigterm(signum, frame) -> None:
+    # uvicorn re-raises the SIGTERM it caught once it has shut down; the default action would
+    # kill this process before `finally` stops the workers. Raising here runs the cleanup.
+    raise SystemExit(128 + signum)
+
+
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:
     try:
         os.killpg(proc.pid, sig)
@@ -113,13 +137,15 @@ def serve(config: ClusterConfig) -> int:
     from conductor.app import create_app
     from conductor.config import ConductorConfig
 
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     cluster = Cluster(config)
     cluster.start()
     try:
         app = create_app(ConductorConfig(
             model_path=config.model_path, served_model_name=config.served_model_name, host=config.host,
             port=config.port, prefill_urls=cluster.urls("prefill"), decode_urls=cluster.urls("decode"),
-            max_model_len=config.max_model_len, api_key=config.api_key,
+            max_model_len=config.max_model_len, api_key=config.api_key, scheduler=config.scheduler,
+            profile=config.profile,
         ))
         log.info("conductor on http://%s:%d/v1 (workers take ~30-60 s to load; /health says when ready)",
                  config.host, config.port)

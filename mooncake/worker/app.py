@@ -5,6 +5,7 @@
   GET  /health              200 when the engine is ready, 503 while it starts or after it died
   GET  /internal/load       what is queued and running here (for routing)
   GET  /internal/kv_stats   the KV connector's counters
+  GET  /internal/kv_events  ?since=SEQ: prefix blocks stored/removed here (conductor's index)
   GET  /metrics             Prometheus text
 
 The HTTP server is up at once; the engine starts in the background (about 30 s on CPU), and
@@ -26,7 +27,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from messenger.tcp import TcpClient, TcpConfig, TransferError
 from mooncake.protocol import GenerateChunk, GenerateRequest
 from mooncake.worker.config import WorkerConfig
-from mooncake.worker.engine import build_engine, run_request
+from mooncake.worker.engine import build_engine, kv_capacity_tokens, run_request
+from mooncake.worker.kv_events import BlockEventLog, BlockHashTranslator, KVEventSubscriber
 from mooncake.worker.metrics import WorkerMetrics
 
 log = logging.getLogger(__name__)
@@ -43,7 +45,14 @@ class InFlight:
 class WorkerState:
     config: WorkerConfig
     kv_port: int
+    events_port: int
     engine: object | None = None
+    block_size: int = 0
+    kv_capacity_tokens: int = 0
+    event_log: BlockEventLog = field(default_factory=BlockEventLog)
+    subscriber: KVEventSubscriber | None = None
+    registry: object | None = None
+    register_task: asyncio.Task | None = None
     engine_error: str | None = None
     in_flight: dict[str, InFlight] = field(default_factory=dict)
     metrics: WorkerMetrics = field(default_factory=WorkerMetrics)
@@ -59,19 +68,25 @@ class WorkerState:
         }
 
 
-def create_app(config: WorkerConfig, kv_port: int) -> FastAPI:
+def create_app(config: WorkerConfig, kv_port: int, events_port: int) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         state: WorkerState = app.state.worker
         starter = asyncio.create_task(_start_engine(state))
         yield
         starter.cancel()
+        if state.register_task is not None:
+            state.register_task.cancel()
+        if state.registry is not None:
+            await _close_registry(state)
+        if state.subscriber is not None:
+            state.subscriber.stop()
         engine = state.engine
         if engine is not None:
             engine.shutdown()
 
     app = FastAPI(title=f"mooncake {config.role} worker", lifespan=lifespan)
-    app.state.worker = WorkerState(config=config, kv_port=kv_port)
+    app.state.worker = WorkerState(config=config, kv_port=kv_port, events_port=events_port)
 
     @app.get("/health")
     async def health(request: Request):
@@ -89,6 +104,13 @@ def create_app(config: WorkerConfig, kv_port: int) -> FastAPI:
     @app.get("/internal/load")
     async def load(request: Request):
         return request.app.state.worker.load()
+
+    @app.get("/internal/kv_events")
+    async def kv_events(request: Request, since: int = -1):
+        page = request.app.state.worker.event_log.since(since)
+        # Hashes travel as hex: they are 128-bit, beyond what JSON numbers carry safely.
+        return {"seq": page.seq, "reset": page.reset, "block_size": request.app.state.worker.block_size,
+                "stored": [format(h, "x") for h in page.stored], "removed": [format(h, "x") for h in page.removed]}
 
     @app.get("/internal/kv_stats")
     async def kv_stats(request: Request):
@@ -157,8 +179,15 @@ async def _stream(state: WorkerState, gen: GenerateRequest):
 async def _start_engine(state: WorkerState) -> None:
     try:
         # Building the engine blocks for tens of seconds; keep the event loop (and /health) free.
-        state.engine = await asyncio.to_thread(build_engine, state.config, state.kv_port)
-        log.info("%s worker %s ready", state.config.role, state.config.instance_id)
+        engine = await asyncio.to_thread(build_engine, state.config, state.kv_port, state.events_port)
+        state.block_size, state.kv_capacity_tokens = kv_capacity_tokens(engine)
+        state.subscriber = KVEventSubscriber(f"tcp://127.0.0.1:{state.events_port}", state.event_log,
+                                             BlockHashTranslator()).start()
+        state.engine = engine
+        log.info("%s worker %s ready (block size %d, KV capacity %d tokens)", state.config.role,
+                 state.config.instance_id, state.block_size, state.kv_capacity_tokens)
+        if state.config.registry_url:
+            state.register_task = asyncio.create_task(_register(state))
     except Exception as exc:  # noqa: BLE001 - surfaced by /health
         log.exception("engine failed to start")
         state.engine_error = f"{type(exc).__name__}: {exc}"
@@ -177,3 +206,47 @@ def _connector_call(kv_port: int, header: dict) -> dict:
         return {"ok": False, "error": str(exc), "stats": {}}
     finally:
         client.close()
+
+
+async def _register(state: WorkerState) -> None:
+    """Announce this worker once its engine is ready, then keep publishing its load."""
+    from mooncake.registry import InstanceInfo, InstanceLoad, RegistryConfig, open_registry
+
+    c = state.config
+    from mooncake.registry import RegistryUnavailable
+
+    registry = open_registry(RegistryConfig(url=c.registry_url, ttl_s=c.registry_ttl_s))
+    state.registry = registry
+    info = InstanceInfo(
+        instance_id=c.instance_id, role=c.role, http_url=c.http_url,
+        kv_address=f"{c.public_host}:{state.kv_port}", model=c.served_model_name,
+        block_size=state.block_size, kv_capacity_tokens=state.kv_capacity_tokens, started_at=time.time(),
+    )
+    delay = 0.2
+    while True:  # the registry (etcd, or the conductor) may not be up yet: keep trying
+        try:
+            await registry.register(info, ttl_s=c.registry_ttl_s)
+            break
+        except RegistryUnavailable as exc:
+            log.warning("registry %s unavailable (%s); retrying in %.1f s", c.registry_url, exc, delay)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 5.0)
+    log.info("registered %s at %s", c.instance_id, c.registry_url)
+    while True:
+        load = state.load()
+        try:
+            await registry.publish_load(InstanceLoad(
+                instance_id=c.instance_id, queued_prefill_tokens=load["queued_prefill_tokens"],
+                running_requests=load["running_requests"], kv_tokens_used=load["kv_tokens_used"],
+                updated_at=time.time()))
+        except Exception as exc:  # noqa: BLE001 - the registry may be down; keep serving
+            log.debug("load report failed: %s", exc)
+        await asyncio.sleep(0.5)
+
+
+async def _close_registry(state: WorkerState) -> None:
+    try:
+        await state.registry.deregister(state.config.instance_id)
+    except Exception:  # noqa: BLE001 - best effort on the way out; the lease expires anyway
+        pass
+    await state.registry.close()

@@ -26,8 +26,15 @@ def add_worker_arguments(parser: argparse.ArgumentParser, default_port: int) -> 
                         help='cores for the engine threads, e.g. "0" or "0-3" (VLLM_CPU_OMP_THREADS_BIND)')
     parser.add_argument("--chunk-size", type=int, default=2048,
                         help="tokens per engine step; longer prompts prefill in chunks (tokens)")
+    parser.add_argument("--block-size", type=int, default=128,
+                        help="KV block size in tokens (a multiple of 32 on CPU); the conductor's must match")
     parser.add_argument("--no-prefix-caching", action="store_true", help="disable the local prefix cache")
     parser.add_argument("--instance-id", default=None, help="stable name of this instance (default: random)")
+    parser.add_argument("--registry", default=None,
+                        help="register here when ready: etcd://HOST:PORT or embedded+http://CONDUCTOR:PORT")
+    parser.add_argument("--etcd", default=None, help="shorthand for --registry etcd://HOST:PORT (accepts http://)")
+    parser.add_argument("--registry-ttl", type=float, default=5.0,
+                        help="seconds after which a silent worker leaves routing")
 
 
 def worker_config(args: argparse.Namespace, role: str, model_path: str) -> WorkerConfig:
@@ -39,5 +46,14 @@ def worker_config(args: argparse.Namespace, role: str, model_path: str) -> Worke
         host=args.host, port=args.port, kv_host=args.host if args.host != "0.0.0.0" else "0.0.0.0",
         kv_port=args.kv_port, advertise_host=args.advertise_host, dtype=args.dtype,
         max_model_len=args.max_model_len, kv_cache_gib=args.kv_cache_gib, cpu_bind=args.cpu_bind,
-        max_num_batched_tokens=args.chunk_size, enable_prefix_caching=not args.no_prefix_caching, **extra,
+        max_num_batched_tokens=args.chunk_size, enable_prefix_caching=not args.no_prefix_caching,
+        block_size=args.block_size, registry_url=registry_url(args), registry_ttl_s=args.registry_ttl, **extra,
     )
+
+
+def registry_url(args: argparse.Namespace) -> str | None:
+    """--etcd http://H:P (the form etcd users type) means etcd://H:P."""
+    if getattr(args, "etcd", None):
+        host = args.etcd.split("://", 1)[-1].rstrip("/")
+        return f"etcd://{host}"
+    return getattr(args, "registry", None)

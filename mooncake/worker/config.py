@@ -35,8 +35,16 @@ class WorkerConfig:
     max_num_batched_tokens: int = 2048
     """Tokens per engine step; longer prompts are prefilled in chunks of this size."""
     enable_prefix_caching: bool = True
+    block_size: int = 128
+    """KV block size (tokens): the unit of prefix caching, KV events and transfers."""
     enforce_eager: bool = True
     instance_id: str = field(default_factory=lambda: f"w-{uuid.uuid4().hex[:8]}")
+    registry_url: str | None = None
+    """Where to register once the engine is ready: etcd://HOST:PORT, or
+    embedded+http://CONDUCTOR:PORT for the conductor-hosted registry. None: do not register
+    (the conductor then knows this worker only by a static --prefill-url/--decode-url)."""
+    registry_ttl_s: float = 5.0
+    """A worker that stops refreshing its registration disappears from routing after this."""
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:

@@ -21,10 +21,10 @@ def set_engine_environment(config: WorkerConfig) -> None:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO")
 
 
-def build_engine(config: WorkerConfig, kv_port: int) -> "AsyncLLM":
+def build_engine(config: WorkerConfig, kv_port: int, events_port: int) -> "AsyncLLM":
     set_engine_environment(config)
     # Imported here: importing vLLM takes seconds and must follow the environment above.
-    from vllm.config import KVTransferConfig
+    from vllm.config import KVEventsConfig, KVTransferConfig
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -34,6 +34,7 @@ def build_engine(config: WorkerConfig, kv_port: int) -> "AsyncLLM":
         dtype=config.dtype,
         max_model_len=config.max_model_len,
         max_num_batched_tokens=config.max_num_batched_tokens,
+        block_size=config.block_size,
         enable_prefix_caching=config.enable_prefix_caching,
         enforce_eager=config.enforce_eager,
         enable_log_requests=False,
@@ -45,6 +46,9 @@ def build_engine(config: WorkerConfig, kv_port: int) -> "AsyncLLM":
             kv_load_failure_policy="recompute",
             kv_connector_extra_config={"kv_host": config.kv_host, "kv_port": kv_port},
         ),
+        # vLLM's own block stored/removed events feed the conductor's global prefix index.
+        kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",
+                                        endpoint=f"tcp://127.0.0.1:{events_port}", topic="kv"),
     )
     return AsyncLLM.from_engine_args(args)
 
@@ -80,3 +84,10 @@ async def run_request(engine: "AsyncLLM", request: GenerateRequest) -> AsyncIter
             num_cached_tokens=output.num_cached_tokens if first else None,
         )
         first = False
+
+
+def kv_capacity_tokens(engine: "AsyncLLM") -> tuple[int, int]:
+    """(block size, KV cache capacity in tokens) as the running engine sized them."""
+    cache = engine.vllm_config.cache_config
+    blocks = cache.num_gpu_blocks or 0
+    return cache.block_size, blocks * cache.block_size

@@ -1,0 +1,34 @@
+"""Command-line options of the conductor's scheduling (shared by `serve` and `conductor`)."""
+
+from __future__ import annotations
+
+import argparse
+
+from conductor.config import DEFAULT_PROFILE
+from conductor.core.config import Admission, Policy, SchedulerConfig
+
+
+def add_scheduler_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("scheduling")
+    g.add_argument("--policy", choices=[p.value for p in Policy], default=Policy.KVCACHE_CENTRIC.value,
+                   help="how the (prefill, decode) pair is chosen (default: kvcache-centric)")
+    g.add_argument("--admission", choices=[a.value for a in Admission], default=Admission.PREDICTION.value,
+                   help="overload admission: refuse early with 429 + Retry-After (default: prediction)")
+    g.add_argument("--ttft-slo", type=float, default=30.0, help="time-to-first-token SLO (seconds)")
+    g.add_argument("--tbt-slo", type=float, default=0.5, help="time-between-tokens SLO (seconds)")
+    g.add_argument("--balancing-threshold", type=float, default=1.5,
+                   help="kvcache_balancing_threshold of Algorithm 1 (ratio >= 1)")
+    g.add_argument("--no-conditional-disaggregation", action="store_true",
+                   help="never prefill on the decode instance itself")
+    g.add_argument("--profile", default=DEFAULT_PROFILE,
+                   help="estimator profile table: a bundled name or a JSON path (see `mooncake profile`)")
+    g.add_argument("--block-size", type=int, default=128,
+                   help="KV block size in tokens; must equal the workers' (default 128)")
+
+
+def scheduler_config(args: argparse.Namespace) -> SchedulerConfig:
+    return SchedulerConfig(
+        policy=args.policy, admission=args.admission, block_size=args.block_size, ttft_slo_s=args.ttft_slo,
+        tbt_slo_s=args.tbt_slo, kvcache_balancing_threshold=args.balancing_threshold,
+        conditional_disaggregation=not args.no_conditional_disaggregation, default_decode_s=5.0,
+    )

@@ -1,0 +1,49 @@
+"""What the conductor itself has sent to each instance, turned into the core's InstanceState.
+
+Load reports from workers lag by their publish interval; the conductor knows at once what it
+routed. So the snapshot the scheduler sees is built from this ledger: prefill work queued on
+each prefill instance (predicted seconds), sequences decoding on each decode instance, and
+sequences on their way to it (prefill not finished yet). Pure, with an explicit clock.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from conductor.core.estimators import Estimators
+from conductor.core.types import DecodeSeq, InstanceState, Role
+
+
+@dataclass
+class Ledger:
+    prefill_jobs: dict[str, float] = field(default_factory=dict)  # request -> predicted prefill s
+    incoming: dict[str, DecodeSeq] = field(default_factory=dict)  # assigned, prefill not done
+    running: dict[str, DecodeSeq] = field(default_factory=dict)  # decoding here now
+
+    def assign(self, request_id: str, prefill: "Ledger", predicted_prefill_s: float, arrival_s: float,
+               kv_tokens: int) -> None:
+        """Record a decision: prefill work on `prefill` (may be self), a sequence coming here."""
+        prefill.prefill_jobs[request_id] = predicted_prefill_s
+        self.incoming[request_id] = DecodeSeq(arrival_s + predicted_prefill_s, kv_tokens)
+
+    def prefill_done(self, request_id: str, prefill: "Ledger", now: float) -> None:
+        prefill.prefill_jobs.pop(request_id, None)
+        seq = self.incoming.pop(request_id, None)
+        if seq is not None:
+            self.running[request_id] = DecodeSeq(now, seq.kv_tokens)
+
+    def finished(self, request_id: str, prefill: "Ledger") -> None:
+        prefill.prefill_jobs.pop(request_id, None)
+        self.incoming.pop(request_id, None)
+        self.running.pop(request_id, None)
+
+    def state(self, instance_id: str, role: Role, kv_capacity_tokens: int, bandwidth_Bps: float) -> InstanceState:
+        return InstanceState(
+            instance_id=instance_id, role=role, queued_prefill_s=sum(self.prefill_jobs.values()),
+            running=tuple(self.running.values()), incoming=tuple(self.incoming.values()),
+            kv_capacity_tokens=kv_capacity_tokens or (1 << 62), bandwidth_Bps=bandwidth_Bps,
+        )
+
+
+def predicted_prefill_s(estimators: Estimators, prompt_tokens: int, cached_tokens: int) -> float:
+    return estimators.prefill_s(prompt_tokens, min(cached_tokens, prompt_tokens))

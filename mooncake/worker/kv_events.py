@@ -1,0 +1,153 @@
+"""A worker's KV events, in the conductor's terms.
+
+vLLM publishes BlockStored / BlockRemoved events (over ZMQ) keyed by its own block hashes. The
+conductor's prefix index is keyed by `mooncake.hashing`, which it computes from the prompt's
+tokens. BlockHashTranslator re-keys each stored block from the token ids inside the event,
+chained through its parent, so a hit the conductor predicts is exactly a block the engine holds.
+BlockEventLog keeps a numbered log the conductor pulls (`/internal/kv_events?since=N`), plus
+the current set, so a conductor that restarted or fell behind gets a full snapshot instead of a
+silently wrong index.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from dataclasses import dataclass
+from typing import Hashable
+
+from mooncake.hashing import BlockHash, hash_block_tokens
+
+log = logging.getLogger(__name__)
+
+
+class BlockHashTranslator:
+    def __init__(self, extra_keys: tuple = ()):
+        self._extra = extra_keys
+        self._ours: dict[Hashable, BlockHash] = {}
+
+    def stored(self, engine_hashes: list, parent: Hashable | None, token_ids: list[int],
+               block_size: int) -> list[BlockHash]:
+        if parent is not None and parent not in self._ours:
+            # We never saw the parent (events lost): its chain cannot be re-keyed, so these
+            # blocks stay out of the index. A missed hit costs a recompute, a wrong key would not.
+            return []
+        ours: BlockHash | None = self._ours.get(parent) if parent is not None else None
+        out = []
+        for i, engine_hash in enumerate(engine_hashes):
+            tokens = token_ids[i * block_size:(i + 1) * block_size]
+            if len(tokens) < block_size:
+                break
+            ours = hash_block_tokens(ours, tokens, self._extra)
+            self._ours[engine_hash] = ours
+            out.append(ours)
+        return out
+
+    def removed(self, engine_hashes: list) -> list[BlockHash]:
+        return [h for h in (self._ours.pop(e, None) for e in engine_hashes) if h is not None]
+
+    def cleared(self) -> None:
+        self._ours.clear()
+
+
+@dataclass(frozen=True)
+class EventsPage:
+    seq: int  # pass this as `since` next time
+    stored: list[BlockHash]
+    removed: list[BlockHash]
+    reset: bool  # True: replace everything known about this worker with `stored`
+
+
+class BlockEventLog:
+    """Thread-safe: the subscriber thread appends, HTTP handlers read."""
+
+    def __init__(self, max_events: int = 100_000):
+        self._lock = threading.Lock()
+        self._held: set[BlockHash] = set()
+        self._events: deque[tuple[int, str, BlockHash]] = deque(maxlen=max_events)
+        self._seq = 0
+
+    def stored(self, hashes: list[BlockHash]) -> None:
+        with self._lock:
+            for h in hashes:
+                self._held.add(h)
+                self._seq += 1
+                self._events.append((self._seq, "stored", h))
+
+    def removed(self, hashes: list[BlockHash]) -> None:
+        with self._lock:
+            for h in hashes:
+                self._held.discard(h)
+                self._seq += 1
+                self._events.append((self._seq, "removed", h))
+
+    def cleared(self) -> None:
+        with self._lock:
+            self._held.clear()
+            self._events.clear()
+            self._seq += 1  # anyone behind this point must take a snapshot
+
+    def since(self, seq: int) -> EventsPage:
+        with self._lock:
+            oldest = self._events[0][0] if self._events else self._seq + 1
+            if seq < 0 or seq > self._seq or seq + 1 < oldest:
+                return EventsPage(self._seq, sorted(self._held), [], reset=True)
+            stored = [h for s, kind, h in self._events if s > seq and kind == "stored"]
+            removed = [h for s, kind, h in self._events if s > seq and kind == "removed"]
+            return EventsPage(self._seq, stored, removed, reset=False)
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+
+class KVEventSubscriber:
+    """Reads the engine's ZMQ event stream in a thread and feeds the log."""
+
+    def __init__(self, endpoint: str, log_: BlockEventLog, translator: BlockHashTranslator):
+        self._endpoint = endpoint
+        self._log = log_
+        self._translator = translator
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kv-events", daemon=True)
+
+    def start(self) -> "KVEventSubscriber":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        import msgspec
+        import zmq
+        from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+
+        decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+        ctx = zmq.Context.instance()
+        sock = ctx.socket(zmq.SUB)
+        sock.setsockopt(zmq.SUBSCRIBE, b"")
+        sock.setsockopt(zmq.RCVTIMEO, 500)
+        sock.connect(self._endpoint)
+        last_seq = -1
+        while not self._stop.is_set():
+            try:
+                _topic, seq_bytes, payload = sock.recv_multipart()
+            except zmq.Again:
+                continue
+            seq = int.from_bytes(seq_bytes, "big")
+            if last_seq >= 0 and seq != last_seq + 1:
+                log.warning("missed KV events %d..%d; the conductor will resync", last_seq + 1, seq - 1)
+                self._translator.cleared()
+                self._log.cleared()
+            last_seq = seq
+            for event in decoder.decode(payload).events:
+                if isinstance(event, BlockStored):
+                    self._log.stored(self._translator.stored(
+                        list(event.block_hashes), event.parent_block_hash, list(event.token_ids), event.block_size))
+                elif isinstance(event, BlockRemoved):
+                    self._log.removed(self._translator.removed(list(event.block_hashes)))
+                elif isinstance(event, AllBlocksCleared):
+                    self._translator.cleared()
+                    self._log.cleared()
+        sock.close(linger=0)

@@ -1,0 +1,97 @@
+"""The router drives the real scheduling core with hand-built worker handles (no processes)."""
+
+import pytest
+
+from conductor.core.config import SchedulerConfig
+from conductor.core.estimators import Estimators
+from conductor.core.index import PrefixIndex
+from conductor.core.profile_table import load_profile
+from conductor.core.scheduler import Scheduler
+from conductor.errors import APIError
+from conductor.membership import mirror_view
+from conductor.metrics import ConductorMetrics
+from conductor.routing import Router
+from conductor.workers import WorkerHandle, WorkerPool
+from mooncake.hashing import hash_prompt_blocks
+from mooncake.registry import ClusterView, InstanceInfo, RegistryEvent
+
+BLOCK = 128
+
+
+def pool_of(*specs: tuple[str, str]) -> WorkerPool:
+    pool = WorkerPool()
+    for name, role in specs:
+        h = pool.add(f"http://{name}")
+        h.instance_id, h.role, h.ready, h.block_size, h.kv_capacity_tokens = name, role, True, BLOCK, 100_000
+    return pool
+
+
+def router(pool: WorkerPool, index: PrefixIndex | None = None, **cfg) -> Router:
+    config = SchedulerConfig(block_size=BLOCK, ttft_slo_s=cfg.pop("ttft", 60.0), tbt_slo_s=cfg.pop("tbt", 0.5),
+                             default_decode_s=5.0, **cfg)
+    est = Estimators.from_profile(load_profile("smollm2-135m-cpu"))
+    return Router(pool, index or PrefixIndex(), Scheduler(config, est), ConductorMetrics())
+
+
+def test_prefix_holder_wins_and_ledger_tracks_the_request():
+    pool = pool_of(("p1", "prefill"), ("p2", "prefill"), ("d1", "decode"))
+    prompt = list(range(1000, 3000))
+    index = PrefixIndex()
+    index.apply_stored("p2", hash_prompt_blocks(prompt, BLOCK)[:12])
+    r = router(pool, index)
+    route = r.pick("req", prompt, 16, now=0.0)
+    assert route.prefill.name == "p2" and route.decode.name == "d1"
+    assert route.decision.cached_prefix_tokens == 12 * BLOCK
+    p2, d1 = pool.handles["http://p2"], pool.handles["http://d1"]
+    assert "req" in p2.ledger.prefill_jobs and "req" in d1.ledger.incoming
+    r.first_token(route, now=1.0)
+    assert "req" not in p2.ledger.prefill_jobs and "req" in d1.ledger.running
+    r.finished(route, decode_seconds=2.0)
+    assert not d1.ledger.running and r.mean_decode_s == 2.0
+    r.finished(route, decode_seconds=9.0)  # idempotent
+    assert r.mean_decode_s == 2.0
+
+
+def test_queued_work_spreads_unrelated_requests():
+    pool = pool_of(("p1", "prefill"), ("p2", "prefill"), ("d1", "decode"))
+    r = router(pool)
+    first = r.pick("a", list(range(5000, 6500)), 8, now=0.0)
+    second = r.pick("b", list(range(7000, 8500)), 8, now=0.0)
+    assert {first.prefill.name, second.prefill.name} == {"p1", "p2"}
+
+
+def test_slo_rejection_is_429_with_retry_after_and_counted():
+    pool = pool_of(("p1", "prefill"), ("d1", "decode"))
+    r = router(pool, ttft=0.01)
+    with pytest.raises(APIError) as info:
+        r.pick("a", list(range(2000)), 8, now=0.0)
+    assert info.value.status == 429 and info.value.code == "ttft_slo"
+    assert int(info.value.headers["Retry-After"]) >= 1
+    assert r.metrics.rejections.get(reason="ttft_slo") == 1
+
+
+def test_no_decode_worker_is_503_and_no_prefill_degrades_to_colocated():
+    with pytest.raises(APIError) as info:
+        router(pool_of(("p1", "prefill"))).pick("a", [1, 2, 3], 4, now=0.0)
+    assert info.value.status == 503
+    route = router(pool_of(("d1", "decode"))).pick("a", list(range(3000)), 4, now=0.0)
+    assert route.colocated and route.decode.name == "d1"
+
+
+def test_excluded_instances_are_not_chosen():
+    pool = pool_of(("p1", "prefill"), ("p2", "prefill"), ("d1", "decode"))
+    route = router(pool).pick("a", list(range(3000)), 4, now=0.0, exclude={"p1"})
+    assert route.prefill.name == "p2"
+
+
+def test_mirror_view_adds_registered_and_drops_expired_but_keeps_static():
+    pool, index, view = WorkerPool(), PrefixIndex(), ClusterView()
+    pool.add("http://static:1", static=True)
+    info = InstanceInfo("w1", "prefill", "http://w1:1", "w1:2", "m", BLOCK, 1000, 0.0)
+    view.apply(RegistryEvent("resync", snapshot={"w1": (info, None)}), now=0.0)
+    mirror_view(view, pool, index, now=0.0)
+    assert pool.handles["http://w1:1"].kv_address == "w1:2"
+    index.apply_stored("w1", [1, 2, 3])
+    view.apply(RegistryEvent("delete", instance_id="w1"), now=1.0)
+    mirror_view(view, pool, index, now=1.0)
+    assert set(pool.handles) == {"http://static:1"} and index.block_count("w1") == 0
