@@ -119,11 +119,6 @@ def rank_and_gate(inst: InstanceState, kv_need: int, views: tuple[LoadView, Load
     gate = judge_decode(inst, kv_need, views[1], h, est, cfg, headroom)
     return DecodeChoice(inst.instance_id, rank.tbt_s, gate.problem)
 
-    _, kv = decode_load(inst, view, h, est)
-    if kv + kv_need > inst.kv_capacity_tokens * (1.0 - cfg.gate_kv_headroom):
-        return DecodeChoice(c.instance_id, c.tbt_s, RejectReason.NO_CAPACITY)
-    return c
-
 
 def choose_decode(pool: Sequence[InstanceState], kv_need: int, views: tuple[LoadView, LoadView], h: Horizon, est: Estimators, cfg: SchedulerConfig,
                   rng: random.Random | None = None) -> DecodeChoice:

@@ -16,6 +16,7 @@ relative error) from a profile table, so the same code prices a 135M model on a 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -116,3 +117,51 @@ class Estimators:
 
     def tbt_s(self, batch_size: int, kv_tokens: int) -> float:
         return self.decode.step_seconds(batch_size, kv_tokens)
+
+
+class DecodeTimeMeter:
+    """The mean decode duration t_d that prediction-based admission assumes, measured by
+    Little's law: t_d = (time-average number of sequences decoding) / (completions per second),
+    both exponentially weighted with time constant tau_s.
+
+    The plain mean of completed decode durations is biased low whenever the decode pool is
+    filling (at start, or after a burst): the short requests finish first, while the long
+    ones still running are not counted. With outputs of ~100 s that bias lasts minutes and
+    makes the forecast expect completions that do not come. Little's law counts the running
+    ones through the occupancy, so it is exact in steady state and errs high (conservative)
+    while the pool fills. Pure: the caller passes the clock; no I/O.
+    """
+
+    __slots__ = ("tau_s", "min_completions", "_t", "_n", "_area", "_rate", "_count")
+
+    def __init__(self, tau_s: float = 300.0, min_completions: int = 20) -> None:
+        if not tau_s > 0 or min_completions < 1:
+            raise ValueError("tau_s must be positive and min_completions >= 1")
+        self.tau_s, self.min_completions = tau_s, min_completions
+        self._t, self._n, self._area, self._rate, self._count = 0.0, 0, 0.0, 0.0, 0
+
+    def _advance(self, now: float) -> None:
+        dt = now - self._t
+        if dt > 0:
+            decay = math.exp(-dt / self.tau_s)
+            self._area = self._area * decay + self._n * self.tau_s * (1.0 - decay)
+            self._rate *= decay
+            self._t = now
+
+    def set_decoding(self, now: float, n: int) -> None:
+        """The number of sequences decoding changed to n at time now."""
+        self._advance(now)
+        self._n = n
+
+    def completed(self, now: float, k: int = 1) -> None:
+        """k sequences finished decoding at time now."""
+        self._advance(now)
+        self._rate += k
+        self._count += k
+
+    def mean_decode_s(self, now: float) -> float | None:
+        """t_d, or None until min_completions sequences have finished."""
+        self._advance(now)
+        if self._count < self.min_completions or self._rate <= 0:
+            return None
+        return self._area / self._rate

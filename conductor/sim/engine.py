@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from tqdm import tqdm
 
 from conductor.core.config import Admission
+from conductor.core.estimators import DecodeTimeMeter
 from conductor.core.policies import prefix_tokens
 from conductor.core.scheduler import Scheduler
 from conductor.core.types import ClusterState, Decision, Rejection, Request
@@ -55,6 +56,12 @@ class SimConfig:
     """Load timeline resolution, simulated seconds."""
     min_decode_samples: int = 20
     """Completed requests needed before the measured mean decode time is reported."""
+    decode_time: str = "little"
+    """How the shell measures the mean decode time t_d it reports to the scheduler: "little"
+    (Little's law, occupancy / completion rate, exponentially weighted; core DecodeTimeMeter)
+    or "mean" (mean of the completed decode durations so far, biased low while the pool fills)."""
+    decode_time_tau_s: float = 300.0
+    """Time constant of the "little" meter, simulated seconds."""
     progress: bool = False
     """Show a tqdm progress bar on stderr."""
 
@@ -67,6 +74,8 @@ class SimConfig:
             raise ValueError("cache, KV capacity and block size must be positive")
         if self.bandwidth_Bps <= 0 or self.sample_interval_s <= 0:
             raise ValueError("bandwidth and sample interval must be positive")
+        if self.decode_time not in ("little", "mean"):
+            raise ValueError(f"decode_time must be 'little' or 'mean', got {self.decode_time!r}")
 
 
 class Simulation:
@@ -86,6 +95,8 @@ class Simulation:
         self._seq = 0
         self._coloc: dict[str, Job | None] = {d: None for d in self.decodes}
         self._decode_sum, self._decode_n = 0.0, 0
+        self._meter = DecodeTimeMeter(config.decode_time_tau_s, config.min_decode_samples)
+        self._n_decoding = 0
         self._wasted_prefill_s = 0.0
         self._live = 0  # events other than SAMPLE still queued
 
@@ -127,7 +138,10 @@ class Simulation:
     def _state(self, now: float) -> ClusterState:
         insts = tuple(p.snapshot(now) for p in self.prefills.values()) + \
             tuple(d.snapshot(now) for d in self.decodes.values())
-        mean = self._decode_sum / self._decode_n if self._decode_n >= self.config.min_decode_samples else None
+        if self.config.decode_time == "little":
+            mean = self._meter.mean_decode_s(now)
+        else:
+            mean = self._decode_sum / self._decode_n if self._decode_n >= self.config.min_decode_samples else None
         return ClusterState(insts, self.index, mean)
 
     def _full_blocks(self, rec: TraceRecord) -> tuple[int, ...]:
@@ -213,6 +227,8 @@ class Simulation:
     def _admit_waiting(self, d: DecodeNode, now: float) -> None:
         while d.waiting and d.kv_tokens + d.waiting[0].prompt <= d.kv_capacity:
             d.join(d.waiting.popleft(), now)
+            self._n_decoding += 1
+            self._meter.set_decoding(now, self._n_decoding)
 
     def _start_step(self, d: DecodeNode, now: float) -> None:
         self._admit_waiting(d, now)
@@ -237,7 +253,12 @@ class Simulation:
         if d.running:
             d.step += 1
             d.kv_tokens += len(d.running)
-            for job in d.finish_due():
+            done = d.finish_due()
+            if done:
+                self._n_decoding -= len(done)
+                self._meter.completed(now, len(done))
+                self._meter.set_decoding(now, self._n_decoding)
+            for job in done:
                 self._decode_sum += now - job.join_s
                 self._decode_n += 1
                 self._complete(job, now)

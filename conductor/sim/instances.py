@@ -136,5 +136,7 @@ class DecodeNode:
             self._snap_running = tuple(DecodeSeq(j.join_s, self.kv_of(j)) for j in self.running.values())
             self._snap_key = key
         incoming = tuple(DecodeSeq(j.predicted_arrival_s, j.prompt) for j in self.incoming.values())
+        if self.waiting:  # arrived, not yet in the batch (no KV room at the last step boundary)
+            incoming += tuple(DecodeSeq(now, j.prompt) for j in self.waiting)
         return InstanceState(self.id, Role.DECODE, queued_prefill_s=self.coloc_pred_s, running=self._snap_running,
                              incoming=incoming, kv_capacity_tokens=self.kv_capacity, bandwidth_Bps=self.bandwidth_Bps)

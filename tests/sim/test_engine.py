@@ -88,3 +88,31 @@ def test_cli_help_describes_every_option(capsys):
     for opt in ("--trace", "--prefill", "--decode", "--policy", "--admission", "--speedup", "--ttft-slo",
                 "--tbt-slo", "--json", "--plot"):
         assert opt in text
+
+
+def test_requests_waiting_for_kv_room_are_visible_to_the_scheduler():
+    from conductor.sim.instances import DecodeNode, Job
+
+    d = DecodeNode("d0", kv_capacity=10_000, bandwidth_Bps=1e9)
+    d.join(Job(0, 0.0, 9000, 100, (), "d0", 1.0, 1.0), 0.0)
+    d.waiting.append(Job(1, 0.0, 5000, 100, (), "d0", 1.0, 1.0))
+    snap = d.snapshot(2.0)
+    assert len(snap.running) == 1 and [s.kv_tokens for s in snap.incoming] == [5000]
+
+
+def test_shell_reports_littles_law_decode_time_not_the_completed_mean(small_trace):
+    from conductor.core import Estimators
+    from conductor.core.scheduler import Scheduler
+    from conductor.sim.cost_model import CostModel, CostModelConfig
+    from conductor.sim.engine import SimConfig, Simulation
+
+    est = Estimators.from_profile(PROFILE)
+    seen = {}
+    for mode in ("little", "mean"):
+        sim = Simulation(small_trace, Scheduler(SchedulerConfig(admission="prediction"), est),
+                         CostModel(est, CostModelConfig()), SimConfig(n_prefill=2, n_decode=2, decode_time=mode))
+        sim.run()
+        seen[mode] = sim._state(sim.outcomes[-1].finish_s or 0.0).mean_decode_s
+    assert seen["little"] is not None and seen["mean"] is not None and seen["little"] != seen["mean"]
+    with pytest.raises(ValueError):
+        SimConfig(decode_time="median")
