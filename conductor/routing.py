@@ -13,6 +13,7 @@ what the decision predicts when fetch_from is None.
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, field
 
@@ -25,6 +26,7 @@ from conductor.metrics import ConductorMetrics
 from conductor.workers import WorkerHandle, WorkerPool
 from mooncake.hashing import hash_prompt_blocks
 
+log = logging.getLogger(__name__)
 DEFAULT_BANDWIDTH_BPS = 2e9  # loopback TCP measured here; replaced per instance when measured
 
 
@@ -78,6 +80,8 @@ class Router:
             if allow_none:
                 return None
             self.metrics.rejections.inc(reason=str(result.reason))
+            log.info("rejected %s (%d prompt tokens): %s, retry after %.1f s", request_id, len(prompt),
+                     result.reason, result.retry_after_s)
             raise APIError(429, _rejection_message(result), code=str(result.reason),
                            headers={"Retry-After": str(max(1, math.ceil(result.retry_after_s)))})
         route = Route(handles[result.prefill_instance], handles[result.decode_instance], request_id, result)

@@ -50,6 +50,12 @@ class SchedulerConfig:
     gate_kv_headroom: float = 0.0
     """Fraction of each decode instance's KV capacity that the early and prediction gates keep
     free as a margin for forecast error (the decode side's own check uses all of it)."""
+    decode_hold_s: float = 0.0
+    """How long a decode instance may hold an arriving prefilled request whose KV does not fit
+    yet (its KV waits in the node's DRAM), re-checking at each step boundary, before refusing
+    it. 0 = refuse at once (the paper's behaviour). The wait shows up in that request's TBT
+    (between its first and second token). Implemented by the shell (the simulator; the live
+    decode worker still refuses at once)."""
     min_retry_after_s: float = 1.0
     """Floor of Retry-After (clients should not hammer)."""
     max_retry_after_s: float = 300.0
@@ -74,6 +80,8 @@ class SchedulerConfig:
             raise ValueError(f"decode_forecast must be 'fluid' or 'age', got {self.decode_forecast!r}")
         if not 0.0 <= self.gate_kv_headroom < 1.0:
             raise ValueError(f"gate_kv_headroom must be in [0, 1), got {self.gate_kv_headroom}")
+        if not (self.decode_hold_s >= 0 and math.isfinite(self.decode_hold_s)):
+            raise ValueError(f"decode_hold_s must be a finite number of seconds >= 0, got {self.decode_hold_s}")
         if self.colocate_max_new_tokens < 0:
             raise ValueError("colocate_max_new_tokens must be >= 0")
         if not 0 <= self.min_retry_after_s <= self.max_retry_after_s:

@@ -65,6 +65,12 @@ def build_parser() -> argparse.ArgumentParser:
                     metavar="T", help="largest uncached prompt part prefilled in one step on a decode instance")
     ap.add_argument("--gate-headroom", type=float, default=0.0, metavar="F",
                     help="fraction of decode KV capacity the early/prediction gates keep free for forecast error")
+    ap.add_argument("--decode-hold", type=float, default=0.0, metavar="S",
+                    help="a decode instance holds an arriving prefilled request that does not fit for up to S "
+                         "seconds (re-checking every step) before refusing it; 0 = refuse at once")
+    ap.add_argument("--decode-time", choices=["little", "mean"], default="little",
+                    help="how the simulated shell measures the mean decode time t_d for prediction: little "
+                         "(occupancy / completion rate) or mean (of completed decodes; biased low while filling)")
     ap.add_argument("--forecast", choices=["fluid", "age"], default="fluid",
                     help="prediction's forecast of running sequences: fluid (Little's law) or age (paper's wording: "
                          "gone t_d after they start)")
@@ -92,12 +98,15 @@ def main(argv: list[str] | None = None) -> int:
                                 kvcache_balancing_threshold=args.threshold,
                                 conditional_disaggregation=not args.no_colocate,
                                 colocate_max_new_tokens=args.colocate_max_tokens, seed=args.seed,
-                                gate_kv_headroom=args.gate_headroom, decode_forecast=args.forecast)
+                                gate_kv_headroom=args.gate_headroom, decode_forecast=args.forecast,
+                                decode_hold_s=args.decode_hold)
         if args.limit is not None:
             if args.limit <= 0:
                 raise ValueError("--limit must be positive")
             trace = trace[: args.limit]
-        overrides = {} if args.prefill_cache_blocks is None else {"prefill_cache_blocks": args.prefill_cache_blocks}
+        overrides = {"decode_time": args.decode_time}
+        if args.prefill_cache_blocks is not None:
+            overrides["prefill_cache_blocks"] = args.prefill_cache_blocks
         res = simulate(trace, sched, profile, args.prefill, args.decode, args.speedup, args.noise, args.seed,
                        progress=not args.no_progress and sys.stderr.isatty(), **overrides)
     except (TraceError, ValueError, FileNotFoundError) as exc:

@@ -207,21 +207,50 @@ class Simulation:
         d = self.decodes[job.decode_id]
         del d.incoming[job.rid]
         if self.scheduler.config.admission is not Admission.NONE:
-            reason = self.scheduler.decode_admits(d.snapshot(now), job.prompt + sum(j.prompt for j in d.waiting))
+            hold = self.scheduler.config.decode_hold_s
+            if hold > 0 and (d.held or self._decode_refuses(d, job, now)):
+                job.hold_until_s = now + hold  # FIFO behind earlier held arrivals
+                d.held.append(job)
+                self._release_held(d, now)
+                if not d.stepping:
+                    self._start_step(d, now)
+                return
+            reason = self._decode_refuses(d, job, now)
             if reason is not None:
-                self._wasted_prefill_s += job.prefill_actual_s
-                self.outcomes.append(Outcome(rid=job.rid, arrival_s=job.arrival_s, prompt=job.prompt,
-                                             output=job.output, status="rejected", reason=f"decode_{reason.value}",
-                                             ttft_s=job.first_token_s - job.arrival_s))
+                self._refuse_after_prefill(job, reason.value)
                 return
         self._enter_decode(d, job, now)
 
-    def _enter_decode(self, d: DecodeNode, job: Job, now: float) -> None:
+    def _decode_refuses(self, d: DecodeNode, job: Job, now: float):
+        return self.scheduler.decode_admits(d.snapshot(now), job.prompt + sum(j.prompt for j in d.waiting))
+
+    def _refuse_after_prefill(self, job: Job, reason: str) -> None:
+        self._wasted_prefill_s += job.prefill_actual_s
+        self.outcomes.append(Outcome(rid=job.rid, arrival_s=job.arrival_s, prompt=job.prompt, output=job.output,
+                                     status="rejected", reason=f"decode_{reason}",
+                                     ttft_s=job.first_token_s - job.arrival_s))
+
+    def _release_held(self, d: DecodeNode, now: float) -> None:
+        """At a step boundary (or an arrival): admit held requests in order while they fit;
+        refuse those whose hold has expired, or that cannot fit even on an empty node."""
+        while d.held:
+            job = d.held[0]
+            reason = self._decode_refuses(d, job, now)
+            if reason is None:
+                d.held.popleft()
+                self._enter_decode(d, job, now, start=False)
+            elif now >= job.hold_until_s or (not d.running and not d.waiting):
+                d.held.popleft()
+                self._refuse_after_prefill(job, reason.value)
+            else:
+                break
+
+    def _enter_decode(self, d: DecodeNode, job: Job, now: float, start: bool = True) -> None:
         if job.output <= 1:
             self._complete(job, now)
             return
         d.waiting.append(job)  # joins at the next step boundary, when KV room allows
-        if not d.stepping:
+        if start and not d.stepping:
             self._start_step(d, now)
 
     def _admit_waiting(self, d: DecodeNode, now: float) -> None:
@@ -231,6 +260,8 @@ class Simulation:
             self._meter.set_decoding(now, self._n_decoding)
 
     def _start_step(self, d: DecodeNode, now: float) -> None:
+        if d.held:
+            self._release_held(d, now)
         self._admit_waiting(d, now)
         batch = len(d.running)
         dur = self.cost.decode_step_s(batch, d.kv_tokens) if batch else 0.0

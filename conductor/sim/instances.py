@@ -33,6 +33,7 @@ class Job:
     prefill_actual_s: float = 0.0
     # decode-side bookkeeping
     join_s: float = 0.0
+    hold_until_s: float = 0.0
     join_step: int = 0
 
 
@@ -100,6 +101,7 @@ class DecodeNode:
         self.finishing: list[_Finish] = []  # heap by the step at which each sequence ends
         self.incoming: dict[int, Job] = {}
         self.waiting: deque[Job] = deque()  # admitted but no KV room yet (admission "none")
+        self.held: deque[Job] = deque()  # refused on arrival, held until room or hold_until_s
         self.coloc_queue: deque[Job] = deque()
         self.coloc_pred_s = 0.0
         self.step = 0  # steps completed
@@ -136,7 +138,7 @@ class DecodeNode:
             self._snap_running = tuple(DecodeSeq(j.join_s, self.kv_of(j)) for j in self.running.values())
             self._snap_key = key
         incoming = tuple(DecodeSeq(j.predicted_arrival_s, j.prompt) for j in self.incoming.values())
-        if self.waiting:  # arrived, not yet in the batch (no KV room at the last step boundary)
-            incoming += tuple(DecodeSeq(now, j.prompt) for j in self.waiting)
+        if self.waiting or self.held:  # arrived, not yet in the batch (no KV room yet)
+            incoming += tuple(DecodeSeq(now, j.prompt) for j in (*self.waiting, *self.held))
         return InstanceState(self.id, Role.DECODE, queued_prefill_s=self.coloc_pred_s, running=self._snap_running,
                              incoming=incoming, kv_capacity_tokens=self.kv_capacity, bandwidth_Bps=self.bandwidth_Bps)

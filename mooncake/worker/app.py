@@ -160,8 +160,8 @@ async def _stream(state: WorkerState, gen: GenerateRequest):
         async for chunk in run_request(state.engine, gen):
             if entry.first_token_at is None and chunk.token_ids:
                 entry.first_token_at = time.monotonic()
-                state.metrics.observe_first_token(entry.first_token_at - entry.started_at)
-            state.metrics.generated_tokens += len(chunk.token_ids)
+                state.metrics.first_token.observe(entry.first_token_at - entry.started_at)
+            state.metrics.generated_tokens.inc(len(chunk.token_ids))
             yield json.dumps(chunk.to_dict()) + "\n"
         outcome = "ok"
     except asyncio.CancelledError:
@@ -172,8 +172,8 @@ async def _stream(state: WorkerState, gen: GenerateRequest):
         yield json.dumps(GenerateChunk([], finish_reason="error", error=str(exc)).to_dict()) + "\n"
     finally:
         state.in_flight.pop(gen.request_id, None)
-        state.metrics.prompt_tokens += entry.prompt_tokens
-        state.metrics.requests[outcome] = state.metrics.requests.get(outcome, 0) + 1
+        state.metrics.prompt_tokens.inc(entry.prompt_tokens)
+        state.metrics.requests.inc(outcome=outcome)
 
 
 async def _start_engine(state: WorkerState) -> None:

@@ -84,7 +84,9 @@ def cluster(model_path, tmp_path_factory):
     etcd.start()
     c = EtcdCluster(etcd, model_path, workdir)
     try:
-        c.conductor = c.start_conductor()
+        # A generous TTFT SLO: these tests are about routing and failures on two shared cores;
+        # refusals under the SLO have their own test with a strict conductor.
+        c.conductor = c.start_conductor("--ttft-slo", "600")
         for name in (*PREFILLS, "decode-a"):
             c.start_worker(name)
         wait_http(c.conductor, f"http://127.0.0.1:{c.port}/health", 400)
@@ -138,7 +140,7 @@ def _traffic(api: str, n: int, tag: str) -> list[tuple[str, str]]:
     def one(i: int) -> tuple[str, str]:
         try:
             raw = client.completions.with_raw_response.create(
-                model=MODEL_NAME, prompt=words(500, f"{tag}{i}_") + uuid.uuid4().hex, max_tokens=24,
+                model=MODEL_NAME, prompt=words(150, f"{tag}{i}_") + uuid.uuid4().hex, max_tokens=24,
                 temperature=0, stream=True, extra_body={"ignore_eos": True})
             text = "".join(c.choices[0].text for c in raw.parse() if c.choices)
             return ("ok" if text else "empty", raw.headers.get("x-mooncake-prefill", ""))
@@ -200,7 +202,8 @@ def test_request_no_instance_can_serve_within_slo_gets_429(cluster):
     strict = cluster.start_conductor("--ttft-slo", "0.05", port=port)
     try:
         wait_http(strict, f"http://127.0.0.1:{port}/health", 120)
-        cluster.wait_ready({*PREFILLS, "decode-a"}, port=port)
+        alive = {name for name, proc in cluster.workers.items() if proc.alive()}
+        cluster.wait_ready(alive, port=port)
         resp = complete(f"http://127.0.0.1:{port}/v1", words(1500, "slo"))
         assert resp.status_code == 429, resp.text
         assert resp.json()["error"]["code"] == "ttft_slo"

@@ -116,3 +116,24 @@ def test_shell_reports_littles_law_decode_time_not_the_completed_mean(small_trac
     assert seen["little"] is not None and seen["mean"] is not None and seen["little"] != seen["mean"]
     with pytest.raises(ValueError):
         SimConfig(decode_time="median")
+
+
+def test_decode_hold_turns_late_refusals_into_admissions():
+    rows = [TraceRecord(i, i * 10.0, 8192, 400, ()) for i in range(6)]
+    sim = dict(decode_kv_capacity_tokens=20_000)
+    refuse = summarize(simulate(rows, SchedulerConfig(admission="baseline"), PROFILE, 4, 1, **sim), 30, 0.1)
+    held = summarize(simulate(rows, SchedulerConfig(admission="baseline", decode_hold_s=600.0), PROFILE, 4, 1, **sim),
+                     30, 0.1)
+    short = summarize(simulate(rows, SchedulerConfig(admission="baseline", decode_hold_s=1.0), PROFILE, 4, 1, **sim),
+                      30, 0.1)
+    assert refuse["wasted_prefills"] == 4 and short["wasted_prefills"] == 4
+    assert held["wasted_prefills"] == 0 and held["completed"] == 6
+    with pytest.raises(ValueError):
+        SchedulerConfig(decode_hold_s=-1.0)
+
+
+def test_held_request_that_can_never_fit_is_refused_at_once():
+    rows = [TraceRecord(0, 0.0, 30_000, 10, ())]
+    s = summarize(simulate(rows, SchedulerConfig(admission="baseline", decode_hold_s=600.0), PROFILE, 1, 1,
+                           decode_kv_capacity_tokens=20_000), 30, 0.1)
+    assert s["rejected_by_reason"] == {"decode_no_capacity": 1} and s["makespan_s"] < 60
