@@ -2,6 +2,7 @@
 
   PYTHONPATH=. .venv/bin/python benchmarks/make_trace.py --preset chat --out benchmarks/out/chat.jsonl
   PYTHONPATH=. .venv/bin/python benchmarks/make_trace.py --preset longgen --out benchmarks/out/longgen.jsonl
+  PYTHONPATH=. .venv/bin/python benchmarks/make_trace.py --preset coupled --out benchmarks/out/coupled.jsonl
   PYTHONPATH=. .venv/bin/python benchmarks/sim_policies.py --write
 
 Setting: 8 prefill + 8 decode instances, profile paper-70b-8gpu (LLaMA2-70B-class on 8x A800,
@@ -27,7 +28,8 @@ from conductor.sim.trace import load_trace
 ROOT = pathlib.Path(__file__).resolve().parent
 PLOTS = ROOT / "plots"
 TRACES = {"released synthetic": "/work/shared/traces/synthetic_trace.jsonl",
-          "ours: chat": str(ROOT / "out/chat.jsonl"), "ours: longgen": str(ROOT / "out/longgen.jsonl")}
+          "ours: chat": str(ROOT / "out/chat.jsonl"), "ours: longgen": str(ROOT / "out/longgen.jsonl"),
+          "ours: coupled": str(ROOT / "out/coupled.jsonl")}
 POLICIES = ["random", "load-balance", "cache-aware", "kvcache-centric"]
 PAPER_TTFT = {"random": 19.65, "load-balance": 5.27, "cache-aware": 3.58, "kvcache-centric": 3.07}
 ADMISSIONS = [("none", {}), ("baseline", {}), ("early", {}), ("prediction", {}),
@@ -68,7 +70,7 @@ def overload(profile, out: list[str]) -> None:
             "| trace | admission | rejected | of which after prefill (wasted) | completed | completed within SLO "
             "| goodput req/s | mean TTFT s | p90 TBT s |", "|---|---|---|---|---|---|---|---|---|",
             "| paper (real trace, 2x) | baseline / early / prediction | 4183 / 3771 / 3589 | - | - | - | - | - | - |"]
-    for name in ("released synthetic", "ours: longgen"):
+    for name in ("released synthetic", "ours: longgen", "ours: coupled"):
         trace = load_trace(TRACES[name])
         for label, extra in ADMISSIONS:
             adm = label.split(" ")[0]

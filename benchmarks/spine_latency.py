@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import httpx
 import openai
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -98,6 +99,17 @@ def summarize(samples: list[Sample]) -> dict:
             "mean_tokens": statistics.mean([s.tokens for s in ok]) if ok else 0}
 
 
+def route_counts(base_url: str) -> dict[str, int]:
+    """How the conductor routed the requests (disaggregated or colocated), from its /metrics."""
+    text = httpx.get(base_url.removesuffix("/v1") + "/metrics", timeout=10).text
+    counts = {}
+    for line in text.splitlines():
+        if line.startswith("mooncake_routes_total{"):
+            kind = line.split('kind="', 1)[1].split('"', 1)[0]
+            counts[kind] = int(float(line.rsplit(" ", 1)[1]))
+    return counts
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=16, help="requests per system")
@@ -109,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--model", default=None, help="model folder (default: prepared SmolLM2-135M)")
     ap.add_argument("--log-dir", default="benchmarks/out/logs", help="server logs go here")
+    ap.add_argument("--always-disaggregate", action="store_true",
+                    help="start the conductor with --no-conditional-disaggregation (every request P then D)")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     args = ap.parse_args(argv)
 
@@ -118,8 +132,10 @@ def main(argv: list[str] | None = None) -> int:
     prompts = make_prompts(args.requests, args.min_len, args.max_len, args.seed)
     results = {}
     log_dir = Path(args.log_dir)
-    with mooncake_cluster(model, log_dir, dtype=args.dtype) as url:
+    extra = ["--no-conditional-disaggregation"] if args.always_disaggregate else []
+    with mooncake_cluster(model, log_dir, extra=extra, dtype=args.dtype) as url:
         results["mooncake"] = summarize(asyncio.run(run_load(url, prompts, args.output_tokens, args.rate, args.seed)))
+        results["mooncake"]["routes"] = route_counts(url)
     with colocated_vllm(model, log_dir, dtype=args.dtype) as url:
         results["colocated"] = summarize(asyncio.run(run_load(url, prompts, args.output_tokens, args.rate, args.seed)))
     if args.json:
@@ -132,6 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     for key in ("ttft_p50", "ttft_p90", "tbt_p50", "tbt_p90", "tbt_max", "e2e_p50", "e2e_p90"):
         print(f"{key:<10}{m[key]:>15.3f}s{c[key]:>15.3f}s{m[key] / c[key]:>8.2f}")
     print(f"errors: mooncake {m['errors']}, colocated {c['errors']}")
+    routes = ", ".join(f"{kind} {n}" for kind, n in sorted(m["routes"].items())) or "none counted"
+    print(f"mooncake routes (incl. warm-up): {routes}")
     return 0
 
 

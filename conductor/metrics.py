@@ -16,6 +16,9 @@ class ConductorMetrics:
         "mooncake_requests_total", "Requests answered, by endpoint and HTTP status."))
     rejections: Counter = field(default_factory=lambda: Counter(
         "mooncake_rejections_total", "Requests refused before any work, by reason."))
+    routes: Counter = field(default_factory=lambda: Counter(
+        "mooncake_routes_total", "Requests routed, by kind: disaggregated (prefill worker, then decode "
+        "worker) or colocated (prefilled on the decode worker itself)."))
     retries: Counter = field(default_factory=lambda: Counter(
         "mooncake_retries_total", "Requests moved to another worker after a failure, by stage."))
     prompt_tokens: Counter = field(default_factory=lambda: Counter(
@@ -33,7 +36,7 @@ class ConductorMetrics:
 
     def render(self, in_flight: int, ready_workers: dict[str, int]) -> str:
         lines: list[str] = []
-        for inst in (self.requests, self.rejections, self.retries, self.prompt_tokens,
+        for inst in (self.requests, self.rejections, self.routes, self.retries, self.prompt_tokens,
                      self.cached_prompt_tokens, self.generated_tokens, self.ttft, self.tbt, self.e2e):
             lines += inst.render()
         lines += gauge("mooncake_in_flight_requests", "Requests in progress.", in_flight)

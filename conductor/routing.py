@@ -91,6 +91,7 @@ class Router:
         route.kv_tokens = len(prompt) + max_tokens
         seconds = predicted_prefill_s(self.scheduler.estimators, len(prompt), cached)
         route.decode.ledger.assign(route.request_id, route.prefill.ledger, seconds, now, route.kv_tokens)
+        self.metrics.routes.inc(kind="colocated" if route.colocated else "disaggregated")
         return route
 
     def first_token(self, route: Route, now: float) -> None:

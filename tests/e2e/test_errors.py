@@ -112,8 +112,14 @@ def test_api_key_is_enforced_with_401(spine_cluster, model_path, log_dir):
 
 
 def test_metrics_have_units_and_count_requests(spine_cluster):
+    served = httpx.post(spine_cluster.base_url + "/v1/completions", timeout=120, json={
+        "model": MODEL_NAME, "prompt": "One, two, three,", "max_tokens": 2, "temperature": 0})
+    assert served.status_code == 200, served.text
     text = httpx.get(spine_cluster.base_url + "/metrics").text
     assert "mooncake_time_to_first_token_seconds_bucket" in text
     assert 'mooncake_requests_total{endpoint="completions",status="400"}' in text
+    # Every served request was routed one way or the other.
+    routed = [line for line in text.splitlines() if line.startswith("mooncake_routes_total{kind=")]
+    assert routed and sum(float(line.rsplit(" ", 1)[1]) for line in routed) >= 1, routed
     worker = httpx.get(spine_cluster.worker_urls["decode"] + "/metrics").text
     assert "mooncake_kv_loaded_bytes_total" in worker

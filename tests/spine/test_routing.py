@@ -44,6 +44,7 @@ def test_prefix_holder_wins_and_ledger_tracks_the_request():
     assert route.decision.cached_prefix_tokens == 12 * BLOCK
     p2, d1 = pool.handles["http://p2"], pool.handles["http://d1"]
     assert "req" in p2.ledger.prefill_jobs and "req" in d1.ledger.incoming
+    assert r.metrics.routes.get(kind="disaggregated") == 1 and r.metrics.routes.get(kind="colocated") == 0
     r.first_token(route, now=1.0)
     assert "req" not in p2.ledger.prefill_jobs and "req" in d1.ledger.running
     r.finished(route, decode_seconds=2.0)
@@ -74,8 +75,10 @@ def test_no_decode_worker_is_503_and_no_prefill_degrades_to_colocated():
     with pytest.raises(APIError) as info:
         router(pool_of(("p1", "prefill"))).pick("a", [1, 2, 3], 4, now=0.0)
     assert info.value.status == 503
-    route = router(pool_of(("d1", "decode"))).pick("a", list(range(3000)), 4, now=0.0)
+    alone = router(pool_of(("d1", "decode")))
+    route = alone.pick("a", list(range(3000)), 4, now=0.0)
     assert route.colocated and route.decode.name == "d1"
+    assert alone.metrics.routes.get(kind="colocated") == 1
 
 
 def test_excluded_instances_are_not_chosen():
