@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from mooncake.promtext import Counter, Histogram, gauge
+from mooncake.promtext import Counter, Histogram, gauge, gauge_family
 
 _LATENCY_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0)
 _TBT_S = (0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 1.0, 2.0)
@@ -40,6 +40,6 @@ class ConductorMetrics:
                      self.cached_prompt_tokens, self.generated_tokens, self.ttft, self.tbt, self.e2e):
             lines += inst.render()
         lines += gauge("mooncake_in_flight_requests", "Requests in progress.", in_flight)
-        for role, count in sorted(ready_workers.items()):
-            lines += gauge("mooncake_ready_workers", "Workers whose engine is ready, by role.", count, role=role)
+        lines += gauge_family("mooncake_ready_workers", "Workers whose engine is ready, by role.", "role",
+                              ready_workers)
         return "\n".join(lines) + "\n"

@@ -59,3 +59,10 @@ class Histogram:
 
 def gauge(name: str, help: str, value: float, **labels: str) -> list[str]:
     return [f"# HELP {name} {help}", f"# TYPE {name} gauge", f"{name}{_labels(labels)} {value:g}"]
+
+
+def gauge_family(name: str, help: str, label: str, values: dict[str, float]) -> list[str]:
+    """One gauge with a sample per label value. HELP and TYPE appear once: Prometheus refuses a
+    scrape that repeats them for the same metric name."""
+    return [f"# HELP {name} {help}", f"# TYPE {name} gauge",
+            *(f"{name}{_labels({label: key})} {value:g}" for key, value in sorted(values.items()))]

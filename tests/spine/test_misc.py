@@ -2,6 +2,7 @@ import socket
 
 import pytest
 
+from conductor.metrics import ConductorMetrics
 from messenger.tcp import TcpClient, TcpServer, TransferError, parse_address
 from messenger.wire import WireError, decode_prefix, encode_prefix
 from mooncake.connector.params import PullParams, PushParams, parse_pull, parse_push
@@ -50,3 +51,17 @@ def test_tcp_request_reply_and_errors():
     with pytest.raises(TransferError):
         TcpClient().request(f"127.0.0.1:{free}", {"op": "ping"})
     assert parse_address("[::1]:80") == ("::1", 80)
+
+
+def test_metrics_text_declares_each_family_once():
+    metrics = ConductorMetrics()
+    metrics.requests.inc(endpoint="completions", status="200")
+    metrics.routes.inc(kind="colocated")
+    metrics.ttft.observe(0.3)
+    text = metrics.render(in_flight=2, ready_workers={"prefill": 2, "decode": 1})
+    helps = [line.split()[2] for line in text.splitlines() if line.startswith("# HELP ")]
+    assert len(helps) == len(set(helps)), helps
+    assert 'mooncake_ready_workers{role="decode"} 1' in text and 'mooncake_ready_workers{role="prefill"} 2' in text
+    for line in text.splitlines():
+        if not line.startswith("#"):
+            float(line.rsplit(" ", 1)[1])  # every sample ends in a number
