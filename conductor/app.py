@@ -170,7 +170,7 @@ class BodyLimitMiddleware:
 
 
 class _BodyTooLarge(Exception):
-    pass
+    """The request body passed the size limit while it was being read."""
 
 
 async def _too_large(send, limit: int) -> None:

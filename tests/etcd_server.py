@@ -9,11 +9,12 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import time
 import urllib.request
 from pathlib import Path
+
+from messenger.tcp import free_port
 
 MISSING = ("etcd binary not found on PATH or at /usr/bin/etcd. `make test` installs it "
            "(Debian: apt-get install -y etcd-server etcd-client); see docs/REGISTRY.md.")
@@ -26,12 +27,6 @@ def find_etcd() -> str:
     if path is None:
         raise RuntimeError(MISSING)
     return path
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class EtcdServer:

@@ -13,13 +13,9 @@ from pathlib import Path
 
 import httpx
 
+from messenger.tcp import free_port
+
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def free_port_block(n: int) -> int:

@@ -51,7 +51,7 @@ class StagedTransfer:
 
 
 class StagingFull(RuntimeError):
-    pass
+    """Staging a transfer would pass the byte budget; the sender fails it and decode recomputes."""
 
 
 class KVStaging:

@@ -3,18 +3,12 @@
 from __future__ import annotations
 
 import logging
-import socket
 
 import uvicorn
 
+from messenger.tcp import free_port
 from mooncake.worker.app import create_app
 from mooncake.worker.config import WorkerConfig
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
 
 
 def run_worker(config: WorkerConfig) -> None:

@@ -8,6 +8,7 @@ import httpx
 import uvicorn
 from fastapi import FastAPI
 
+from messenger.tcp import free_port
 from mooncake.registry import (ClusterView, InstanceInfo, InstanceLoad, MemoryRegistry,
                                RegistryConfig, ViewConfig, open_registry)
 from mooncake.registry.http import HttpRegistryClient, registry_router
@@ -62,12 +63,6 @@ class Conductor:
 
     def ids(self) -> set[str]:
         return {i.instance_id for i in self.view.instances()}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_workers_register_expire_and_survive_conductor_restart() -> None:
