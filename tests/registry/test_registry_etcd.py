@@ -12,6 +12,7 @@ import pytest
 from mooncake.registry import (ClusterView, InstanceInfo, InstanceLoad, RegistryConfig,
                                open_registry)
 from mooncake.registry.etcd import EtcdRegistry
+from tests.registry.support import info, run, wait_until
 
 pytestmark = pytest.mark.etcd
 REPO = Path(__file__).resolve().parents[2]
@@ -21,24 +22,6 @@ def cfg_for(server, **kw) -> RegistryConfig:
     base = dict(url=server.url, ttl_s=2.0, keepalive_interval_s=0.3, request_timeout_s=1.0,
                 retry_min_s=0.05, retry_max_s=0.3)
     return RegistryConfig(**{**base, **kw})
-
-
-def info(iid: str, role: str = "prefill") -> InstanceInfo:
-    return InstanceInfo(iid, role, f"http://127.0.0.1:1/{iid}", "127.0.0.1:2", "m", 16, 64,
-                        time.time())
-
-
-def run(coro, timeout: float = 40.0):
-    return asyncio.run(asyncio.wait_for(coro, timeout))
-
-
-async def wait_until(pred, timeout: float = 5.0, what: str = "condition") -> float:
-    start = time.monotonic()
-    while not pred():
-        if time.monotonic() - start > timeout:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        await asyncio.sleep(0.02)
-    return time.monotonic() - start
 
 
 class Follower:

@@ -9,27 +9,10 @@ import uvicorn
 from fastapi import FastAPI
 
 from messenger.tcp import free_port
-from mooncake.registry import (ClusterView, InstanceInfo, InstanceLoad, MemoryRegistry,
+from mooncake.registry import (ClusterView, InstanceLoad, MemoryRegistry,
                                RegistryConfig, ViewConfig, open_registry)
 from mooncake.registry.http import HttpRegistryClient, registry_router
-
-
-def info(iid: str, role: str = "prefill") -> InstanceInfo:
-    return InstanceInfo(iid, role, f"http://127.0.0.1:1/{iid}", "127.0.0.1:2", "m", 16, 64,
-                        time.time())
-
-
-def run(coro, timeout: float = 30.0):
-    return asyncio.run(asyncio.wait_for(coro, timeout))
-
-
-async def wait_until(pred, timeout: float = 5.0, what: str = "condition") -> float:
-    start = time.monotonic()
-    while not pred():
-        if time.monotonic() - start > timeout:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        await asyncio.sleep(0.02)
-    return time.monotonic() - start
+from tests.registry.support import info, run, wait_until
 
 
 class Conductor:
