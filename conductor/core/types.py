@@ -49,11 +49,14 @@ class DecodeSeq:
     """A sequence that occupies (or will occupy) a decode instance's batch.
 
     start_s is when it began decoding (running) or is expected to arrive (incoming);
-    kv_tokens is its KV footprint in tokens.
+    kv_tokens is its KV footprint in tokens. remaining_tokens is how many tokens it still has
+    to generate, when the shell knows (a simulator replaying a trace with oracle lengths, or an
+    output-length predictor); None, the live default, means unknown.
     """
 
     start_s: float
     kv_tokens: int
+    remaining_tokens: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,10 +84,14 @@ class InstanceState:
     kv_tokens: int = field(init=False)
     """KV tokens of the running sequences (derived; summed once here, read per decision)."""
     incoming_kv_tokens: int = field(init=False)
+    lengths_known: bool = field(init=False)
+    """Every running and incoming sequence carries remaining_tokens (derived)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kv_tokens", sum(s.kv_tokens for s in self.running))
         object.__setattr__(self, "incoming_kv_tokens", sum(s.kv_tokens for s in self.incoming))
+        object.__setattr__(self, "lengths_known", all(s.remaining_tokens is not None
+                                                      for s in (*self.running, *self.incoming)))
 
     @property
     def batch_size(self) -> int:

@@ -74,6 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--forecast", choices=["fluid", "age"], default="fluid",
                     help="prediction's forecast of running sequences: fluid (Little's law) or age (paper's wording: "
                          "gone t_d after they start)")
+    ap.add_argument("--oracle-lengths", action="store_true",
+                    help="give the scheduler every request's true output length, so prediction forecasts decode "
+                         "load per request (a perfect length predictor: an upper bound, not available live)")
     ap.add_argument("--block-size", type=int, default=512, metavar="B", help="tokens per trace hash_id block")
     ap.add_argument("--prefill-cache-blocks", type=int, default=None, metavar="K",
                     help="KVCache pool per prefill instance, in blocks (default: from the profile)")
@@ -104,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.limit <= 0:
                 raise ValueError("--limit must be positive")
             trace = trace[: args.limit]
-        overrides = {"decode_time": args.decode_time}
+        overrides = {"decode_time": args.decode_time, "oracle_lengths": args.oracle_lengths}
         if args.prefill_cache_blocks is not None:
             overrides["prefill_cache_blocks"] = args.prefill_cache_blocks
         res = simulate(trace, sched, profile, args.prefill, args.decode, args.speedup, args.noise, args.seed,

@@ -62,6 +62,10 @@ class SimConfig:
     or "mean" (mean of the completed decode durations so far, biased low while the pool fills)."""
     decode_time_tau_s: float = 300.0
     """Time constant of the "little" meter, simulated seconds."""
+    oracle_lengths: bool = False
+    """Tell the scheduler every sequence's true remaining output length (DecodeSeq
+    .remaining_tokens), so prediction forecasts per request: what a perfect output-length
+    predictor would give, an upper bound that no live cluster has."""
     progress: bool = False
     """Show a tqdm progress bar on stderr."""
 
@@ -86,7 +90,8 @@ class Simulation:
         self.index = PrefixIndex()
         self.prefills = {f"p{i}": PrefillNode(f"p{i}", config.prefill_cache_blocks, config.bandwidth_Bps, self.index)
                          for i in range(config.n_prefill)}
-        self.decodes = {f"d{i}": DecodeNode(f"d{i}", config.decode_kv_capacity_tokens, config.bandwidth_Bps)
+        self.decodes = {f"d{i}": DecodeNode(f"d{i}", config.decode_kv_capacity_tokens, config.bandwidth_Bps,
+                                           config.oracle_lengths)
                         for i in range(config.n_decode)}
         self.outcomes: list[Outcome] = []
         self.timeline: list[TimelinePoint] = []

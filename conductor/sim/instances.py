@@ -93,10 +93,11 @@ class _Finish:
 
 
 class DecodeNode:
-    def __init__(self, instance_id: str, kv_capacity: int, bandwidth_Bps: float) -> None:
+    def __init__(self, instance_id: str, kv_capacity: int, bandwidth_Bps: float, oracle_lengths: bool = False) -> None:
         self.id = instance_id
         self.kv_capacity = kv_capacity
         self.bandwidth_Bps = bandwidth_Bps
+        self.oracle_lengths = oracle_lengths  # snapshots carry each sequence's remaining length
         self.running: dict[int, Job] = {}
         self.finishing: list[_Finish] = []  # heap by the step at which each sequence ends
         self.incoming: dict[int, Job] = {}
@@ -134,11 +135,17 @@ class DecodeNode:
 
     def snapshot(self, now: float) -> InstanceState:
         key = (self.step, self._version)
+        oracle = self.oracle_lengths
         if key != self._snap_key:  # sequences' KV grows each step: rebuild at most once per step
-            self._snap_running = tuple(DecodeSeq(j.join_s, self.kv_of(j)) for j in self.running.values())
+            self._snap_running = tuple(
+                DecodeSeq(j.join_s, self.kv_of(j), j.join_step + j.output - 1 - self.step if oracle else None)
+                for j in self.running.values())
             self._snap_key = key
-        incoming = tuple(DecodeSeq(j.predicted_arrival_s, j.prompt) for j in self.incoming.values())
+        # The first token comes from prefill, so output - 1 remain for decode.
+        incoming = tuple(DecodeSeq(j.predicted_arrival_s, j.prompt, j.output - 1 if oracle else None)
+                         for j in self.incoming.values())
         if self.waiting or self.held:  # arrived, not yet in the batch (no KV room yet)
-            incoming += tuple(DecodeSeq(now, j.prompt) for j in (*self.waiting, *self.held))
+            incoming += tuple(DecodeSeq(now, j.prompt, j.output - 1 if oracle else None)
+                              for j in (*self.waiting, *self.held))
         return InstanceState(self.id, Role.DECODE, queued_prefill_s=self.coloc_pred_s, running=self._snap_running,
                              incoming=incoming, kv_capacity_tokens=self.kv_capacity, bandwidth_Bps=self.bandwidth_Bps)

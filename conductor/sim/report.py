@@ -5,6 +5,10 @@ TBT of a request is its mean time between tokens after the first: (finish - firs
 percentile weighs each decode step by its batch size (every running request waited that
 long for that token). A request meets its SLO when it completed, its TTFT <= ttft_slo and
 its TBT <= tbt_slo; goodput is such requests per second of makespan.
+
+Counting requests rewards refusing big ones: under a decode-bound overload, a policy that
+serves longer prompts completes fewer requests with the same KV. So the summary also gives
+the mean prompt of completed requests and the prompt tokens served within SLO.
 """
 
 from __future__ import annotations
@@ -56,7 +60,8 @@ def summarize(res: SimResult, ttft_slo_s: float, tbt_slo_s: float) -> dict:
     rejected = [o for o in res.outcomes if o.status == "rejected"]
     ttft = np.array([o.ttft_s for o in done], dtype=float)
     tbt = np.array([o.tbt_s for o in done if o.tbt_s is not None], dtype=float)
-    good = sum(1 for o in done if o.ttft_s <= ttft_slo_s and (o.tbt_s is None or o.tbt_s <= tbt_slo_s))
+    good_list = [o for o in done if o.ttft_s <= ttft_slo_s and (o.tbt_s is None or o.tbt_s <= tbt_slo_s)]
+    good = len(good_list)
     reasons: dict[str, int] = {}
     for o in rejected:
         reasons[o.reason or "?"] = reasons.get(o.reason or "?", 0) + 1
@@ -76,6 +81,8 @@ def summarize(res: SimResult, ttft_slo_s: float, tbt_slo_s: float) -> dict:
         "wasted_prefills": sum(1 for o in rejected if (o.reason or "").startswith("decode_")),
         "wasted_prefill_s": round(res.wasted_prefill_s, 3),
         "completed_within_slo": good,
+        "mean_prompt_completed": float(np.mean([o.prompt for o in done])) if done else None,
+        "prompt_tokens_within_slo": sum(o.prompt for o in good_list),
         "mean_ttft_s": float(ttft.mean()) if ttft.size else None,
         "p50_ttft_s": _pct(ttft, 50),
         "p90_ttft_s": _pct(ttft, 90),

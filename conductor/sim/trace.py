@@ -94,6 +94,11 @@ class TraceParams:
     """Median output length in tokens (lognormal)."""
     output_sigma: float = 1.0
     """Lognormal sigma of the output length."""
+    rate_amplitude: float = 0.0
+    """Relative swing of the arrival rate: rate(t) = rate_rps * (1 + A*sin(2*pi*t/period)).
+    0 = a homogeneous Poisson process (and the very same trace as before this option existed)."""
+    rate_period_s: float = 600.0
+    """Period of that swing, seconds of trace time (busy and quiet phases, as in real traffic)."""
     max_output: int = 8192
     max_input: int = 131072
     block_size: int = 512
@@ -104,6 +109,20 @@ class TraceParams:
             raise ValueError("n_requests, rate_rps, n_prefixes and block_size must be positive")
         if self.zipf_a <= 0 or self.prefix_blocks_mean < 1 or self.suffix_tokens_median < 1 or self.output_median < 1:
             raise ValueError("zipf_a > 0, prefix_blocks_mean >= 1, suffix/output medians >= 1 required")
+        if not 0.0 <= self.rate_amplitude < 1.0 or self.rate_period_s <= 0:
+            raise ValueError("need 0 <= rate_amplitude < 1 and rate_period_s > 0")
+
+
+def _modulate(times: np.ndarray, p: TraceParams) -> np.ndarray:
+    """Time-rescale homogeneous Poisson arrivals into ones with rate(t) = r(1 + A sin(2 pi t/P)):
+    an arrival at homogeneous time T lands at t with Lambda(t) = r*T, where Lambda is the
+    integrated rate (monotone, so inverted by interpolation on a fine grid)."""
+    if p.rate_amplitude == 0.0 or len(times) == 0:
+        return times
+    a, period = p.rate_amplitude, p.rate_period_s
+    grid = np.linspace(0.0, times[-1] / (1.0 - a) + period, 200_000)
+    integrated = grid + a * period / (2 * math.pi) * (1.0 - np.cos(2 * math.pi * grid / period))
+    return np.interp(times, integrated, grid)
 
 
 def generate_trace(p: TraceParams) -> list[dict]:
@@ -117,7 +136,7 @@ def generate_trace(p: TraceParams) -> list[dict]:
     weights = 1.0 / np.arange(1, p.n_prefixes + 1) ** p.zipf_a
     choice = rng.choice(p.n_prefixes, size=p.n_requests, p=weights / weights.sum())
     gaps = rng.exponential(1.0 / p.rate_rps, size=p.n_requests)
-    times = np.cumsum(gaps) - gaps[0]
+    times = _modulate(np.cumsum(gaps) - gaps[0], p)
     suffix = rng.lognormal(math.log(p.suffix_tokens_median), p.suffix_sigma, size=p.n_requests)
     out = rng.lognormal(math.log(p.output_median), p.output_sigma, size=p.n_requests)
     rows = []

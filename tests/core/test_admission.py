@@ -3,7 +3,7 @@
 import pytest
 from core_helpers import decode, prefill, request, scheduler, state
 
-from conductor.core import Decision, Rejection, RejectReason
+from conductor.core import Decision, DecodeSeq, InstanceState, Rejection, RejectReason, Role
 
 # TBT = 0.01 + 0.001*batch: with a 0.1 s SLO a decode instance takes at most 90 sequences.
 SLO = dict(tbt_slo_s=0.1, ttft_slo_s=30.0)
@@ -84,3 +84,21 @@ def test_gate_headroom_keeps_kv_margin_only_for_gating_admissions():
     assert isinstance(scheduler(admission="early", **SLO).schedule(request(1000), s, 0.0), Decision)
     assert isinstance(scheduler(admission="baseline", gate_kv_headroom=0.1, **SLO).schedule(request(1000), s, 0.0),
                       Decision)
+
+
+def test_request_level_forecast_uses_known_remaining_lengths():
+    # 100 running at 0.11 s a step; prefill 1 s fits 9 steps. Half have 5 tokens left, so by t*
+    # 50 remain (+1 fits under the 90-sequence TBT limit); with lengths unknown and t_d long
+    # the fluid forecast keeps all 100 and refuses.
+    def inst(left):
+        run = tuple(DecodeSeq(0.0, 100, left(i)) for i in range(100))
+        return InstanceState("d0", Role.DECODE, running=run)
+
+    short_half = state(prefill("p0"), inst(lambda i: 5 if i % 2 else 10_000), mean_decode_s=1000.0)
+    assert short_half.decode[0].lengths_known
+    assert isinstance(scheduler(admission="prediction", **SLO).schedule(request(1000), short_half, 0.0), Decision)
+    all_long = state(prefill("p0"), inst(lambda i: 10_000), mean_decode_s=1000.0)
+    assert isinstance(scheduler(admission="prediction", **SLO).schedule(request(1000), all_long, 0.0), Rejection)
+    unknown = state(prefill("p0"), inst(lambda i: None), mean_decode_s=1000.0)
+    assert not unknown.decode[0].lengths_known
+    assert isinstance(scheduler(admission="prediction", **SLO).schedule(request(1000), unknown, 0.0), Rejection)

@@ -137,3 +137,24 @@ def test_held_request_that_can_never_fit_is_refused_at_once():
     s = summarize(simulate(rows, SchedulerConfig(admission="baseline", decode_hold_s=600.0), PROFILE, 1, 1,
                            decode_kv_capacity_tokens=20_000), 30, 0.1)
     assert s["rejected_by_reason"] == {"decode_no_capacity": 1} and s["makespan_s"] < 60
+
+
+def test_oracle_lengths_reach_the_scheduler_only_when_asked():
+    from conductor.sim.instances import DecodeNode, Job
+
+    for oracle, want in ((False, [None, None]), (True, [99 - 3, 49])):
+        d = DecodeNode("d0", kv_capacity=100_000, bandwidth_Bps=1e9, oracle_lengths=oracle)
+        d.join(Job(0, 0.0, 1000, 100, (), "d0", 1.0, 1.0), 0.0)
+        d.step = 3  # three decode steps done
+        d.incoming[1] = Job(1, 0.0, 2000, 50, (), "d0", 1.0, 5.0)
+        snap = d.snapshot(4.0)
+        assert [snap.running[0].remaining_tokens, snap.incoming[0].remaining_tokens] == want
+        assert snap.lengths_known is oracle
+
+
+def test_summary_counts_prompt_tokens_served(small_trace):
+    s = summarize(simulate(small_trace, SchedulerConfig(admission="none"), PROFILE, 2, 2), 1e9, 1e9)
+    done = [r for r in small_trace]
+    assert s["completed"] == len(done) and s["completed_within_slo"] == len(done)
+    assert s["prompt_tokens_within_slo"] == sum(r.input_length for r in done)
+    assert s["mean_prompt_completed"] == pytest.approx(s["prompt_tokens_within_slo"] / len(done))

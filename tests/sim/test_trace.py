@@ -42,3 +42,16 @@ def test_generator_shares_prefixes_and_is_reproducible(tmp_path):
     loaded = load_trace(tmp_path / "g.jsonl")
     assert len(loaded) == 300 and loaded[0].hash_ids == tuple(rows[0]["hash_ids"])
     assert json.loads((tmp_path / "g.jsonl.params.json").read_text())["seed"] == 1
+
+
+def test_rate_swing_makes_busy_and_quiet_phases_with_the_same_mean_rate():
+    flat = TraceParams(n_requests=3000, rate_rps=5.0, seed=3)
+    swing = TraceParams(n_requests=3000, rate_rps=5.0, seed=3, rate_amplitude=0.8, rate_period_s=200.0)
+    t_flat = [r["timestamp"] / 1000 for r in generate_trace(flat)]
+    t_swing = [r["timestamp"] / 1000 for r in generate_trace(swing)]
+    assert t_swing == sorted(t_swing)
+    busy = sum(1 for t in t_swing if t % 200 < 100)  # rate above the mean in the first half period
+    assert busy > 2 * (len(t_swing) - busy)
+    assert abs(t_swing[-1] - t_flat[-1]) / t_flat[-1] < 0.15  # about the same span: the mean rate holds
+    with pytest.raises(ValueError):
+        TraceParams(rate_amplitude=1.0)
