@@ -114,7 +114,7 @@ class Simulation:
             self._live += 1
 
     def run(self) -> SimResult:
-        t0 = self.trace[0].timestamp_ms
+        t0 = min(rec.timestamp_ms for rec in self.trace)  # traces need not be sorted
         for rid, rec in enumerate(self.trace):
             self._push((rec.timestamp_ms - t0) / 1000.0 / self.config.speedup, ARRIVE, rid)
         self._push(0.0, SAMPLE, None)

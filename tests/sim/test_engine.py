@@ -158,3 +158,9 @@ def test_summary_counts_prompt_tokens_served(small_trace):
     assert s["completed"] == len(done) and s["completed_within_slo"] == len(done)
     assert s["prompt_tokens_within_slo"] == sum(r.input_length for r in done)
     assert s["mean_prompt_completed"] == pytest.approx(s["prompt_tokens_within_slo"] / len(done))
+
+
+def test_unsorted_trace_starts_at_its_earliest_timestamp():
+    rows = [TraceRecord(1, 5000.0, 512, 2, ()), TraceRecord(2, 1000.0, 512, 2, ())]
+    res = simulate(rows, SchedulerConfig(admission="none"), PROFILE, 1, 1, noise_sigma=0.0)
+    assert sorted(o.arrival_s for o in res.outcomes) == [0.0, 4.0]
