@@ -3,6 +3,8 @@ several seeds each, so that an ordering is only claimed where it beats the seed-
 
   PYTHONPATH=. .venv/bin/python benchmarks/sim_admission_regimes.py --seeds 3 --write
 
+--write also draws plots/admission_regimes.png.
+
 Each regime is a generated trace (conductor.sim.trace.TraceParams; parameters printed in the
 table) replayed at 2x against 8 prefill + 8 decode instances of profile paper-70b-8gpu with the
 kvcache-centric policy, TTFT SLO 30 s, TBT SLO 0.1 s, and each admission policy. Every seed
@@ -117,6 +119,39 @@ def table(results: dict[str, dict[int, dict[str, Run]]]) -> list[str]:
     return out + [""] + verdicts
 
 
+def plot(results: dict[str, dict[int, dict[str, Run]]], path: pathlib.Path) -> None:
+    """Grouped bars per regime: mean rejected (whiskers: min-max over seeds), the part wasted
+    after prefill hatched."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = list(ADMISSIONS)
+    width = 0.8 / len(labels)
+    fig, ax = plt.subplots(figsize=(9, 3.8), dpi=90)
+    for k, label in enumerate(labels):
+        xs, mean, lo, hi, wasted = [], [], [], [], []
+        for i, by_seed in enumerate(results.values()):
+            rej = [r[label].rejected for r in by_seed.values()]
+            xs.append(i + (k - (len(labels) - 1) / 2) * width)
+            mean.append(statistics.fmean(rej))
+            lo.append(mean[-1] - min(rej))
+            hi.append(max(rej) - mean[-1])
+            wasted.append(statistics.fmean(r[label].wasted for r in by_seed.values()))
+        ax.bar(xs, mean, width, yerr=[lo, hi], capsize=2, label=label)
+        ax.bar(xs, wasted, width, color="none", hatch="///", edgecolor="black", lw=0.5)
+    ax.set_xticks(range(len(results)))
+    ax.set_xticklabels([r.split(" (")[0].replace(", ", ",\n") for r in results], fontsize=8)
+    ax.set_ylabel("rejected requests (hatched: after prefill)")
+    ax.set_title("Overload at 2x, 8P+8D, kvcache-centric: rejections by admission policy", fontsize=10)
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seeds", type=int, default=3, help="seeds (trace and noise) per regime")
@@ -136,6 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     text = "\n".join(table(results)) + "\n"
     print(text)
     if args.write:
+        (ROOT / "plots").mkdir(exist_ok=True)
+        plot(results, ROOT / "plots" / "admission_regimes.png")
         path = ROOT / "RESULTS.md"
         doc = path.read_text()
         begin, end = "<!-- sim-regimes:begin -->", "<!-- sim-regimes:end -->"
