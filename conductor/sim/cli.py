@@ -112,22 +112,27 @@ def main(argv: list[str] | None = None) -> int:
             overrides["prefill_cache_blocks"] = args.prefill_cache_blocks
         res = simulate(trace, sched, profile, args.prefill, args.decode, args.speedup, args.noise, args.seed,
                        progress=not args.no_progress and sys.stderr.isatty(), **overrides)
-    except (TraceError, ValueError, FileNotFoundError) as exc:
+    except (TraceError, ValueError, OSError) as exc:
         print(f"mooncake sim: error: {exc}", file=sys.stderr)
         return 2
+    status = 0
     summary = summarize(res, args.ttft_slo, args.tbt_slo)
     summary.update(policy=args.policy, admission=args.admission, speedup=args.speedup, prefill=args.prefill,
                    decode=args.decode, profile=profile.name)
     if args.plot is not None:
         from conductor.sim.plots import plot_load, plot_ttft_cdf
 
-        args.plot.mkdir(parents=True, exist_ok=True)
         label = f"{args.policy}/{args.admission} x{args.speedup:g}"
-        plot_ttft_cdf({label: res}, args.plot / "ttft_cdf.png", ttft_slo_s=args.ttft_slo)
-        plot_load(res, args.plot / "load.png", label, args.ttft_slo, args.tbt_slo)
+        try:
+            args.plot.mkdir(parents=True, exist_ok=True)
+            plot_ttft_cdf({label: res}, args.plot / "ttft_cdf.png", ttft_slo_s=args.ttft_slo)
+            plot_load(res, args.plot / "load.png", label, args.ttft_slo, args.tbt_slo)
+        except OSError as exc:  # the replay's numbers are still worth printing
+            print(f"mooncake sim: error: cannot write plots to {args.plot}: {exc}", file=sys.stderr)
+            status = 2
     if args.json:
         print(json.dumps(summary))
     else:
         for k, v in summary.items():
             print(f"{k:24s} {v:.4g}" if isinstance(v, float) else f"{k:24s} {v}")
-    return 0
+    return status

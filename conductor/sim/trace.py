@@ -59,8 +59,12 @@ def parse_line(text: str, line: int, path: str = "<trace>") -> TraceRecord:
 def load_trace(path: str | pathlib.Path) -> list[TraceRecord]:
     """All records, sorted by timestamp (stable). Raises TraceError on the first bad line."""
     records: list[TraceRecord] = []
-    with open(path, encoding="utf-8") as f:
-        for n, text in enumerate(f, start=1):
+    with open(path, "rb") as f:  # bytes, so an undecodable line is reported by its number too
+        for n, raw in enumerate(f, start=1):
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                raise TraceError(str(path), n, "not UTF-8 text") from None
             if text.strip():
                 records.append(parse_line(text, n, str(path)))
     if not records:

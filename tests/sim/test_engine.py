@@ -164,3 +164,13 @@ def test_unsorted_trace_starts_at_its_earliest_timestamp():
     rows = [TraceRecord(1, 5000.0, 512, 2, ()), TraceRecord(2, 1000.0, 512, 2, ())]
     res = simulate(rows, SchedulerConfig(admission="none"), PROFILE, 1, 1, noise_sigma=0.0)
     assert sorted(o.arrival_s for o in res.outcomes) == [0.0, 4.0]
+
+
+def test_cli_unwritable_plot_dir_is_an_error_not_a_traceback(tmp_path, capsys):
+    trace = tmp_path / "t.jsonl"
+    write_trace(generate_trace(TraceParams(n_requests=5, seed=1)), trace)
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    assert main(["--trace", str(trace), "--json", "--no-progress", "--plot", str(blocker / "plots")]) == 2
+    out = capsys.readouterr()
+    assert "cannot write plots" in out.err and json.loads(out.out)["requests"] == 5

@@ -55,3 +55,11 @@ def test_rate_swing_makes_busy_and_quiet_phases_with_the_same_mean_rate():
     assert abs(t_swing[-1] - t_flat[-1]) / t_flat[-1] < 0.15  # about the same span: the mean rate holds
     with pytest.raises(ValueError):
         TraceParams(rate_amplitude=1.0)
+
+
+def test_undecodable_line_is_reported_with_its_line_number(tmp_path):
+    p = tmp_path / "t.jsonl"
+    p.write_bytes(GOOD.encode() + b"\n" + b"\xff\xfe garbage\n")
+    with pytest.raises(TraceError, match="not UTF-8") as exc:
+        load_trace(p)
+    assert exc.value.line == 2
