@@ -46,8 +46,22 @@ def _ints(s: str) -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    cfg = json.loads((args.model / "config.json").read_text())
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    try:
+        cfg = json.loads((args.model / "config.json").read_text())
+        lists = (_ints(args.prompt_lengths), _ints(args.contexts), _ints(args.batch_sizes),
+                 [float(x) for x in args.cached_shares.split(",")])
+        if not all(lists):
+            raise ValueError("a list is empty")
+        if len(lists[0]) * len(lists[3]) < 4 or len(lists[1]) * len(lists[2]) < 3:
+            raise ValueError("the fit needs >= 4 prefill points (lengths x shares) and >= 3 decode points "
+                             "(batch sizes x contexts)")  # checked before minutes of measuring
+        if args.decode_tokens < 2 or args.repeats < 1:
+            raise ValueError("--decode-tokens must be >= 2 (a step is a difference) and --repeats >= 1")
+    except (OSError, ValueError) as exc:
+        ap.error(f"--model must be a Hugging Face model directory with a config.json, the lists "
+                 f"comma-separated numbers: {exc}")
     heads = cfg["num_attention_heads"]
     head_dim = cfg.get("head_dim", cfg["hidden_size"] // heads)
     kv_bpt = 2 * cfg["num_hidden_layers"] * cfg.get("num_key_value_heads", heads) * head_dim * 4  # float32
