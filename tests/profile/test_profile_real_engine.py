@@ -13,7 +13,7 @@ def test_profile_measures_the_real_engine_and_the_table_fits(model_path, tmp_pat
     out = tmp_path / "profile.json"
     cmd = [sys.executable, "-m", "mooncake.cli", "profile", "--model", model_path, "--out", str(out),
            "--prompt-lengths", "256,1024", "--cached-shares", "0,0.5", "--batch-sizes", "1,4",
-           "--contexts", "128,512", "--decode-tokens", "6", "--repeats", "1", "--name", "test-cpu"]
+           "--contexts", "128,512", "--decode-tokens", "6", "--repeats", "2", "--name", "test-cpu"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "prefill L=1024 cached=512" in proc.stderr  # progress lines, one per measured point
@@ -26,7 +26,7 @@ def test_profile_measures_the_real_engine_and_the_table_fits(model_path, tmp_pat
     # SmolLM2-135M: 30 layers, 3 KV heads of 64 dims, float32 K and V.
     assert table.kv_bytes_per_token == 2 * 30 * 3 * 64 * 4
     rows = {(r.prompt_tokens, r.cached_tokens): r.seconds for r in table.prefill}
-    assert rows[(1024, 0)] > rows[(256, 0)]  # four times the tokens cannot be faster
+    assert rows[(1024, 0)] > rows[(256, 0)]  # four times the tokens cannot be faster (min of 2 runs)
 
     est = Estimators.from_profile(table)
     assert est.prefill_s(1024, 0) > est.prefill_s(256, 0) > 0
