@@ -46,7 +46,10 @@ _GRPC_OPTIONS = MappingProxyType({
     "grpc.min_reconnect_backoff_ms": 100,
     "grpc.max_reconnect_backoff_ms": 2_000,
 })
-_FAILURES = (aetcd.exceptions.ClientError, grpc.RpcError, OSError, asyncio.TimeoutError)
+# What a call can raise when etcd or the channel fails. ValueError: gRPC's "Cannot invoke RPC
+# on closed channel", when a concurrent call has just closed the shared client after its own
+# failure (keepalive and publish_load run side by side).
+_FAILURES = (aetcd.exceptions.ClientError, grpc.RpcError, OSError, asyncio.TimeoutError, ValueError)
 
 
 @dataclass
@@ -85,7 +88,8 @@ class EtcdRegistry(Registry):
         self._next_endpoint += 1
         if client is not None:
             with contextlib.suppress(Exception):
-                await client.close()
+                async with asyncio.timeout(self._config.request_timeout_s):  # never hang the caller
+                    await client.close()
 
     async def _run(self, op: Callable[[aetcd.Client], Awaitable[T]]) -> T:
         """Run one unary operation; any failure becomes RegistryUnavailable and a fresh
@@ -156,9 +160,9 @@ class EtcdRegistry(Registry):
                 if failing:
                     log.info("registry: etcd reachable again for %s", iid)
                 failing = False
-            except RegistryUnavailable as e:
+            except Exception as e:  # noqa: BLE001 - this loop is the instance's liveness: it must not die
                 if not failing:  # one line per outage, not one per tick
-                    log.warning("registry: keepalive of %s failed, will retry: %s", iid, e)
+                    log.warning("registry: keepalive of %s failed, will retry: %r", iid, e)
                 failing = True
 
     async def publish_load(self, load: InstanceLoad) -> None:

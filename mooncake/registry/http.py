@@ -154,9 +154,9 @@ class HttpRegistryClient(Registry):
                 if failing:
                     log.info("registry: conductor reachable again")
                 failing = False
-            except RegistryUnavailable as e:
+            except Exception as e:  # noqa: BLE001 - this loop is the instance's liveness: it must not die
                 if not failing:  # one line per outage, not one per heartbeat
-                    log.warning("registry: heartbeat failed, will retry: %s", e)
+                    log.warning("registry: heartbeat failed, will retry: %r", e)
                 failing = True
 
     async def publish_load(self, load: InstanceLoad) -> None:

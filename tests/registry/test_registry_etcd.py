@@ -164,6 +164,29 @@ def test_etcd_restart_keeps_view_then_resyncs_and_lost_lease_reregisters(etcd_se
     run(main())
 
 
+def test_keepalive_survives_its_channel_being_closed_under_it(etcd_server) -> None:
+    # publish_load and the keepalive share one client; after a failure one of them closes it
+    # while the other may be about to use it. Seen in CI: gRPC then raised ValueError, the
+    # keepalive task died silently, and the worker's lease expired for good.
+    async def main() -> None:
+        cfg = cfg_for(etcd_server)
+        worker, conductor = open_registry(cfg), open_registry(cfg)
+        await worker.register(info("d0", "decode"), cfg.ttl_s)
+        f = Follower(conductor)
+        await wait_until(lambda: f.ids() == {"d0"}, what="initial sync")
+        for _ in range(3):
+            await worker._ops.close()  # the shared client, closed under the keepalive
+            await asyncio.sleep(cfg.keepalive_interval_s * 2)
+        await asyncio.sleep(cfg.ttl_s * 1.5)  # long enough for an unrefreshed lease to expire
+        keepalive = worker._regs["d0"].task
+        assert keepalive is not None and not keepalive.done()
+        assert f.ids() == {"d0"} and "delete" not in f.kinds
+        await f.stop()
+        await worker.close()
+        await conductor.close()
+    run(main())
+
+
 def test_compacted_watch_revision_takes_a_fresh_snapshot(etcd_server) -> None:
     async def main() -> None:
         cfg = cfg_for(etcd_server)
