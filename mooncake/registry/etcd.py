@@ -52,6 +52,13 @@ _GRPC_OPTIONS = MappingProxyType({
 _FAILURES = (aetcd.exceptions.ClientError, grpc.RpcError, OSError, asyncio.TimeoutError, ValueError)
 
 
+def _caller_cancelled() -> bool:
+    """True when the running task itself is being cancelled (shutdown, deregister), as
+    opposed to a library cancelling one of its own calls under it."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
+
+
 @dataclass
 class _Registration:
     info: InstanceInfo
@@ -101,7 +108,11 @@ class EtcdRegistry(Registry):
             # asyncio.timeout, not wait_for: 3.11's wait_for can swallow a cancel.
             async with asyncio.timeout(2 * self._config.request_timeout_s):
                 return await op(client)
-        except _FAILURES as e:
+        except (*_FAILURES, asyncio.CancelledError) as e:
+            if isinstance(e, asyncio.CancelledError) and _caller_cancelled():
+                raise
+            # A CancelledError that is not ours: gRPC cancels calls in flight on a channel
+            # that a concurrent failure has just closed. It is a failure like any other.
             if self._ops is client:
                 self._ops = None
             await self._failed(client)

@@ -187,6 +187,40 @@ def test_keepalive_survives_its_channel_being_closed_under_it(etcd_server) -> No
     run(main())
 
 
+def test_keepalive_survives_a_call_cancelled_by_its_closing_channel(etcd_server, monkeypatch) -> None:
+    # gRPC raises asyncio.CancelledError in a call whose channel another task closed: seen in
+    # CI after an etcd restart, where it ended the decode worker's keepalive for good.
+    import aetcd
+
+    real_refresh = aetcd.Client.refresh_lease
+    cancelled = []
+
+    async def refresh_cancelled_once(self, lease_id):
+        if not cancelled:
+            cancelled.append(lease_id)
+            raise asyncio.CancelledError()
+        return await real_refresh(self, lease_id)
+
+    monkeypatch.setattr(aetcd.Client, "refresh_lease", refresh_cancelled_once)
+
+    async def main() -> None:
+        cfg = cfg_for(etcd_server)
+        worker, conductor = open_registry(cfg), open_registry(cfg)
+        await worker.register(info("d0", "decode"), cfg.ttl_s)
+        f = Follower(conductor)
+        await wait_until(lambda: f.ids() == {"d0"}, what="initial sync")
+        await wait_until(lambda: bool(cancelled), what="the cancelled refresh")
+        await asyncio.sleep(cfg.ttl_s * 1.5)  # an unrefreshed lease would expire in this time
+        keepalive = worker._regs["d0"].task
+        assert keepalive is not None and not keepalive.done()
+        assert f.ids() == {"d0"} and "delete" not in f.kinds
+        await f.stop()
+        await worker.close()  # a real cancel still stops the keepalive
+        assert keepalive.done()
+        await conductor.close()
+    run(main())
+
+
 def test_compacted_watch_revision_takes_a_fresh_snapshot(etcd_server) -> None:
     async def main() -> None:
         cfg = cfg_for(etcd_server)
