@@ -164,53 +164,17 @@ def test_etcd_restart_keeps_view_then_resyncs_and_lost_lease_reregisters(etcd_se
     run(main())
 
 
-def test_keepalive_survives_its_channel_being_closed_under_it(etcd_server) -> None:
-    # publish_load and the keepalive share one client; after a failure one of them closes it
-    # while the other may be about to use it. Seen in CI: gRPC then raised ValueError, the
-    # keepalive task died silently, and the worker's lease expired for good.
+def keepalive_survives(etcd_server, disturb) -> None:
+    """Register d0, run disturb(worker), then wait past the TTL: the keepalive must still be
+    running and d0 never deleted (an unrefreshed lease would have expired by then)."""
     async def main() -> None:
         cfg = cfg_for(etcd_server)
         worker, conductor = open_registry(cfg), open_registry(cfg)
         await worker.register(info("d0", "decode"), cfg.ttl_s)
         f = Follower(conductor)
         await wait_until(lambda: f.ids() == {"d0"}, what="initial sync")
-        for _ in range(3):
-            await worker._ops.close()  # the shared client, closed under the keepalive
-            await asyncio.sleep(cfg.keepalive_interval_s * 2)
-        await asyncio.sleep(cfg.ttl_s * 1.5)  # long enough for an unrefreshed lease to expire
-        keepalive = worker._regs["d0"].task
-        assert keepalive is not None and not keepalive.done()
-        assert f.ids() == {"d0"} and "delete" not in f.kinds
-        await f.stop()
-        await worker.close()
-        await conductor.close()
-    run(main())
-
-
-def test_keepalive_survives_a_call_cancelled_by_its_closing_channel(etcd_server, monkeypatch) -> None:
-    # gRPC raises asyncio.CancelledError in a call whose channel another task closed: seen in
-    # CI after an etcd restart, where it ended the decode worker's keepalive for good.
-    import aetcd
-
-    real_refresh = aetcd.Client.refresh_lease
-    cancelled = []
-
-    async def refresh_cancelled_once(self, lease_id):
-        if not cancelled:
-            cancelled.append(lease_id)
-            raise asyncio.CancelledError()
-        return await real_refresh(self, lease_id)
-
-    monkeypatch.setattr(aetcd.Client, "refresh_lease", refresh_cancelled_once)
-
-    async def main() -> None:
-        cfg = cfg_for(etcd_server)
-        worker, conductor = open_registry(cfg), open_registry(cfg)
-        await worker.register(info("d0", "decode"), cfg.ttl_s)
-        f = Follower(conductor)
-        await wait_until(lambda: f.ids() == {"d0"}, what="initial sync")
-        await wait_until(lambda: bool(cancelled), what="the cancelled refresh")
-        await asyncio.sleep(cfg.ttl_s * 1.5)  # an unrefreshed lease would expire in this time
+        await disturb(worker, cfg)
+        await asyncio.sleep(cfg.ttl_s * 1.5)
         keepalive = worker._regs["d0"].task
         assert keepalive is not None and not keepalive.done()
         assert f.ids() == {"d0"} and "delete" not in f.kinds
@@ -219,6 +183,32 @@ def test_keepalive_survives_a_call_cancelled_by_its_closing_channel(etcd_server,
         assert keepalive.done()
         await conductor.close()
     run(main())
+
+
+@pytest.mark.parametrize("raised", [ValueError("Cannot invoke RPC on closed channel!"), asyncio.CancelledError()],
+                         ids=["new-call-on-closed-channel", "call-in-flight-cancelled-by-close"])
+def test_keepalive_survives_its_channel_being_closed_under_it(etcd_server, monkeypatch, raised) -> None:
+    # publish_load and the keepalive share one client; after a failure one of them closes it
+    # while the other is using it. gRPC then raises ValueError in a new call, CancelledError in
+    # a call in flight. Seen in CI after an etcd restart: the decode worker's keepalive ended
+    # silently and its lease expired for good. The refresh here fails that way once.
+    import aetcd
+
+    real_refresh = aetcd.Client.refresh_lease
+    failed = []
+
+    async def refresh_failing_once(self, lease_id):
+        if not failed:
+            failed.append(lease_id)
+            raise raised
+        return await real_refresh(self, lease_id)
+
+    monkeypatch.setattr(aetcd.Client, "refresh_lease", refresh_failing_once)
+
+    async def until_failed(worker, cfg) -> None:
+        await wait_until(lambda: bool(failed), what="the failed refresh")
+
+    keepalive_survives(etcd_server, until_failed)
 
 
 def test_compacted_watch_revision_takes_a_fresh_snapshot(etcd_server) -> None:
