@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass, replace
 from conductor.core import SchedulerConfig, load_profile
 from conductor.sim.cli import simulate
 from conductor.sim.report import summarize
-from conductor.sim.trace import TraceParams, TraceRecord, generate_trace
+from conductor.sim.trace import TraceParams, generate_trace, records_of
 
 ROOT = pathlib.Path(__file__).resolve().parent
 SLO = dict(ttft_slo_s=30.0, tbt_slo_s=0.1)
@@ -61,14 +61,9 @@ class Run:
     prefill_queue: float
 
 
-def _records(params: TraceParams) -> list[TraceRecord]:
-    return [TraceRecord(i + 1, r["timestamp"], r["input_length"], r["output_length"], tuple(r["hash_ids"]))
-            for i, r in enumerate(generate_trace(params))]
-
-
 def _one(task: tuple[str, int]) -> tuple[str, int, dict[str, Run]]:
     regime, seed = task
-    trace = _records(replace(REGIMES[regime], seed=seed))
+    trace = records_of(generate_trace(replace(REGIMES[regime], seed=seed)))
     window = (trace[-1].timestamp_ms - trace[0].timestamp_ms) / 1000.0 / SPEEDUP
     profile = load_profile("paper-70b-8gpu")
     runs = {}

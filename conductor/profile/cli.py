@@ -17,6 +17,7 @@ import pathlib
 import random
 import sys
 import time
+from collections.abc import Callable
 
 from conductor.core.profile_table import DecodeRow, PrefillRow, ProfileTable, save_profile
 
@@ -27,10 +28,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--model", required=True, type=pathlib.Path, help="model folder (safetensors + config.json)")
     ap.add_argument("--out", type=pathlib.Path, default=pathlib.Path("profile.json"), help="profile table to write")
     ap.add_argument("--name", default=None, help="table name (default: model folder name + '-cpu')")
-    ap.add_argument("--prompt-lengths", default="256,512,1024,2048", help="comma-separated prompt lengths")
-    ap.add_argument("--cached-shares", default="0,0.5,0.75", help="comma-separated cached-prefix shares")
-    ap.add_argument("--batch-sizes", default="1,4,16", help="comma-separated decode batch sizes")
-    ap.add_argument("--contexts", default="128,1024", help="comma-separated decode context lengths")
+    ap.add_argument("--prompt-lengths", type=_list_of(int), default="256,512,1024,2048",
+                    help="comma-separated prompt lengths")
+    ap.add_argument("--cached-shares", type=_list_of(float), default="0,0.5,0.75",
+                    help="comma-separated cached-prefix shares")
+    ap.add_argument("--batch-sizes", type=_list_of(int), default="1,4,16", help="comma-separated decode batch sizes")
+    ap.add_argument("--contexts", type=_list_of(int), default="128,1024", help="comma-separated decode context lengths")
     ap.add_argument("--decode-tokens", type=int, default=24, help="tokens generated per decode measurement")
     ap.add_argument("--block-size", type=int, default=128,
                     help="vLLM KV block size (the CPU attention backend needs a multiple of 32)")
@@ -41,37 +44,40 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def _ints(s: str) -> list[int]:
-    return [int(x) for x in s.split(",") if x]
+def _list_of(kind: type) -> Callable[[str], list]:
+    """argparse type: a non-empty comma-separated list (argparse also converts the defaults)."""
+    def parse(s: str) -> list:
+        try:
+            values = [kind(x) for x in s.split(",") if x.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{s!r} is not a comma-separated list of {kind.__name__}") from None
+        if not values:
+            raise argparse.ArgumentTypeError("the list is empty")
+        return values
+    return parse
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
+    # Checked before minutes of measuring, not by the fit at the end.
+    if len(args.prompt_lengths) * len(args.cached_shares) < 4 or len(args.batch_sizes) * len(args.contexts) < 3:
+        ap.error("the fit needs >= 4 prefill points (lengths x shares) and >= 3 decode points (batch sizes x contexts)")
+    if args.decode_tokens < 2 or args.repeats < 1:
+        ap.error("--decode-tokens must be >= 2 (a step is a difference) and --repeats >= 1")
     try:
         cfg = json.loads((args.model / "config.json").read_text())
-        lists = (_ints(args.prompt_lengths), _ints(args.contexts), _ints(args.batch_sizes),
-                 [float(x) for x in args.cached_shares.split(",")])
-        if not all(lists):
-            raise ValueError("a list is empty")
-        if len(lists[0]) * len(lists[3]) < 4 or len(lists[1]) * len(lists[2]) < 3:
-            raise ValueError("the fit needs >= 4 prefill points (lengths x shares) and >= 3 decode points "
-                             "(batch sizes x contexts)")  # checked before minutes of measuring
-        if args.decode_tokens < 2 or args.repeats < 1:
-            raise ValueError("--decode-tokens must be >= 2 (a step is a difference) and --repeats >= 1")
     except (OSError, ValueError) as exc:
-        ap.error(f"--model must be a Hugging Face model directory with a config.json, the lists "
-                 f"comma-separated numbers: {exc}")
+        ap.error(f"--model must be a Hugging Face model folder with a config.json: {exc}")
     heads = cfg["num_attention_heads"]
     head_dim = cfg.get("head_dim", cfg["hidden_size"] // heads)
     kv_bpt = 2 * cfg["num_hidden_layers"] * cfg.get("num_key_value_heads", heads) * head_dim * 4  # float32
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(args.kv_cache_gib))  # before vllm is imported
     from vllm import LLM, SamplingParams
 
-    lengths, shares = _ints(args.prompt_lengths), [float(x) for x in args.cached_shares.split(",")]
-    max_len = max(max(lengths), max(_ints(args.contexts)) + args.decode_tokens) + args.block_size
+    max_len = max(max(args.prompt_lengths), max(args.contexts) + args.decode_tokens) + args.block_size
     llm = LLM(model=str(args.model), enforce_eager=True, dtype="float32", enable_prefix_caching=True,
-              max_model_len=max_len, block_size=args.block_size, max_num_seqs=max(_ints(args.batch_sizes)))
+              max_model_len=max_len, block_size=args.block_size, max_num_seqs=max(args.batch_sizes))
     rng = random.Random(0)
     vocab = cfg["vocab_size"]
 
@@ -86,8 +92,8 @@ def main(argv: list[str] | None = None) -> int:
 
     run([toks(64)], 2)  # warm up kernels
     prefill: list[PrefillRow] = []
-    for length in lengths:
-        for share in shares:
+    for length in args.prompt_lengths:
+        for share in args.cached_shares:
             cached = int(length * share) // args.block_size * args.block_size
             best = float("inf")
             for _ in range(args.repeats):
@@ -99,8 +105,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"prefill L={length} cached={cached}: {best:.4f} s", file=sys.stderr, flush=True)
     decode: list[DecodeRow] = []
     n = args.decode_tokens
-    for b in _ints(args.batch_sizes):
-        for ctx in _ints(args.contexts):
+    for b in args.batch_sizes:
+        for ctx in args.contexts:
             t1 = min(run([toks(ctx) for _ in range(b)], 1) for _ in range(args.repeats))
             tn = min(run([toks(ctx) for _ in range(b)], n) for _ in range(args.repeats))
             step = max((tn - t1) / (n - 1), 1e-6)

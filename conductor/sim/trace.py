@@ -155,6 +155,12 @@ def generate_trace(p: TraceParams) -> list[dict]:
     return rows
 
 
+def records_of(rows: list[dict]) -> list[TraceRecord]:
+    """Generated rows as the records load_trace would give (line numbers from 1), without a file."""
+    return [TraceRecord(n, float(r["timestamp"]), r["input_length"], r["output_length"], tuple(r["hash_ids"]))
+            for n, r in enumerate(rows, start=1)]
+
+
 def write_trace(rows: list[dict], path: str | pathlib.Path, params: TraceParams | None = None) -> None:
     with open(path, "w", encoding="utf-8") as f:
         for r in rows:

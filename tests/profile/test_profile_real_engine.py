@@ -8,6 +8,7 @@ import pytest
 
 from conductor.core import Estimators, load_profile
 
+
 @pytest.mark.vllm
 def test_profile_measures_the_real_engine_and_the_table_fits(model_path, tmp_path):
     out = tmp_path / "profile.json"

@@ -5,19 +5,14 @@ import pytest
 from conductor.core import SchedulerConfig, load_profile
 from conductor.sim.cli import main, simulate
 from conductor.sim.report import summarize
-from conductor.sim.trace import TraceParams, TraceRecord, generate_trace, write_trace
+from conductor.sim.trace import TraceParams, TraceRecord, generate_trace, records_of, write_trace
 
 PROFILE = load_profile("paper-70b-8gpu")
 
 
-def records(rows):
-    return [TraceRecord(i, r["timestamp"], r["input_length"], r["output_length"], tuple(r["hash_ids"]))
-            for i, r in enumerate(rows)]
-
-
 @pytest.fixture(scope="module")
 def small_trace():
-    return records(generate_trace(TraceParams(n_requests=300, rate_rps=3.0, n_prefixes=20, output_median=100,
+    return records_of(generate_trace(TraceParams(n_requests=300, rate_rps=3.0, n_prefixes=20, output_median=100,
                                               seed=2)))
 
 
