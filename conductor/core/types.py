@@ -90,8 +90,9 @@ class InstanceState:
     def __post_init__(self) -> None:
         object.__setattr__(self, "kv_tokens", sum(s.kv_tokens for s in self.running))
         object.__setattr__(self, "incoming_kv_tokens", sum(s.kv_tokens for s in self.incoming))
-        object.__setattr__(self, "lengths_known", all(s.remaining_tokens is not None
-                                                      for s in (*self.running, *self.incoming)))
+        object.__setattr__(self, "lengths_known",  # short-circuits at the first unknown (the live case)
+                           all(s.remaining_tokens is not None for s in self.running)
+                           and all(s.remaining_tokens is not None for s in self.incoming))
 
     @property
     def batch_size(self) -> int:
