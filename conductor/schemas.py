@@ -34,6 +34,22 @@ class _SamplingFields(BaseModel):
     repetition_penalty: float | None = Field(None, gt=0.0)
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    logit_bias: dict[str, float] | None = None
+    # Known options this server does not implement. They are named here so that a request
+    # using one is refused (see unsupported_option), not silently served without it.
+    best_of: int | None = None
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    response_format: dict[str, Any] | None = None
+    prompt_logprobs: int | None = None
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list[Any] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: Any = None
 
     @field_validator("stop")
     @classmethod
@@ -44,6 +60,35 @@ class _SamplingFields(BaseModel):
         if len(stops) > 4:
             raise ValueError("at most 4 stop sequences are allowed")
         return stops
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_range(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (value or {}).items():
+            if not key.lstrip("-").isdigit():
+                raise ValueError(f"keys must be token ids, got {key!r}")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"bias of token {key} must be in [-100, 100], got {bias}")
+        return value
+
+    def unsupported_option(self) -> str | None:
+        """The first option set in this request that the server would otherwise ignore."""
+        not_off = (None, False, 0, "none")
+        checks = (
+            ("n", self.n != 1),
+            ("best_of", self.best_of not in (None, 1)),
+            ("logprobs", self.logprobs not in not_off),
+            ("top_logprobs", self.top_logprobs not in not_off),
+            ("prompt_logprobs", self.prompt_logprobs not in not_off),
+            ("tools", bool(self.tools)),
+            ("functions", bool(self.functions)),
+            ("tool_choice", self.tool_choice not in not_off),
+            ("function_call", self.function_call not in not_off),
+            ("response_format", bool(self.response_format) and self.response_format.get("type") != "text"),
+            *((name, getattr(self, name) is not None) for name in
+              ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")),
+        )
+        return next((name for name, used in checks if used), None)
 
     def stop_strings(self) -> list[str]:
         return list(self.stop or [])  # type: ignore[arg-type]

@@ -28,6 +28,19 @@ from mooncake.protocol import GenerateChunk, Sampling
 
 log = logging.getLogger(__name__)
 
+UNSUPPORTED = {
+    "n": "only n=1 is supported",
+    "best_of": "only best_of=1 is supported",
+    "logprobs": "logprobs are not supported by this server yet",
+    "top_logprobs": "logprobs are not supported by this server yet",
+    "prompt_logprobs": "logprobs are not supported by this server yet",
+    "tools": "tool calling is not supported by this server",
+    "functions": "function calling is not supported by this server",
+    "tool_choice": "tool calling is not supported by this server",
+    "function_call": "function calling is not supported by this server",
+    "response_format": "only response_format {\"type\": \"text\"} is supported",
+}
+
 
 @dataclass
 class Prepared:
@@ -59,10 +72,10 @@ class CompletionService:
         if body.model != self.config.served_model_name:
             raise APIError(404, f"The model `{body.model}` does not exist. This server serves "
                                 f"`{self.config.served_model_name}`.", param="model", code="model_not_found")
-        if body.n != 1:
-            raise APIError(400, "only n=1 is supported", param="n")
-        if body.logprobs not in (None, False, 0):
-            raise APIError(400, "logprobs are not supported by this server yet", param="logprobs")
+        unsupported = body.unsupported_option()
+        if unsupported is not None:
+            raise APIError(400, UNSUPPORTED.get(unsupported, f"`{unsupported}` is not supported by this server"),
+                           param=unsupported, code="unsupported_option")
         if not chat and (body.echo or body.suffix):
             raise APIError(400, "echo and suffix are not supported", param="echo" if body.echo else "suffix")
         prompt = await asyncio.to_thread(self._tokenize, body)
@@ -71,6 +84,9 @@ class CompletionService:
         vocab = len(self.tokenizer)
         if any(not 0 <= t < vocab for t in prompt):
             raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
+        logit_bias = tuple(sorted((int(k), float(v)) for k, v in (body.logit_bias or {}).items()))
+        if any(not 0 <= t < vocab for t, _ in logit_bias):
+            raise APIError(400, f"logit_bias token ids must be in [0, {vocab})", param="logit_bias")
         limit = self.config.max_model_len
         max_tokens = (body.max_completion_tokens or body.max_tokens) if chat else body.max_tokens
         if len(prompt) >= limit:
@@ -92,6 +108,7 @@ class CompletionService:
             presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
             repetition_penalty=body.repetition_penalty or 1.0,
             stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos,
+            logit_bias=logit_bias,
         )
         request_id = uuid.uuid4().hex
         return Prepared(

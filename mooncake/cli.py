@@ -12,9 +12,10 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 from pathlib import Path
+
+from mooncake.logs import configure_logging, uvicorn_log_config
 
 
 def _resolve_model(path: str | None) -> str:
@@ -53,7 +54,8 @@ def _cmd_conductor(args: argparse.Namespace) -> int:
         registry_url=registry_url(args), registry_ttl_s=args.registry_ttl, scheduler=scheduler_config(args),
         profile=args.profile,
     )
-    uvicorn.run(create_app(config), host=args.host, port=args.port, log_level="info")
+    uvicorn.run(create_app(config), host=args.host, port=args.port, log_level="info",
+                log_config=uvicorn_log_config())
     return 0
 
 
@@ -133,7 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging()
     if argv and argv[0] in ("sim", "profile"):
         # These have their own parsers (owned by the scheduler package); forward the rest.
         import importlib

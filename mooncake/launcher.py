@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass, field
 
 from conductor.core.config import SchedulerConfig
+from mooncake.logs import uvicorn_log_config
 
 log = logging.getLogger(__name__)
 
@@ -149,7 +150,8 @@ def serve(config: ClusterConfig) -> int:
         ))
         log.info("conductor on http://%s:%d/v1 (workers take ~30-60 s to load; /health says when ready)",
                  config.host, config.port)
-        uvicorn.run(app, host=config.host, port=config.port, log_level="info", timeout_graceful_shutdown=5)
+        uvicorn.run(app, host=config.host, port=config.port, log_level="info", timeout_graceful_shutdown=5,
+                    log_config=uvicorn_log_config())
     finally:
         log.info("stopping workers")
         cluster.stop()

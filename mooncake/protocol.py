@@ -27,11 +27,13 @@ class Sampling:
     repetition_penalty: float = 1.0
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs, sorted by id
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "Sampling":
         raw = dict(raw)
         raw["stop_token_ids"] = tuple(raw.get("stop_token_ids") or ())
+        raw["logit_bias"] = tuple((int(t), float(b)) for t, b in raw.get("logit_bias") or ())
         return cls(**raw)
 
 

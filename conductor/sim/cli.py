@@ -14,7 +14,7 @@ from conductor.core.scheduler import Scheduler
 from conductor.sim.cost_model import CostModel, CostModelConfig
 from conductor.sim.engine import SimConfig, Simulation
 from conductor.sim.report import SimResult, summarize
-from conductor.sim.trace import TraceError, TraceRecord, load_trace
+from conductor.sim.trace import TraceError, TraceRecord, block_count_mismatches, fitting_block_sizes, load_trace
 
 
 def simulate(trace: list[TraceRecord], sched: SchedulerConfig, profile: ProfileTable,
@@ -31,13 +31,20 @@ def simulate(trace: list[TraceRecord], sched: SchedulerConfig, profile: ProfileT
     return Simulation(trace, Scheduler(sched, est), cost, SimConfig(**sim_kwargs)).run()
 
 
+class _DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows defaults, except None (required options, or ones whose help says where it comes from)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="mooncake sim",
         description="Replay a Mooncake-format trace (JSONL: timestamp ms, input_length, output_length, hash_ids) "
                     "against N prefill and M decode instances, scheduling every request with the same "
                     "scheduler core as the live conductor, and report TTFT/TBT, SLO attainment and goodput.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=_DefaultsHelp)
     ap.add_argument("--trace", required=True, help="path of the trace file (one JSON object per line)")
     ap.add_argument("--prefill", type=int, default=8, metavar="N", help="number of prefill instances")
     ap.add_argument("--decode", type=int, default=8, metavar="M", help="number of decode instances")
@@ -91,6 +98,17 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def warn_block_size(trace: list[TraceRecord], block_size: int) -> None:
+    bad = block_count_mismatches(trace, block_size)
+    if not bad:
+        return
+    fits = fitting_block_sizes(trace)
+    hint = f"; --block-size {fits[0]} fits every line" if fits else ""
+    first = min(r.line for r in bad)
+    print(f"mooncake sim: warning: {len(bad)} of {len(trace)} lines (first: line {first}) do not have "
+          f"ceil(input_length / {block_size}) hash_ids{hint}", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -103,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
                                 colocate_max_new_tokens=args.colocate_max_tokens, seed=args.seed,
                                 gate_kv_headroom=args.gate_headroom, decode_forecast=args.forecast,
                                 decode_hold_s=args.decode_hold)
+        warn_block_size(trace, args.block_size)
         if args.limit is not None:
             if args.limit <= 0:
                 raise ValueError("--limit must be positive")

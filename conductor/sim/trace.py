@@ -62,7 +62,7 @@ def load_trace(path: str | pathlib.Path) -> list[TraceRecord]:
     with open(path, "rb") as f:  # bytes, so an undecodable line is reported by its number too
         for n, raw in enumerate(f, start=1):
             try:
-                text = raw.decode("utf-8")
+                text = raw.decode("utf-8-sig" if n == 1 else "utf-8")  # tolerate a byte-order mark
             except UnicodeDecodeError:
                 raise TraceError(str(path), n, "not UTF-8 text") from None
             if text.strip():
@@ -71,6 +71,17 @@ def load_trace(path: str | pathlib.Path) -> list[TraceRecord]:
         raise TraceError(str(path), 0, "trace has no records")
     records.sort(key=lambda r: r.timestamp_ms)
     return records
+
+
+def block_count_mismatches(records: list[TraceRecord], block_size: int) -> list[TraceRecord]:
+    """Records whose hash_ids do not number ceil(input_length / block_size): a sign that the
+    trace was written with another block size (hash_ids then name the wrong token spans)."""
+    return [r for r in records if r.hash_ids and len(r.hash_ids) != -(-r.input_length // block_size)]
+
+
+def fitting_block_sizes(records: list[TraceRecord], candidates=(16, 32, 64, 128, 256, 512, 1024, 2048)) -> list[int]:
+    """The candidate block sizes that every record's hash_ids count agrees with."""
+    return [b for b in candidates if not block_count_mismatches(records, b)]
 
 
 # -- generator --------------------------------------------------------------------------------

@@ -63,7 +63,7 @@ def sampling_params(request: GenerateRequest):
         min_p=s.min_p, seed=s.seed, min_tokens=s.min_tokens,
         presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
         repetition_penalty=s.repetition_penalty, stop_token_ids=list(s.stop_token_ids),
-        ignore_eos=s.ignore_eos,
+        ignore_eos=s.ignore_eos, logit_bias=dict(s.logit_bias) or None,
         # The conductor detokenizes (it owns stop strings across the prefill/decode boundary).
         detokenize=False,
         output_kind=RequestOutputKind.DELTA,

@@ -7,12 +7,13 @@ import logging
 import uvicorn
 
 from messenger.tcp import free_port
+from mooncake.logs import configure_logging
 from mooncake.worker.app import create_app
 from mooncake.worker.config import WorkerConfig
 
 
 def run_worker(config: WorkerConfig) -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging()
     # The conductor must know where to push KV before the engine (which binds it) is up, so
     # the port is chosen here rather than by the engine.
     kv_port = config.kv_port or free_port(config.kv_host)

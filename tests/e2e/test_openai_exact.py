@@ -87,3 +87,18 @@ def test_decode_loaded_prompt_kv_and_computed_only_new_tokens(spine_cluster):
     assert after["load_failures"] == before["load_failures"]
     prefill = httpx.get(spine_cluster.worker_urls["prefill"] + "/internal/kv_stats").json()["stats"]
     assert prefill["pushed_transfers"] >= 1 and prefill["push_failures"] == 0
+
+
+def test_logit_bias_applies_on_both_sides_as_colocated(colocated_server, spine_cluster, model_path):
+    """The bias must reach the prefill worker (first token) and the decode worker (the rest)."""
+    from transformers import AutoTokenizer
+
+    token = AutoTokenizer.from_pretrained(model_path).encode(" banana")[0]
+    texts = []
+    for base in (colocated_server, spine_cluster.api):
+        client = openai.OpenAI(base_url=base, api_key="unused", max_retries=0, timeout=300)
+        r = client.completions.create(model=MODEL_NAME, prompt="My favourite fruit is", max_tokens=12,
+                                      temperature=0, logit_bias={str(token): 6})
+        texts.append(r.choices[0].text)
+    assert texts[0] == texts[1]
+    assert texts[1].startswith(" banana"), texts

@@ -3,7 +3,8 @@ import json
 import pytest
 
 from conductor.sim.cli import main
-from conductor.sim.trace import TraceError, TraceParams, generate_trace, load_trace, write_trace
+from conductor.sim.trace import (TraceError, TraceParams, block_count_mismatches, fitting_block_sizes, generate_trace,
+                                  load_trace, write_trace)
 
 GOOD = '{"timestamp": 0, "input_length": 1024, "output_length": 4, "hash_ids": [0, 1]}'
 
@@ -63,3 +64,27 @@ def test_undecodable_line_is_reported_with_its_line_number(tmp_path):
     with pytest.raises(TraceError, match="not UTF-8") as exc:
         load_trace(p)
     assert exc.value.line == 2
+
+
+def test_byte_order_mark_on_the_first_line_is_accepted(tmp_path):
+    p = tmp_path / "t.jsonl"
+    p.write_bytes(b"\xef\xbb\xbf" + (GOOD + "\n" + GOOD + "\n").encode())
+    assert len(load_trace(p)) == 2
+    p.write_bytes((GOOD + "\n").encode() + b"\xef\xbb\xbf" + GOOD.encode())  # only a first line may carry one
+    with pytest.raises(TraceError) as exc:
+        load_trace(p)
+    assert exc.value.line == 2
+
+
+def test_hash_ids_written_with_another_block_size_are_flagged_with_the_size_that_fits(tmp_path, capsys):
+    rows = [{"timestamp": i, "input_length": 1000 + 37 * i, "output_length": 3,
+             "hash_ids": list(range(-(-(1000 + 37 * i) // 64)))} for i in range(6)]
+    p = tmp_path / "t.jsonl"
+    p.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    records = load_trace(p)
+    assert len(block_count_mismatches(records, 512)) == 6 and not block_count_mismatches(records, 64)
+    assert fitting_block_sizes(records) == [64]
+    assert main(["--trace", str(p), "--json", "--no-progress"]) == 0
+    assert "--block-size 64 fits every line" in capsys.readouterr().err
+    assert main(["--trace", str(p), "--json", "--no-progress", "--block-size", "64"]) == 0
+    assert "warning" not in capsys.readouterr().err

@@ -7,6 +7,8 @@ from messenger.tcp import TcpClient, TcpServer, TransferError, parse_address
 from messenger.wire import WireError, decode_prefix, encode_prefix
 from mooncake.connector.params import PullParams, PushParams, parse_pull, parse_push
 from mooncake.launcher import plan_cpu_binding
+from mooncake.logs import QuietPollingFilter
+from mooncake.protocol import GenerateRequest, Sampling
 
 
 @pytest.mark.parametrize("cores,count,expected", [
@@ -25,6 +27,26 @@ def test_params_round_trip():
     pull = PullParams("t", 123, 9.0)
     assert parse_push(push.to_params()) == push and parse_pull(pull.to_params()) == pull
     assert parse_push(None) is None and parse_pull({}) is None
+
+
+def test_generate_request_round_trips_through_json():
+    import json
+
+    req = GenerateRequest("r1", [1, 2, 3], Sampling(max_tokens=4, stop_token_ids=(7,), logit_bias=((5, -2.5), (9, 1.0))))
+    assert GenerateRequest.from_dict(json.loads(json.dumps(req.to_dict()))) == req
+
+
+def test_access_log_leaves_out_polling_routes_only():
+    import logging
+
+    def access(path: str) -> logging.LogRecord:
+        return logging.LogRecord("uvicorn.access", logging.INFO, "", 0, '%s - "%s %s HTTP/%s" %d',
+                                 ("127.0.0.1:1", "GET", path, "1.1", 200), None)
+
+    quiet = QuietPollingFilter()
+    assert not quiet.filter(access("/internal/registry/instances/p0/load"))
+    assert not quiet.filter(access("/health"))
+    assert quiet.filter(access("/v1/completions"))
 
 
 def test_wire_rejects_foreign_and_oversized_frames():
