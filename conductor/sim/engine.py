@@ -8,7 +8,8 @@ conductor uses. Then the engine plays out the physics (cost_model.py):
     stored/evicted events update the global prefix index;
   - the KV reaches the decode node kv_handoff_s after prefill ends (layer-wise streaming);
     under any admission but "none" the decode node re-checks (decode_admits) and may refuse,
-    wasting the prefill; under "none" a request without KV room waits for room;
+    wasting the prefill; under "none" a request without KV room waits for room (one larger
+    than the node's whole KV capacity is refused, as it could wait forever);
   - a decode node steps its continuous batch; a colocated prefill rides in one step.
 Requests join and leave the batch only at step boundaries.
 """
@@ -137,6 +138,9 @@ class Simulation:
             if kind == ARRIVE:
                 bar.update(1)
         bar.close()
+        if len(self.outcomes) != len(self.trace):  # every request ends completed or rejected
+            raise RuntimeError(f"simulation ended with {len(self.trace) - len(self.outcomes)} of "
+                               f"{len(self.trace)} requests neither completed nor rejected")
         return SimResult(outcomes=self.outcomes, timeline=self.timeline, step_times=self.step_times,
                          makespan_s=last, wall_s=time.perf_counter() - wall, wasted_prefill_s=self._wasted_prefill_s)
 
@@ -224,6 +228,9 @@ class Simulation:
             if reason is not None:
                 self._refuse_after_prefill(job, reason.value)
                 return
+        elif job.prompt > d.kv_capacity:  # would wait for room forever: no admission can place it
+            self._refuse_after_prefill(job, "no_capacity")
+            return
         self._enter_decode(d, job, now)
 
     def _decode_refuses(self, d: DecodeNode, job: Job, now: float):

@@ -169,3 +169,16 @@ def test_cli_unwritable_plot_dir_is_an_error_not_a_traceback(tmp_path, capsys):
     assert main(["--trace", str(trace), "--json", "--no-progress", "--plot", str(blocker / "plots")]) == 2
     out = capsys.readouterr()
     assert "cannot write plots" in out.err and json.loads(out.out)["requests"] == 5
+
+
+@pytest.mark.parametrize("admission", ["none", "baseline", "early", "prediction"])
+def test_prompt_larger_than_any_decode_node_is_refused_not_lost(admission):
+    """Under "none" it used to wait for KV room forever and vanish from the counts, blocking the
+    small request queued behind it on the same node."""
+    cap = 100_000
+    rows = [TraceRecord(1, 0.0, 2 * cap, 4, ()), TraceRecord(2, 1.0, 1000, 4, ())]
+    res = simulate(rows, SchedulerConfig(admission=admission, ttft_slo_s=1e6), PROFILE, 1, 1,
+                   decode_kv_capacity_tokens=cap)
+    status = {o.rid: (o.status, o.reason) for o in sorted(res.outcomes, key=lambda o: o.rid)}
+    assert status[0][0] == "rejected" and "no_capacity" in status[0][1]
+    assert status[1] == ("completed", None)
