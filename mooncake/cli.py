@@ -15,6 +15,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from mooncake.cli_help import DefaultsHelpFormatter
 from mooncake.logs import configure_logging, uvicorn_log_config
 
 
@@ -80,6 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     serve = sub.add_parser("serve", help="run the embedded cluster (conductor + prefill + decode)",
+                           formatter_class=DefaultsHelpFormatter,
                            description="Start N prefill and M decode workers on this machine and the "
                                        "OpenAI-compatible conductor in front of them. Ctrl-C stops all.")
     serve.add_argument("--model", default=None, help="safetensors model folder (default: SmolLM2-135M-Instruct)")
@@ -100,11 +102,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     for name, module, text in (("prefill", prefill_main, "run one prefill worker"),
                                ("decode", decode_main, "run one decode worker")):
-        p = sub.add_parser(name, help=text, description=module.__doc__)
+        p = sub.add_parser(name, help=text, description=module.__doc__, formatter_class=DefaultsHelpFormatter)
         module.add_arguments(p)
         p.set_defaults(func=_cmd_worker(module))
 
     cond = sub.add_parser("conductor", help="run the API server alone, pointed at workers",
+                          formatter_class=DefaultsHelpFormatter,
                           description="The OpenAI-compatible conductor for workers started elsewhere.")
     cond.add_argument("--model", default=None, help="model folder (for the tokenizer and chat template)")
     cond.add_argument("--served-model-name", default=None, help="model name clients use")

@@ -20,11 +20,12 @@ import time
 from collections.abc import Callable
 
 from conductor.core.profile_table import DecodeRow, PrefillRow, ProfileTable, save_profile
+from mooncake.cli_help import DefaultsHelpFormatter
 
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="mooncake profile", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+                                 formatter_class=DefaultsHelpFormatter)
     ap.add_argument("--model", required=True, type=pathlib.Path, help="model folder (safetensors + config.json)")
     ap.add_argument("--out", type=pathlib.Path, default=pathlib.Path("profile.json"), help="profile table to write")
     ap.add_argument("--name", default=None, help="table name (default: model folder name + '-cpu')")

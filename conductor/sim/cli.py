@@ -15,6 +15,7 @@ from conductor.sim.cost_model import CostModel, CostModelConfig
 from conductor.sim.engine import SimConfig, Simulation
 from conductor.sim.report import SimResult, summarize
 from conductor.sim.trace import TraceError, TraceRecord, block_count_mismatches, fitting_block_sizes, load_trace
+from mooncake.cli_help import DefaultsHelpFormatter
 
 
 def simulate(trace: list[TraceRecord], sched: SchedulerConfig, profile: ProfileTable,
@@ -31,20 +32,14 @@ def simulate(trace: list[TraceRecord], sched: SchedulerConfig, profile: ProfileT
     return Simulation(trace, Scheduler(sched, est), cost, SimConfig(**sim_kwargs)).run()
 
 
-class _DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows defaults, except None (required options, or ones whose help says where it comes from)."""
-
-    def _get_help_string(self, action: argparse.Action) -> str | None:
-        return action.help if action.default is None else super()._get_help_string(action)
-
-
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="mooncake sim",
-        description="Replay a Mooncake-format trace (JSONL: timestamp ms, input_length, output_length, hash_ids) "
-                    "against N prefill and M decode instances, scheduling every request with the same "
-                    "scheduler core as the live conductor, and report TTFT/TBT, SLO attainment and goodput.",
-        formatter_class=_DefaultsHelp)
+        description="Replay a Mooncake-format trace (JSONL: timestamp ms, input_length, output_length,\n"
+                    "hash_ids) against N prefill and M decode instances, scheduling every request with the\n"
+                    "same scheduler core as the live conductor, and report TTFT/TBT, SLO attainment and\n"
+                    "goodput.",
+        formatter_class=DefaultsHelpFormatter)
     ap.add_argument("--trace", required=True, help="path of the trace file (one JSON object per line)")
     ap.add_argument("--prefill", type=int, default=8, metavar="N", help="number of prefill instances")
     ap.add_argument("--decode", type=int, default=8, metavar="M", help="number of decode instances")

@@ -87,3 +87,14 @@ def test_metrics_text_declares_each_family_once():
     for line in text.splitlines():
         if not line.startswith("#"):
             float(line.rsplit(" ", 1)[1])  # every sample ends in a number
+
+
+@pytest.mark.parametrize("argv", [["serve"], ["prefill"], ["decode"], ["conductor"], ["sim"], ["profile"]])
+def test_help_of_every_command_shows_defaults_but_never_none(argv, capsys):
+    from mooncake.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main([*argv, "--help"])
+    assert exc.value.code == 0
+    text = capsys.readouterr().out
+    assert "(default: " in text and "(default: None)" not in text and "(default: False)" not in text
