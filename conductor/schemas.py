@@ -12,8 +12,10 @@ class StreamOptions(BaseModel):
 
 
 class _SamplingFields(BaseModel):
-    # Unknown fields are ignored, as OpenAI's own API does, so newer clients keep working.
-    model_config = ConfigDict(extra="ignore")
+    # Unknown fields are kept aside and ignored (logged by the server), as vLLM's server does, so
+    # that clients sending newer or vendor-specific fields keep working. Known fields that would
+    # change the output and are not implemented are refused instead (unsupported_option).
+    model_config = ConfigDict(extra="allow")
 
     model: str
     temperature: float | None = Field(None, ge=0.0, le=2.0)
@@ -70,6 +72,9 @@ class _SamplingFields(BaseModel):
             if not -100.0 <= bias <= 100.0:
                 raise ValueError(f"bias of token {key} must be in [-100, 100], got {bias}")
         return value
+
+    def unknown_fields(self) -> list[str]:
+        return sorted(self.model_extra or {})
 
     def unsupported_option(self) -> str | None:
         """The first option set in this request that the server would otherwise ignore."""

@@ -72,6 +72,8 @@ class CompletionService:
         if body.model != self.config.served_model_name:
             raise APIError(404, f"The model `{body.model}` does not exist. This server serves "
                                 f"`{self.config.served_model_name}`.", param="model", code="model_not_found")
+        if body.unknown_fields():
+            log.warning("ignoring unknown request fields: %s", ", ".join(body.unknown_fields()))
         unsupported = body.unsupported_option()
         if unsupported is not None:
             raise APIError(400, UNSUPPORTED.get(unsupported, f"`{unsupported}` is not supported by this server"),

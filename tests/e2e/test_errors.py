@@ -131,3 +131,10 @@ def test_metrics_have_units_and_count_requests(spine_cluster):
     assert routed and sum(float(line.rsplit(" ", 1)[1]) for line in routed) >= 1, routed
     worker = httpx.get(spine_cluster.worker_urls["decode"] + "/metrics").text
     assert "mooncake_kv_loaded_bytes_total" in worker
+
+
+def test_unknown_fields_are_ignored_not_refused(spine_cluster):
+    client = openai.OpenAI(base_url=spine_cluster.api, api_key="x", max_retries=0)
+    r = client.completions.create(model=MODEL_NAME, prompt="Hello", max_tokens=2, temperature=0,
+                                  extra_body={"some_future_field": {"x": 1}})
+    assert r.usage.completion_tokens == 2

@@ -98,3 +98,13 @@ def test_help_of_every_command_shows_defaults_but_never_none(argv, capsys):
     assert exc.value.code == 0
     text = capsys.readouterr().out
     assert "(default: " in text and "(default: None)" not in text and "(default: False)" not in text
+
+
+def test_request_schema_sets_unknown_fields_aside_and_names_unsupported_ones():
+    from conductor.schemas import ChatCompletionRequest, CompletionRequest
+
+    body = CompletionRequest(model="m", prompt="a", some_future_field=1, best_of=1, logprobs=0,
+                             response_format={"type": "text"}, tool_choice="none")
+    assert body.unknown_fields() == ["some_future_field"] and body.unsupported_option() is None
+    chat = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}], top_logprobs=3)
+    assert chat.unsupported_option() == "top_logprobs"
