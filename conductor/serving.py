@@ -163,6 +163,8 @@ class CompletionService:
                    "x-mooncake-cached-tokens": str(stats.prefill_cached_tokens)}
         if route.decision is not None:
             headers["x-mooncake-predicted-ttft-ms"] = str(round(route.decision.predicted_ttft_s * 1000))
+            if route.decision.predicted_ttft_s > 0:
+                self.metrics.ttft_prediction.observe((first_at - req.arrived) / route.decision.predicted_ttft_s)
         events = self._events(req, chunks, first, stats, route, first_at)
         if req.stream:
             return StreamingResponse(self._sse(req, events, stats, endpoint), media_type="text/event-stream",

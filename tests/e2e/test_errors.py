@@ -125,6 +125,8 @@ def test_metrics_have_units_and_count_requests(spine_cluster):
     assert served.status_code == 200, served.text
     text = httpx.get(spine_cluster.base_url + "/metrics").text
     assert "mooncake_time_to_first_token_seconds_bucket" in text
+    ratio_count = [line for line in text.splitlines() if line.startswith("mooncake_ttft_prediction_ratio_count")]
+    assert ratio_count and float(ratio_count[0].rsplit(" ", 1)[1]) >= 1, ratio_count
     assert 'mooncake_requests_total{endpoint="completions",status="400"}' in text
     # Every served request was routed one way or the other.
     routed = [line for line in text.splitlines() if line.startswith("mooncake_routes_total{kind=")]
