@@ -105,7 +105,8 @@ def create_app(config: ConductorConfig) -> FastAPI:
     async def health(request: Request):
         pool: WorkerPool = request.app.state.pool
         workers = [{"url": h.http_url, "instance_id": h.instance_id, "role": h.role, "status": h.status,
-                    "error": h.last_error} for h in pool.all()]
+                    "error": h.last_error, "kv_push_bandwidth_Bps": h.push_bandwidth.estimate_Bps}
+                   for h in pool.all()]
         ok = bool(pool.ready("decode"))
         view = request.app.state.view
         body = {"status": "ok" if ok else "unavailable", "ready": {"prefill": len(pool.ready("prefill")),
@@ -120,7 +121,8 @@ def create_app(config: ConductorConfig) -> FastAPI:
         pool: WorkerPool = request.app.state.pool
         service: CompletionService = request.app.state.service
         ready = {"prefill": len(pool.ready("prefill")), "decode": len(pool.ready("decode"))}
-        return PlainTextResponse(request.app.state.metrics.render(service.in_flight, ready),
+        bandwidth = {h.name: h.push_bandwidth.estimate_Bps for h in pool.all() if h.push_bandwidth.estimate_Bps}
+        return PlainTextResponse(request.app.state.metrics.render(service.in_flight, ready, bandwidth),
                                  media_type="text/plain; version=0.0.4")
 
     return app

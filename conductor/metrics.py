@@ -39,7 +39,8 @@ class ConductorMetrics:
         "the profile table is optimistic for this hardware, and SLO admission lets through requests "
         "that will miss).", _RATIO))
 
-    def render(self, in_flight: int, ready_workers: dict[str, int]) -> str:
+    def render(self, in_flight: int, ready_workers: dict[str, int],
+               push_bandwidth_Bps: dict[str, float] | None = None) -> str:
         lines: list[str] = []
         for inst in (self.requests, self.rejections, self.routes, self.retries, self.prompt_tokens,
                      self.cached_prompt_tokens, self.generated_tokens, self.ttft, self.tbt, self.e2e,
@@ -48,4 +49,7 @@ class ConductorMetrics:
         lines += gauge("mooncake_in_flight_requests", "Requests in progress.", in_flight)
         lines += gauge_family("mooncake_ready_workers", "Workers whose engine is ready, by role.", "role",
                               ready_workers)
+        lines += gauge_family("mooncake_kv_push_bandwidth_bytes_per_second",
+                              "Measured KV push bandwidth of each prefill worker, as the scheduler prices "
+                              "transfers with it (bytes per second).", "instance", push_bandwidth_Bps or {})
         return "\n".join(lines) + "\n"

@@ -27,7 +27,7 @@ from conductor.workers import WorkerHandle, WorkerPool
 from mooncake.hashing import hash_prompt_blocks
 
 log = logging.getLogger(__name__)
-DEFAULT_BANDWIDTH_BPS = 2e9  # loopback TCP measured here; replaced per instance when measured
+DEFAULT_BANDWIDTH_BPS = 2e9  # until a worker's pushes are measured (WorkerHandle.push_bandwidth)
 
 
 @dataclass
@@ -113,7 +113,8 @@ class Router:
 
     def _instance(self, h: WorkerHandle) -> InstanceState:
         role = Role.PREFILL if h.role == "prefill" else Role.DECODE
-        return h.ledger.state(h.name, role, h.kv_capacity_tokens, DEFAULT_BANDWIDTH_BPS)
+        return h.ledger.state(h.name, role, h.kv_capacity_tokens,
+                              h.push_bandwidth.estimate_Bps or DEFAULT_BANDWIDTH_BPS)
 
 
 def _rejection_message(r: Rejection) -> str:

@@ -1,8 +1,9 @@
 """The conductor's view of its workers, and the HTTP client that talks to them.
 
 WorkerPool holds one WorkerHandle per instance, whatever told us about it (static URLs in the
-embedded cluster, the registry in a real one). Health polling marks handles ready or not; the
-conductor also counts what it has sent to each, which is fresher than any report.
+embedded cluster, the registry in a real one). Health polling marks handles ready or not, and
+samples each prefill worker's KV push counters for its measured bandwidth; the conductor also
+counts what it has sent to each, which is fresher than any report.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from conductor.bandwidth import PushBandwidthMeter
 from conductor.ledger import Ledger
 from mooncake.protocol import GenerateChunk, GenerateRequest
 
@@ -47,6 +49,7 @@ class WorkerHandle:
     ledger: Ledger = field(default_factory=Ledger)
     events_seq: int = -1  # last KV event applied to the prefix index (-1: need a snapshot)
     static: bool = False  # given by --prefill-url/--decode-url: kept even when not registered
+    push_bandwidth: PushBandwidthMeter = field(default_factory=PushBandwidthMeter)
 
     @property
     def name(self) -> str:
@@ -101,6 +104,17 @@ class WorkerClient:
             handle.ready = False
             handle.status = "unreachable"
             handle.last_error = f"{type(exc).__name__}: {exc}"
+            return
+        if handle.ready and handle.serves("prefill"):
+            await self._measure_push_bandwidth(handle)
+
+    async def _measure_push_bandwidth(self, handle: WorkerHandle) -> None:
+        try:
+            resp = await self._http.get(f"{handle.http_url}/internal/kv_stats", timeout=2.0)
+            stats = resp.json().get("stats") or {}
+            handle.push_bandwidth.update(int(stats["pushed_bytes"]), float(stats["push_seconds"]))
+        except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            log.debug("no KV push counters from %s: %s", handle.name, exc)
 
     async def generate(self, handle: WorkerHandle, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
         """Stream a request's chunks. Raises WorkerError on any failure; closing the iterator

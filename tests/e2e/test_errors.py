@@ -140,3 +140,24 @@ def test_unknown_fields_are_ignored_not_refused(spine_cluster):
     r = client.completions.create(model=MODEL_NAME, prompt="Hello", max_tokens=2, temperature=0,
                                   extra_body={"some_future_field": {"x": 1}})
     assert r.usage.completion_tokens == 2
+
+
+def test_conductor_measures_each_prefill_workers_push_bandwidth(spine_cluster):
+    """The scheduler prices transfers with the bandwidth measured from the worker's own pushes."""
+    import time
+
+    words = " ".join(f"item{i}" for i in range(600))  # ~2.3k tokens: over the colocation limit, ~100 MB of KV
+    resp = httpx.post(spine_cluster.api + "/completions", timeout=300, json={
+        "model": MODEL_NAME, "prompt": words, "max_tokens": 2, "temperature": 0})
+    assert resp.status_code == 200, resp.text
+    assert resp.headers["x-mooncake-prefill"] != resp.headers["x-mooncake-decode"]  # it was pushed
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        health = httpx.get(spine_cluster.base_url + "/health").json()
+        measured = {w["role"]: w["kv_push_bandwidth_Bps"] for w in health["workers"]}
+        if measured.get("prefill"):
+            break
+        time.sleep(0.5)
+    assert measured.get("prefill", 0) > 1e6, health["workers"]  # bytes/s; loopback TCP moves far more
+    text = httpx.get(spine_cluster.base_url + "/metrics").text
+    assert "mooncake_kv_push_bandwidth_bytes_per_second{instance=" in text

@@ -80,10 +80,12 @@ def test_metrics_text_declares_each_family_once():
     metrics.requests.inc(endpoint="completions", status="200")
     metrics.routes.inc(kind="colocated")
     metrics.ttft.observe(0.3)
-    text = metrics.render(in_flight=2, ready_workers={"prefill": 2, "decode": 1})
+    text = metrics.render(in_flight=2, ready_workers={"prefill": 2, "decode": 1},
+                          push_bandwidth_Bps={"prefill-0": 1.5e9})
     helps = [line.split()[2] for line in text.splitlines() if line.startswith("# HELP ")]
     assert len(helps) == len(set(helps)), helps
     assert 'mooncake_ready_workers{role="decode"} 1' in text and 'mooncake_ready_workers{role="prefill"} 2' in text
+    assert 'mooncake_kv_push_bandwidth_bytes_per_second{instance="prefill-0"} 1.5e+09' in text
     for line in text.splitlines():
         if not line.startswith("#"):
             float(line.rsplit(" ", 1)[1])  # every sample ends in a number
@@ -108,3 +110,18 @@ def test_request_schema_sets_unknown_fields_aside_and_names_unsupported_ones():
     assert body.unknown_fields() == ["some_future_field"] and body.unsupported_option() is None
     chat = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}], top_logprobs=3)
     assert chat.unsupported_option() == "top_logprobs"
+
+
+def test_push_bandwidth_is_averaged_over_intervals_that_moved_enough_bytes():
+    from conductor.bandwidth import PushBandwidthMeter
+
+    m = PushBandwidthMeter(min_bytes=1000, weight=0.5)
+    assert m.update(0, 0.0) is None  # nothing pushed yet
+    assert m.update(500, 0.5) is None  # too few bytes to judge: the interval keeps growing
+    assert m.update(2000, 1.0) == 2000.0  # 2000 bytes in 1 s
+    assert m.update(6000, 2.0) == 0.5 * 2000.0 + 0.5 * 4000.0
+    assert m.update(6000, 2.0) == 3000.0  # no new pushes: unchanged
+    assert m.update(100, 0.05) == 3000.0  # counters reset (worker restarted): re-based, kept
+    assert m.update(2100, 1.05) == 0.5 * 3000.0 + 0.5 * 2000.0
+    late = PushBandwidthMeter(min_bytes=1000)
+    assert late.update(10_000, 2.0) == 5000.0  # joined a worker that already pushed: its lifetime mean
