@@ -126,4 +126,7 @@ def _rejection_message(r: Rejection) -> str:
     text = parts.get(r.reason, str(r.reason))
     if r.predicted_ttft_s is not None:
         text += f" (predicted TTFT {r.predicted_ttft_s:.2f} s)"
+    if not r.retry_can_help:
+        return (f"{text}; this request misses the SLO even on an idle cluster, so retrying will not help "
+                f"(shorten the prompt or max_tokens)")
     return f"{text}; retry after {math.ceil(r.retry_after_s)} s"

@@ -66,11 +66,12 @@ class Scheduler:
 
         ttft = pchoice.ttft_s
         if cfg.admission is not Admission.NONE and ttft > cfg.ttft_slo_s:
-            return Rejection(request.request_id, RejectReason.TTFT_SLO,
-                             self._ttft_retry(pchoice, state), ttft, dchoice.tbt_s)
+            retry, helps = self._ttft_retry(pchoice, state)
+            return Rejection(request.request_id, RejectReason.TTFT_SLO, retry, ttft, dchoice.tbt_s, helps)
         if cfg.admission in (Admission.EARLY, Admission.PREDICTION) and dchoice.problem is not None:
             drain = decode_drain_s(state.decode, prompt, now, t_d, est, cfg)
-            return Rejection(request.request_id, dchoice.problem, self._clip_retry(drain - ttft), ttft, dchoice.tbt_s)
+            return Rejection(request.request_id, dchoice.problem, self._clip_retry(drain - ttft), ttft, dchoice.tbt_s,
+                             math.isfinite(drain))
         return Decision(
             request_id=request.request_id,
             prefill_instance=pchoice.instance_id,
@@ -119,14 +120,15 @@ class Scheduler:
     def _horizon(self, now: float, ttft: float, t_d: float) -> Horizon:
         return Horizon(now, now + ttft, t_d, self.config.decode_forecast == "fluid")
 
-    def _ttft_retry(self, choice: PrefillChoice, state: ClusterState) -> float:
+    def _ttft_retry(self, choice: PrefillChoice, state: ClusterState) -> tuple[float, bool]:
+        """(Retry-After seconds, whether a retry can succeed at all)."""
         # Queues drain at one second per second; the non-queue part of the best choice is a
         # floor no wait can remove. If that floor alone breaks the SLO, waiting cannot help.
         floor = choice.ttft_s - choice.queue_s
         if floor > self.config.ttft_slo_s:
-            return self.config.max_retry_after_s
+            return self.config.max_retry_after_s, False
         shortest = min((self.estimators.queue_s(i) for i in state.prefill), default=choice.queue_s)
-        return self._clip_retry(min(shortest, choice.queue_s) + floor - self.config.ttft_slo_s)
+        return self._clip_retry(min(shortest, choice.queue_s) + floor - self.config.ttft_slo_s), True
 
     def _clip_retry(self, seconds: float) -> float:
         cfg = self.config

@@ -147,10 +147,16 @@ class Decision:
 
 @dataclass(frozen=True, slots=True)
 class Rejection:
-    """A refusal; retry_after_s is when the predicted queues will have drained enough."""
+    """A refusal; retry_after_s is when the predicted queues will have drained enough.
+
+    retry_can_help is False when no wait would do: the request misses the SLO even on an idle
+    cluster (its own prefill and transfer take longer than the TTFT SLO, or no decode instance
+    could hold it empty). retry_after_s is then the configured ceiling.
+    """
 
     request_id: str
     reason: RejectReason
     retry_after_s: float
     predicted_ttft_s: float | None = None
     predicted_tbt_s: float | None = None
+    retry_can_help: bool = True

@@ -31,7 +31,9 @@ def test_early_refuses_on_current_decode_load_with_retry_after():
 def test_early_capacity_rejection_reason():
     s = state(prefill("p0"), decode("d0", batch=2, cap=1100))
     r = scheduler(admission="early", **SLO).schedule(request(1000), s, 0.0)
-    assert r.reason is RejectReason.NO_CAPACITY
+    assert r.reason is RejectReason.NO_CAPACITY and r.retry_can_help  # fits once the batch drains
+    never = scheduler(admission="early", **SLO).schedule(request(2000), s, 0.0)
+    assert never.reason is RejectReason.NO_CAPACITY and not never.retry_can_help  # not even on an empty node
 
 
 def test_prediction_admits_when_the_batch_will_have_drained_by_prefill_end():

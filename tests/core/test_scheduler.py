@@ -66,6 +66,7 @@ def test_ttft_slo_rejects_with_retry_after_from_queue_drain():
     r = scheduler(policy="cache-aware", admission="baseline", ttft_slo_s=10.0).schedule(request(1000), s, 0.0)
     assert isinstance(r, Rejection) and r.reason is RejectReason.TTFT_SLO
     assert r.retry_after_s == pytest.approx(12.0 + 1.0 - 10.0)  # shortest queue must drain by 3 s
+    assert r.retry_can_help
     none = scheduler(policy="cache-aware", admission="none", ttft_slo_s=10.0).schedule(request(1000), s, 0.0)
     assert isinstance(none, Decision)
 
@@ -73,7 +74,7 @@ def test_ttft_slo_rejects_with_retry_after_from_queue_drain():
 def test_retry_after_is_the_ceiling_when_waiting_cannot_help():
     s = state(prefill("p0"), decode("d0"))
     r = scheduler(admission="early", ttft_slo_s=10.0, max_retry_after_s=120.0).schedule(request(20_000), s, 0.0)
-    assert r.reason is RejectReason.TTFT_SLO and r.retry_after_s == 120.0
+    assert r.reason is RejectReason.TTFT_SLO and r.retry_after_s == 120.0 and not r.retry_can_help
 
 
 def test_decode_choice_lowest_tbt_within_capacity():

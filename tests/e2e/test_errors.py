@@ -161,3 +161,13 @@ def test_conductor_measures_each_prefill_workers_push_bandwidth(spine_cluster):
     assert measured.get("prefill", 0) > 1e6, health["workers"]  # bytes/s; loopback TCP moves far more
     text = httpx.get(spine_cluster.base_url + "/metrics").text
     assert "mooncake_kv_push_bandwidth_bytes_per_second{instance=" in text
+
+
+def test_request_that_cannot_meet_the_ttft_slo_even_on_an_idle_cluster_says_retrying_will_not_help(spine_cluster):
+    """~7.4k prompt tokens: the CPU profile predicts its prefill alone well over the 30 s TTFT SLO."""
+    words = " ".join(f"item{i}" for i in range(1700))
+    resp = httpx.post(spine_cluster.api + "/completions", timeout=60, json={
+        "model": MODEL_NAME, "prompt": words, "max_tokens": 4, "temperature": 0})
+    err = assert_openai_error(resp, 429, "ttft_slo")
+    assert "retrying will not help" in err["message"], err
+    assert int(resp.headers["retry-after"]) > 0
