@@ -76,24 +76,27 @@ class _SamplingFields(BaseModel):
     def unknown_fields(self) -> list[str]:
         return sorted(self.model_extra or {})
 
-    def unsupported_option(self) -> str | None:
-        """The first option set in this request that the server would otherwise ignore."""
+    def unsupported_option(self) -> tuple[str, str] | None:
+        """(field, message) of the first option set in this request that the server would
+        otherwise ignore; None when there is none."""
         not_off = (None, False, 0, "none")
+        logprobs, tools = "logprobs are not supported by this server yet", "tool calling is not supported by this server"
         checks = (
-            ("n", self.n != 1),
-            ("best_of", self.best_of not in (None, 1)),
-            ("logprobs", self.logprobs not in not_off),
-            ("top_logprobs", self.top_logprobs not in not_off),
-            ("prompt_logprobs", self.prompt_logprobs not in not_off),
-            ("tools", bool(self.tools)),
-            ("functions", bool(self.functions)),
-            ("tool_choice", self.tool_choice not in not_off),
-            ("function_call", self.function_call not in not_off),
-            ("response_format", bool(self.response_format) and self.response_format.get("type") != "text"),
-            *((name, getattr(self, name) is not None) for name in
-              ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")),
+            ("n", self.n != 1, "only n=1 is supported"),
+            ("best_of", self.best_of not in (None, 1), "only best_of=1 is supported"),
+            ("logprobs", self.logprobs not in not_off, logprobs),
+            ("top_logprobs", self.top_logprobs not in not_off, logprobs),
+            ("prompt_logprobs", self.prompt_logprobs not in not_off, logprobs),
+            ("tools", bool(self.tools), tools),
+            ("functions", bool(self.functions), tools),
+            ("tool_choice", self.tool_choice not in not_off, tools),
+            ("function_call", self.function_call not in not_off, tools),
+            ("response_format", bool(self.response_format) and self.response_format.get("type") != "text",
+             'only response_format {"type": "text"} is supported'),
+            *((name, getattr(self, name) is not None, f"`{name}` (guided decoding) is not supported by this server")
+              for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")),
         )
-        return next((name for name, used in checks if used), None)
+        return next(((name, message) for name, used, message in checks if used), None)
 
     def stop_strings(self) -> list[str]:
         return list(self.stop or [])  # type: ignore[arg-type]

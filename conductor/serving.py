@@ -28,19 +28,6 @@ from mooncake.protocol import GenerateChunk, Sampling
 
 log = logging.getLogger(__name__)
 
-UNSUPPORTED = {
-    "n": "only n=1 is supported",
-    "best_of": "only best_of=1 is supported",
-    "logprobs": "logprobs are not supported by this server yet",
-    "top_logprobs": "logprobs are not supported by this server yet",
-    "prompt_logprobs": "logprobs are not supported by this server yet",
-    "tools": "tool calling is not supported by this server",
-    "functions": "function calling is not supported by this server",
-    "tool_choice": "tool calling is not supported by this server",
-    "function_call": "function calling is not supported by this server",
-    "response_format": "only response_format {\"type\": \"text\"} is supported",
-}
-
 
 @dataclass
 class Prepared:
@@ -72,12 +59,13 @@ class CompletionService:
         if body.model != self.config.served_model_name:
             raise APIError(404, f"The model `{body.model}` does not exist. This server serves "
                                 f"`{self.config.served_model_name}`.", param="model", code="model_not_found")
-        if body.unknown_fields():
-            log.warning("ignoring unknown request fields: %s", ", ".join(body.unknown_fields()))
+        unknown = body.unknown_fields()
+        if unknown:
+            log.warning("ignoring unknown request fields: %s", ", ".join(unknown))
         unsupported = body.unsupported_option()
         if unsupported is not None:
-            raise APIError(400, UNSUPPORTED.get(unsupported, f"`{unsupported}` is not supported by this server"),
-                           param=unsupported, code="unsupported_option")
+            field_name, message = unsupported
+            raise APIError(400, message, param=field_name, code="unsupported_option")
         if not chat and (body.echo or body.suffix):
             raise APIError(400, "echo and suffix are not supported", param="echo" if body.echo else "suffix")
         prompt = await asyncio.to_thread(self._tokenize, body)
