@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import pathlib
 import random
 import sys
 import time
@@ -23,6 +24,8 @@ import numpy as np
 from conductor.core import (ClusterState, DecodeSeq, Estimators, InstanceState, PrefixIndex, Request, Role, Scheduler,
                             SchedulerConfig, load_profile)
 from mooncake.hashing import hash_prompt_blocks
+
+RELEASED_TRACE = pathlib.Path(__file__).resolve().parents[2] / "shared/traces/synthetic_trace.jsonl"
 
 BLOCK = 16
 INDEX_BLOCKS = 1_000_000
@@ -89,7 +92,7 @@ def sim_speed(trace_path: str) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--iters", type=int, default=200, help="decisions timed per configuration")
-    ap.add_argument("--sim-trace", default="/work/shared/traces/synthetic_trace.jsonl",
+    ap.add_argument("--sim-trace", default=str(RELEASED_TRACE),
                     help="trace for the simulator-speed figure")
     args = ap.parse_args(argv)
     est = Estimators.from_profile(load_profile("paper-70b-8gpu"))

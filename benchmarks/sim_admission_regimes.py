@@ -32,6 +32,8 @@ from conductor.sim.cli import simulate
 from conductor.sim.report import summarize
 from conductor.sim.trace import TraceParams, generate_trace, records_of
 
+from benchmarks.results_md import write_block
+
 ROOT = pathlib.Path(__file__).resolve().parent
 SLO = dict(ttft_slo_s=30.0, tbt_slo_s=0.1)
 SPEEDUP = 2.0
@@ -168,13 +170,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.write:
         (ROOT / "plots").mkdir(exist_ok=True)
         plot(results, ROOT / "plots" / "admission_regimes.png")
-        path = ROOT / "RESULTS.md"
-        doc = path.read_text()
-        begin, end = "<!-- sim-regimes:begin -->", "<!-- sim-regimes:end -->"
-        if begin not in doc or end not in doc:
-            print("RESULTS.md has no sim-regimes markers; not written", file=sys.stderr)
+        if not write_block("sim-regimes", text):
             return 2
-        path.write_text(doc[: doc.index(begin) + len(begin)] + "\n" + text + doc[doc.index(end):])
     return 0
 
 

@@ -25,9 +25,11 @@ from conductor.sim.plots import plot_load, plot_ttft_cdf
 from conductor.sim.report import summarize
 from conductor.sim.trace import load_trace
 
+from benchmarks.results_md import write_block
+
 ROOT = pathlib.Path(__file__).resolve().parent
 PLOTS = ROOT / "plots"
-TRACES = {"released synthetic": "/work/shared/traces/synthetic_trace.jsonl",
+TRACES = {"released synthetic": str(ROOT.parent.parent / "shared/traces/synthetic_trace.jsonl"),
           "ours: chat": str(ROOT / "out/chat.jsonl"), "ours: longgen": str(ROOT / "out/longgen.jsonl"),
           "ours: coupled": str(ROOT / "out/coupled.jsonl")}
 POLICIES = ["random", "load-balance", "cache-aware", "kvcache-centric"]
@@ -106,14 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     text = "\n".join(out) + "\n"
     print(text)
     if args.write:
-        path = ROOT / "RESULTS.md"
-        doc = path.read_text()
-        begin, end = "<!-- sim-tables:begin -->", "<!-- sim-tables:end -->"
-        if begin in doc and end in doc:
-            doc = doc[: doc.index(begin) + len(begin)] + "\n" + text + doc[doc.index(end):]
-            path.write_text(doc)
-        else:
-            print("RESULTS.md has no sim-tables markers inside the scheduler section; not written", file=sys.stderr)
+        if not write_block("sim-tables", text):
+            return 2
     return 0
 
 

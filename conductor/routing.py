@@ -73,10 +73,8 @@ class Router:
                              mean_decode_s=self.mean_decode_s)
         result = self.scheduler.schedule(Request(request_id, len(prompt), hashes, now), state, now)
         if isinstance(result, Rejection):
-            if result.reason is RejectReason.NO_INSTANCE:
-                # No prefill pool (or none fits): degrade to running whole on a decode worker.
-                decode = min(decodes, key=lambda h: len(h.ledger.running) + len(h.ledger.incoming))
-                return self._commit(Route(decode, decode, request_id), prompt, max_tokens, now, 0)
+            # With no prefill worker the core prefills on a decode worker (a colocated cluster),
+            # under the same SLOs and admission, so every refusal here is a real one.
             if allow_none:
                 return None
             self.metrics.rejections.inc(reason=str(result.reason))

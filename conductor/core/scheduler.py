@@ -8,7 +8,9 @@ Algorithm (paper Algorithm 1 plus sections 4 and 6):
      seen by the admission policy's views of decode load (admission.py).
   4. Conditional disaggregation (kvcache-centric only): a prompt whose uncached part fits in
      one step may be prefilled on a decode instance itself, if that step keeps the running
-     batch within the TBT SLO and gives a lower TTFT than the disaggregated pair.
+     batch within the TBT SLO and gives a lower TTFT than the disaggregated pair. With no
+     prefill pool at all (a colocated cluster) every request is prefilled on a decode
+     instance, whatever its size, under every policy and the same admission.
   5. Admission: refuse when the predicted TTFT breaks the SLO (all but "none"), or when the
      decode side does not fit (early, prediction), with a Retry-After from predicted drain.
 
@@ -57,8 +59,8 @@ class Scheduler:
             pchoice = choose_prefill(cfg.policy, prompt, state.prefill, state.instances, matches, est, cfg,
                                      self._rng)
             dchoice = choose_decode(state.decode, prompt, views, self._horizon(now, pchoice.ttft_s, t_d), est, cfg, rng)
-        if cfg.policy is Policy.KVCACHE_CENTRIC and cfg.conditional_disaggregation:
-            coloc = self._colocated(prompt, state.decode, matches, views, now, t_d)
+        if not state.prefill or (cfg.policy is Policy.KVCACHE_CENTRIC and cfg.conditional_disaggregation):
+            coloc = self._colocated(prompt, state.decode, matches, views, now, t_d, rng, forced=not state.prefill)
             if coloc is not None and (pchoice is None or coloc[0].ttft_s < pchoice.ttft_s):
                 pchoice, dchoice = coloc
         if pchoice is None or dchoice is None:
@@ -93,29 +95,41 @@ class Scheduler:
     # -- helpers --------------------------------------------------------------------------
 
     def _colocated(self, prompt: int, pool: tuple[InstanceState, ...], matches: dict[str, int],
-                   views: tuple[LoadView, LoadView], now: float, t_d: float
-                   ) -> tuple[PrefillChoice, DecodeChoice] | None:
-        """Best 'prefill on the decode instance itself' option, if any is allowed."""
+                   views: tuple[LoadView, LoadView], now: float, t_d: float, rng: random.Random | None,
+                   forced: bool = False) -> tuple[PrefillChoice, DecodeChoice] | None:
+        """Best 'prefill on the decode instance itself' option, if any is allowed.
+
+        forced: there is no prefill pool, so this is a colocated cluster and every decode
+        instance is a candidate whatever the prompt's size; the step that carries a long
+        prefill stalls the running batch, the price disaggregation exists to avoid. The
+        policy still picks (random, shortest queue, or lowest TTFT), and a candidate that
+        fails the decode gate is kept, carrying its problem, so admission can refuse with
+        the right reason."""
         cfg, est = self.config, self.estimators
-        best: tuple[PrefillChoice, DecodeChoice] | None = None
+        cands: list[tuple[PrefillChoice, DecodeChoice]] = []
         for inst in pool:
             cached = prefix_tokens(matches.get(inst.instance_id, 0), prompt, cfg.block_size)
-            if prompt - cached > cfg.colocate_max_new_tokens:
+            if not forced and prompt - cached > cfg.colocate_max_new_tokens:
                 continue
             prefill = est.prefill_s(prompt, cached)
             # The step that carries this prefill also carries the running batch: its length
             # is every running request's TBT for that step, so it must meet the SLO itself.
             step = prefill + (est.tbt_s(inst.batch_size, inst.kv_tokens) if inst.running else 0.0)
-            if step > cfg.tbt_slo_s:
+            if not forced and step > cfg.tbt_slo_s:
                 continue
             queue = est.queue_s(inst)
             d = rank_and_gate(inst, prompt, views, self._horizon(now, queue + step, t_d), est, cfg)
-            if d.problem is not None:
+            if not forced and d.problem is not None:
                 continue
-            p = PrefillChoice(inst.instance_id, cached, None, 0, queue, step, 0.0)
-            if best is None or p.ttft_s < best[0].ttft_s:
-                best = (p, d)
-        return best
+            cands.append((PrefillChoice(inst.instance_id, cached, None, 0, queue, step, 0.0), d))
+        if not cands:
+            return None
+        if forced and rng is not None:
+            return rng.choice(cands)
+        fitting = [c for c in cands if c[1].problem is None] or cands
+        if forced and cfg.policy is Policy.LOAD_BALANCE:
+            return min(fitting, key=lambda c: c[0].queue_s)
+        return min(fitting, key=lambda c: c[0].ttft_s)
 
     def _horizon(self, now: float, ttft: float, t_d: float) -> Horizon:
         return Horizon(now, now + ttft, t_d, self.config.decode_forecast == "fluid")

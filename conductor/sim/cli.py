@@ -41,7 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "goodput.",
         formatter_class=DefaultsHelpFormatter)
     ap.add_argument("--trace", required=True, help="path of the trace file (one JSON object per line)")
-    ap.add_argument("--prefill", type=int, default=8, metavar="N", help="number of prefill instances")
+    ap.add_argument("--prefill", type=int, default=8, metavar="N",
+                    help="number of prefill instances; 0 = a colocated cluster (every prompt prefilled on a decode "
+                         "instance, stalling its running batch for that step)")
     ap.add_argument("--decode", type=int, default=8, metavar="M", help="number of decode instances")
     ap.add_argument("--policy", choices=[p.value for p in Policy], default=Policy.KVCACHE_CENTRIC.value,
                     help="prefill/decode selection: random; load-balance (shortest prefill queue); cache-aware "
@@ -82,6 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--block-size", type=int, default=512, metavar="B", help="tokens per trace hash_id block")
     ap.add_argument("--prefill-cache-blocks", type=int, default=None, metavar="K",
                     help="KVCache pool per prefill instance, in blocks (default: from the profile)")
+    ap.add_argument("--decode-cache-blocks", type=int, default=None, metavar="K",
+                    help="prefix blocks a decode instance keeps from prompts it prefilled itself (default: its whole "
+                         "KV capacity in blocks)")
     ap.add_argument("--noise", type=float, default=0.1, metavar="SIGMA",
                     help="lognormal sigma of simulated durations around the estimators' predictions")
     ap.add_argument("--limit", type=int, default=None, metavar="N", help="replay only the first N requests")
@@ -124,6 +129,8 @@ def main(argv: list[str] | None = None) -> int:
         overrides = {"decode_time": args.decode_time, "oracle_lengths": args.oracle_lengths}
         if args.prefill_cache_blocks is not None:
             overrides["prefill_cache_blocks"] = args.prefill_cache_blocks
+        if args.decode_cache_blocks is not None:
+            overrides["decode_cache_blocks"] = args.decode_cache_blocks
         res = simulate(trace, sched, profile, args.prefill, args.decode, args.speedup, args.noise, args.seed,
                        progress=not args.no_progress and sys.stderr.isatty(), **overrides)
     except (TraceError, ValueError, OSError) as exc:

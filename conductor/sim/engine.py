@@ -10,7 +10,9 @@ conductor uses. Then the engine plays out the physics (cost_model.py):
     under any admission but "none" the decode node re-checks (decode_admits) and may refuse,
     wasting the prefill; under "none" a request without KV room waits for room (one larger
     than the node's whole KV capacity is refused, as it could wait forever);
-  - a decode node steps its continuous batch; a colocated prefill rides in one step.
+  - a decode node steps its continuous batch; a colocated prefill rides in one step (whole,
+    however long: with no prefill pool that is a colocated cluster, whose long prefills stall
+    the batch), reusing the prefix blocks the node keeps from its own earlier prefills.
 Requests join and leave the batch only at step boundaries.
 """
 
@@ -30,7 +32,7 @@ from conductor.core.policies import prefix_tokens
 from conductor.core.scheduler import Scheduler
 from conductor.core.types import ClusterState, Decision, Rejection, Request
 from conductor.sim.cost_model import CostModel
-from conductor.sim.instances import DecodeNode, Job, PrefillNode
+from conductor.sim.instances import BlockPool, DecodeNode, Job, PrefillNode
 from conductor.sim.report import Outcome, SimResult, TimelinePoint
 from conductor.sim.trace import TraceRecord
 
@@ -47,6 +49,10 @@ class SimConfig:
     """Replay speed: trace timestamps are divided by this (2 = twice the load)."""
     prefill_cache_blocks: int = 4768
     """KVCache pool of each prefill node, in blocks."""
+    decode_cache_blocks: int | None = None
+    """Prefix blocks a decode node keeps from the prompts it prefilled itself (colocated), in
+    blocks. None = its whole KV capacity: vLLM's prefix cache lives in free KV blocks, so this
+    is the most it could hold (optimistic for colocated prefill)."""
     decode_kv_capacity_tokens: int = 1_378_784
     """KV room of each decode node's batch, in tokens."""
     bandwidth_Bps: float = 100e9
@@ -75,7 +81,8 @@ class SimConfig:
             raise ValueError("need n_prefill >= 0 and n_decode >= 1")
         if not (self.speedup > 0 and math.isfinite(self.speedup)):
             raise ValueError(f"speedup must be a positive number, got {self.speedup}")
-        if min(self.prefill_cache_blocks, self.decode_kv_capacity_tokens, self.block_size) <= 0:
+        if min(self.prefill_cache_blocks, self.decode_kv_capacity_tokens, self.block_size) <= 0 or \
+                (self.decode_cache_blocks is not None and self.decode_cache_blocks < 0):
             raise ValueError("cache, KV capacity and block size must be positive")
         if self.bandwidth_Bps <= 0 or self.sample_interval_s <= 0:
             raise ValueError("bandwidth and sample interval must be positive")
@@ -91,8 +98,11 @@ class Simulation:
         self.index = PrefixIndex()
         self.prefills = {f"p{i}": PrefillNode(f"p{i}", config.prefill_cache_blocks, config.bandwidth_Bps, self.index)
                          for i in range(config.n_prefill)}
+        decode_blocks = config.decode_cache_blocks
+        if decode_blocks is None:
+            decode_blocks = config.decode_kv_capacity_tokens // config.block_size
         self.decodes = {f"d{i}": DecodeNode(f"d{i}", config.decode_kv_capacity_tokens, config.bandwidth_Bps,
-                                           config.oracle_lengths)
+                                           BlockPool(f"d{i}", decode_blocks, self.index), config.oracle_lengths)
                         for i in range(config.n_decode)}
         self.outcomes: list[Outcome] = []
         self.timeline: list[TimelinePoint] = []
@@ -171,6 +181,7 @@ class Simulation:
         d = self.decodes[res.decode_instance]
         d.incoming[rid] = job
         if res.colocated:
+            job.colocated = True
             d.coloc_queue.append(job)
             d.coloc_pred_s += job.predicted_prefill_s
             if not d.stepping:
@@ -178,7 +189,7 @@ class Simulation:
             return
         p = self.prefills[res.prefill_instance]
         if res.fetch_from is not None:
-            sender = self.prefills[res.fetch_from]
+            sender = self.prefills.get(res.fetch_from) or self.decodes[res.fetch_from]
             start = max(now, sender.link_free_s)
             sender.link_free_s = start + self.cost.transfer_s(res.fetched_blocks * self.config.block_size,
                                                               sender.bandwidth_Bps)
@@ -194,8 +205,8 @@ class Simulation:
         p.queued_pred_s -= job.predicted_prefill_s
         start = max(now, job.fetch_ready_s)
         if job.fetch_blocks:
-            p.store(job.hash_ids[: job.fetch_blocks])  # hot-spot migration: the copy stays here
-        blocks = p.local_prefix_blocks(job.hash_ids)
+            p.cache.store(job.hash_ids[: job.fetch_blocks])  # hot-spot migration: the copy stays here
+        blocks = p.cache.local_prefix_blocks(job.hash_ids)
         dur = self.cost.prefill_s(job.prompt, prefix_tokens(blocks, job.prompt, self.config.block_size))
         p.current, p.current_pred_end_s = job, start + job.predicted_prefill_s
         job.prefill_start_s, job.prefill_actual_s = start, dur
@@ -205,7 +216,7 @@ class Simulation:
     def _prefill_done(self, now: float, p: PrefillNode) -> None:
         job = p.current
         assert job is not None
-        p.store(job.hash_ids)
+        p.cache.store(job.hash_ids)
         p.current = None
         job.first_token_s = now
         self._push(now + self.cost.config.kv_handoff_s, KV_ARRIVE, job)
@@ -240,7 +251,7 @@ class Simulation:
         self._wasted_prefill_s += job.prefill_actual_s
         self.outcomes.append(Outcome(rid=job.rid, arrival_s=job.arrival_s, prompt=job.prompt, output=job.output,
                                      status="rejected", reason=f"decode_{reason}",
-                                     ttft_s=job.first_token_s - job.arrival_s))
+                                     ttft_s=job.first_token_s - job.arrival_s, colocated=job.colocated))
 
     def _release_held(self, d: DecodeNode, now: float) -> None:
         """At a step boundary (or an arrival): admit held requests in order while they fit;
@@ -281,7 +292,8 @@ class Simulation:
             job = d.coloc_queue.popleft()
             d.coloc_pred_s -= job.predicted_prefill_s
             job.prefill_start_s = now
-            job.prefill_actual_s = self.cost.prefill_s(job.prompt, 0)
+            cached = prefix_tokens(d.cache.local_prefix_blocks(job.hash_ids), job.prompt, self.config.block_size)
+            job.prefill_actual_s = self.cost.prefill_s(job.prompt, cached)
             dur += job.prefill_actual_s
             self._coloc[d.id] = job
         elif not batch:
@@ -309,6 +321,7 @@ class Simulation:
         if job is not None:
             self._coloc[d.id] = None
             job.first_token_s = now
+            d.cache.store(job.hash_ids)
             del d.incoming[job.rid]
             self._enter_decode(d, job, now)
         self._start_step(d, now)
@@ -317,7 +330,7 @@ class Simulation:
         tbt = (now - job.first_token_s) / (job.output - 1) if job.output > 1 else None
         self.outcomes.append(Outcome(rid=job.rid, arrival_s=job.arrival_s, prompt=job.prompt, output=job.output,
                                      status="completed", ttft_s=job.first_token_s - job.arrival_s, tbt_s=tbt,
-                                     finish_s=now))
+                                     finish_s=now, colocated=job.colocated))
 
     def _sample(self, now: float) -> None:
         ps = [p.snapshot(now).queued_prefill_s for p in self.prefills.values()]

@@ -1,6 +1,6 @@
 """Simulated instances: a prefill node (FIFO of whole-prompt jobs, an LRU KVCache pool that
 reports to the prefix index, an outgoing link) and a decode node (continuous batching,
-bounded KV, optional colocated prefill). They keep their own mutable state; the engine
+bounded KV, optional colocated prefill with its own prefix pool). They keep their own mutable state; the engine
 drives them and turns them into frozen InstanceState snapshots for the scheduler.
 """
 
@@ -26,6 +26,7 @@ class Job:
     decode_id: str
     predicted_prefill_s: float
     predicted_arrival_s: float  # when the scheduler expects the KV at the decode instance
+    colocated: bool = False  # prefilled on its decode instance
     fetch_blocks: int = 0  # leading blocks fetched from another holder before prefill
     fetch_ready_s: float = 0.0
     prefill_start_s: float = 0.0
@@ -37,44 +38,54 @@ class Job:
     join_step: int = 0
 
 
-class PrefillNode:
-    def __init__(self, instance_id: str, cache_blocks: int, bandwidth_Bps: float, index: PrefixIndex) -> None:
-        self.id = instance_id
-        self.cache_blocks = cache_blocks
-        self.bandwidth_Bps = bandwidth_Bps
-        self.index = index
-        self.queue: deque[Job] = deque()
-        self.current: Job | None = None
-        self.current_pred_end_s = 0.0
-        self.queued_pred_s = 0.0  # predicted seconds of jobs waiting (not the current one)
-        self.link_free_s = 0.0
-        self.cache: OrderedDict[int, None] = OrderedDict()
-        self.busy_s = 0.0
+class BlockPool:
+    """An instance's LRU pool of prefix blocks; stored and evicted blocks are reported to the
+    global prefix index under the owning instance's id, as a live worker's KV events are."""
+
+    def __init__(self, owner_id: str, capacity_blocks: int, index: PrefixIndex) -> None:
+        self.owner_id, self.capacity_blocks, self.index = owner_id, capacity_blocks, index
+        self.blocks: OrderedDict[int, None] = OrderedDict()
+
+    def __contains__(self, block: int) -> bool:
+        return block in self.blocks
 
     def local_prefix_blocks(self, hash_ids: tuple[int, ...]) -> int:
         n = 0
         for h in hash_ids:
-            if h not in self.cache:
+            if h not in self.blocks:
                 break
             n += 1
         return n
 
     def store(self, hash_ids: tuple[int, ...]) -> None:
         """Put blocks in the pool (most recent last) and report stored/evicted to the index."""
-        cache, new = self.cache, []
+        blocks, new = self.blocks, []
         for h in hash_ids:
-            if h in cache:
-                cache.move_to_end(h)
+            if h in blocks:
+                blocks.move_to_end(h)
             else:
-                cache[h] = None
+                blocks[h] = None
                 new.append(h)
         evicted = []
-        while len(cache) > self.cache_blocks:
-            evicted.append(cache.popitem(last=False)[0])
+        while len(blocks) > self.capacity_blocks:
+            evicted.append(blocks.popitem(last=False)[0])
         if new:
-            self.index.apply_stored(self.id, new)
+            self.index.apply_stored(self.owner_id, new)
         if evicted:
-            self.index.apply_removed(self.id, evicted)
+            self.index.apply_removed(self.owner_id, evicted)
+
+
+class PrefillNode:
+    def __init__(self, instance_id: str, cache_blocks: int, bandwidth_Bps: float, index: PrefixIndex) -> None:
+        self.id = instance_id
+        self.bandwidth_Bps = bandwidth_Bps
+        self.queue: deque[Job] = deque()
+        self.current: Job | None = None
+        self.current_pred_end_s = 0.0
+        self.queued_pred_s = 0.0  # predicted seconds of jobs waiting (not the current one)
+        self.link_free_s = 0.0
+        self.cache = BlockPool(instance_id, cache_blocks, index)
+        self.busy_s = 0.0
 
     def pending_send_bytes(self, now: float) -> float:
         return max(self.link_free_s - now, 0.0) * self.bandwidth_Bps
@@ -93,10 +104,13 @@ class _Finish:
 
 
 class DecodeNode:
-    def __init__(self, instance_id: str, kv_capacity: int, bandwidth_Bps: float, oracle_lengths: bool = False) -> None:
+    def __init__(self, instance_id: str, kv_capacity: int, bandwidth_Bps: float, cache: BlockPool,
+                 oracle_lengths: bool = False) -> None:
         self.id = instance_id
         self.kv_capacity = kv_capacity
         self.bandwidth_Bps = bandwidth_Bps
+        self.cache = cache  # prefix blocks of prompts prefilled here (colocated), as vLLM's prefix cache
+        self.link_free_s = 0.0  # it can be a fetch source for those blocks
         self.oracle_lengths = oracle_lengths  # snapshots carry each sequence's remaining length
         self.running: dict[int, Job] = {}
         self.finishing: list[_Finish] = []  # heap by the step at which each sequence ends
@@ -148,4 +162,5 @@ class DecodeNode:
             incoming += tuple(DecodeSeq(now, j.prompt, j.output - 1 if oracle else None)
                               for j in (*self.waiting, *self.held))
         return InstanceState(self.id, Role.DECODE, queued_prefill_s=self.coloc_pred_s, running=self._snap_running,
-                             incoming=incoming, kv_capacity_tokens=self.kv_capacity, bandwidth_Bps=self.bandwidth_Bps)
+                             incoming=incoming, kv_capacity_tokens=self.kv_capacity, bandwidth_Bps=self.bandwidth_Bps,
+                             pending_send_bytes=max(self.link_free_s - now, 0.0) * self.bandwidth_Bps)

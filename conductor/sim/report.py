@@ -29,6 +29,7 @@ class Outcome:
     ttft_s: float | None = None
     tbt_s: float | None = None
     finish_s: float | None = None
+    colocated: bool = False  # prefilled on its decode instance (conditional disaggregation)
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +81,7 @@ def summarize(res: SimResult, ttft_slo_s: float, tbt_slo_s: float) -> dict:
         "rejected_by_reason": dict(sorted(reasons.items())),
         "wasted_prefills": sum(1 for o in rejected if (o.reason or "").startswith("decode_")),
         "wasted_prefill_s": round(res.wasted_prefill_s, 3),
+        "colocated_prefills": sum(1 for o in res.outcomes if o.colocated),
         "completed_within_slo": good,
         "mean_prompt_completed": float(np.mean([o.prompt for o in done])) if done else None,
         "prompt_tokens_within_slo": sum(o.prompt for o in good_list),

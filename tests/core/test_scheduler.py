@@ -89,6 +89,31 @@ def test_no_decode_pool_is_no_instance():
     assert r.reason is RejectReason.NO_INSTANCE
 
 
+@pytest.mark.parametrize("policy", ["random", "load-balance", "cache-aware", "kvcache-centric"])
+def test_without_a_prefill_pool_every_prompt_is_prefilled_on_a_decode_instance(policy):
+    # A colocated cluster: 5,000 new tokens (5 s) is far over the one-step budget and breaks the
+    # running batch's 0.1 s TBT for that step, but there is nowhere else to prefill it.
+    s = state(decode("d0", batch=10, queued=3.0), decode("d1", batch=2))
+    d = scheduler(policy=policy, admission="prediction", tbt_slo_s=0.1, ttft_slo_s=30.0).schedule(request(5000), s, 0.0)
+    assert isinstance(d, Decision) and d.colocated
+    if policy != "random":  # d1: no queue, so the lowest TTFT and the shortest queue
+        assert d.decode_instance == "d1"
+        assert d.predicted_ttft_s == pytest.approx(5.0 + 0.01 + 0.002)
+
+
+def test_colocated_cluster_prefers_the_instance_holding_the_prefix_and_keeps_admission():
+    s = state(decode("d0"), decode("d1", queued=1.0), index=idx(d1=400))
+    d = scheduler(policy="cache-aware", admission="baseline").schedule(request(5000), s, 0.0)
+    assert (d.decode_instance, d.cached_prefix_tokens) == ("d1", 4000)  # 1 + 1 s beats 5 s
+    assert d.predicted_ttft_s == pytest.approx(2.0)
+    slow = scheduler(policy="cache-aware", admission="baseline", ttft_slo_s=1.0).schedule(request(5000), s, 0.0)
+    assert isinstance(slow, Rejection) and slow.reason is RejectReason.TTFT_SLO
+    full = state(decode("d0", batch=1, kv_each=900, cap=1000))
+    r = scheduler(admission="early").schedule(request(500), full, 0.0)
+    assert isinstance(r, Rejection) and r.reason is RejectReason.NO_CAPACITY
+    assert isinstance(scheduler(admission="baseline").schedule(request(500), full, 0.0), Decision)
+
+
 def test_colocates_short_prompt_when_it_fits_one_step_and_wins():
     # Prefill pool is 2 s behind; the 50-token prompt costs 0.05 s in one step on d0, whose batch
     # of 10 steps in 0.02 s: 0.07 s <= 0.1 s TBT SLO.

@@ -1,6 +1,8 @@
 """Bad input gets an OpenAI-style error with the right status, and loses nothing: the cluster
 still answers correctly afterwards."""
 
+import time
+
 import httpx
 import openai
 import pytest
@@ -117,6 +119,39 @@ def test_api_key_is_enforced_with_401(spine_cluster, model_path, log_dir):
         assert "Paris" in r.choices[0].text
     finally:
         proc.stop()
+
+
+def test_decode_only_conductor_runs_prompts_colocated_under_the_same_slo(spine_cluster, model_path, log_dir):
+    """A conductor that knows no prefill worker (none configured, or all down) prefills on the
+    decode worker, through the scheduling core: served when it fits the SLO, 429 when not."""
+    def conductor(name: str, *extra: str):
+        port = free_port()
+        proc = start(name, ["-m", "mooncake.cli", "conductor", "--port", str(port), "--model", model_path,
+                            "--served-model-name", MODEL_NAME, "--decode-url", spine_cluster.worker_urls["decode"],
+                            *extra], log_dir)
+        wait_http(proc, f"http://127.0.0.1:{port}/health", 120)
+        return proc, f"http://127.0.0.1:{port}"
+
+    proc, base = conductor("conductor-decode-only")
+    strict, strict_base = conductor("conductor-decode-only-strict", "--ttft-slo", "0.05")
+    try:
+        for b in (base, strict_base):  # until the conductor's health poll has seen the worker ready
+            deadline = time.monotonic() + 60
+            while httpx.get(b + "/health").json()["ready"]["decode"] < 1 and time.monotonic() < deadline:
+                time.sleep(0.5)
+        ok = httpx.post(base + "/v1/completions", timeout=120, json={
+            "model": MODEL_NAME, "prompt": "The capital of France is", "max_tokens": 4, "temperature": 0})
+        assert ok.status_code == 200, ok.text
+        assert "Paris" in ok.json()["choices"][0]["text"]
+        assert ok.headers["x-mooncake-prefill"] == ok.headers["x-mooncake-decode"]
+        assert 'mooncake_routes_total{kind="colocated"} 1' in httpx.get(base + "/metrics").text
+        refused = httpx.post(strict_base + "/v1/completions", timeout=120, json={
+            "model": MODEL_NAME, "prompt": "word " * 1500, "max_tokens": 4, "temperature": 0})
+        assert_openai_error(refused, 429, "ttft_slo")
+        assert int(refused.headers["retry-after"]) >= 1
+    finally:
+        proc.stop()
+        strict.stop()
 
 
 def test_metrics_have_units_and_count_requests(spine_cluster):

@@ -10,6 +10,13 @@ from conductor.sim.trace import TraceParams, TraceRecord, generate_trace, record
 PROFILE = load_profile("paper-70b-8gpu")
 
 
+def decode_pool():
+    from conductor.core.index import PrefixIndex
+    from conductor.sim.instances import BlockPool
+
+    return BlockPool("d0", 100, PrefixIndex())
+
+
 @pytest.fixture(scope="module")
 def small_trace():
     return records_of(generate_trace(TraceParams(n_requests=300, rate_rps=3.0, n_prefixes=20, output_median=100,
@@ -41,6 +48,45 @@ def test_repeated_prefix_hits_the_cache():
     res = simulate(rows, SchedulerConfig(admission="none", policy="cache-aware"), PROFILE, 2, 1, noise_sigma=0.0)
     first, second = sorted(res.outcomes, key=lambda o: o.rid)
     assert second.ttft_s < 0.2 * first.ttft_s
+
+
+@pytest.mark.parametrize("policy", ["random", "load-balance", "cache-aware", "kvcache-centric"])
+def test_no_prefill_pool_replays_a_colocated_cluster(policy):
+    # 10k-token prompts are far over the one-step budget; with no prefill pool they still run, on
+    # the decode nodes, and a running request's TBT pays for the other's prefill step.
+    rows = [TraceRecord(0, 0.0, 10240, 50, tuple(range(20))), TraceRecord(1, 100.0, 10240, 50, tuple(range(100, 120)))]
+    res = simulate(rows, SchedulerConfig(admission="prediction", policy=policy), PROFILE, 0, 1, noise_sigma=0.0)
+    s = summarize(res, 30, 0.1)
+    assert s["completed"] == 2 == s["colocated_prefills"]
+    first, second = sorted(res.outcomes, key=lambda o: o.rid)
+    from conductor.core import Estimators
+    prefill = Estimators.from_profile(PROFILE).prefill_s(10240, 0)
+    assert first.tbt_s > prefill / 49  # its batch stalled for the second prompt's whole prefill
+    assert second.ttft_s >= prefill
+
+
+def test_decode_node_reuses_the_prefix_it_prefilled_itself():
+    rows = [TraceRecord(i, i * 60_000.0, 5120, 2, tuple(range(10))) for i in range(2)]
+    res = simulate(rows, SchedulerConfig(admission="none", policy="cache-aware"), PROFILE, 0, 2, noise_sigma=0.0)
+    first, second = sorted(res.outcomes, key=lambda o: o.rid)
+    assert second.ttft_s < 0.2 * first.ttft_s
+    none = simulate(rows, SchedulerConfig(admission="none", policy="cache-aware"), PROFILE, 0, 2, noise_sigma=0.0,
+                    decode_cache_blocks=0)
+    assert sorted(none.outcomes, key=lambda o: o.rid)[1].ttft_s == pytest.approx(first.ttft_s)
+
+
+def test_a_prefill_node_may_fetch_a_prefix_held_by_a_decode_node():
+    # While the prefill node is busy, a short prompt is prefilled on the decode node (conditional
+    # disaggregation) and cached there; a long prompt sharing its blocks later fetches them.
+    busy = TraceRecord(0, 0.0, 60_000, 2, ())
+    short = TraceRecord(1, 100.0, 600, 2, (1, 2))  # 0.08 s: fits one 0.1 s step; block 1 is full
+    long = TraceRecord(2, 60_000.0, 40_000, 2, (1,) + tuple(range(100, 178)))
+    cfg = SchedulerConfig(admission="none", kvcache_balancing_threshold=1.0, colocate_max_new_tokens=2048)
+    res = simulate([busy, short, long], cfg, PROFILE, 1, 1, noise_sigma=0.0, bandwidth_Bps=1e12)
+    assert summarize(res, 30, 0.1)["colocated_prefills"] == 1
+    from conductor.core import Estimators
+    last = max(res.outcomes, key=lambda o: o.rid)
+    assert last.status == "completed" and last.ttft_s < Estimators.from_profile(PROFILE).prefill_s(40_000, 0)
 
 
 def test_kvcache_centric_fetches_rather_than_queueing_behind_the_holder():
@@ -88,7 +134,7 @@ def test_cli_help_describes_every_option(capsys):
 def test_requests_waiting_for_kv_room_are_visible_to_the_scheduler():
     from conductor.sim.instances import DecodeNode, Job
 
-    d = DecodeNode("d0", kv_capacity=10_000, bandwidth_Bps=1e9)
+    d = DecodeNode("d0", kv_capacity=10_000, bandwidth_Bps=1e9, cache=decode_pool())
     d.join(Job(0, 0.0, 9000, 100, (), "d0", 1.0, 1.0), 0.0)
     d.waiting.append(Job(1, 0.0, 5000, 100, (), "d0", 1.0, 1.0))
     snap = d.snapshot(2.0)
@@ -138,7 +184,7 @@ def test_oracle_lengths_reach_the_scheduler_only_when_asked():
     from conductor.sim.instances import DecodeNode, Job
 
     for oracle, want in ((False, [None, None]), (True, [99 - 3, 49])):
-        d = DecodeNode("d0", kv_capacity=100_000, bandwidth_Bps=1e9, oracle_lengths=oracle)
+        d = DecodeNode("d0", kv_capacity=100_000, bandwidth_Bps=1e9, cache=decode_pool(), oracle_lengths=oracle)
         d.join(Job(0, 0.0, 1000, 100, (), "d0", 1.0, 1.0), 0.0)
         d.step = 3  # three decode steps done
         d.incoming[1] = Job(1, 0.0, 2000, 50, (), "d0", 1.0, 5.0)

@@ -75,10 +75,20 @@ def test_no_decode_worker_is_503_and_no_prefill_degrades_to_colocated():
     with pytest.raises(APIError) as info:
         router(pool_of(("p1", "prefill"))).pick("a", [1, 2, 3], 4, now=0.0)
     assert info.value.status == 503
-    alone = router(pool_of(("d1", "decode")))
+    alone = router(pool_of(("d1", "decode"), ("d2", "decode")))
     route = alone.pick("a", list(range(3000)), 4, now=0.0)
-    assert route.colocated and route.decode.name == "d1"
+    assert route.colocated and route.decode.name in ("d1", "d2")
     assert alone.metrics.routes.get(kind="colocated") == 1
+    # The colocated prompt's prefill is queued work on its decode worker: the next goes to the other.
+    assert alone.pick("b", list(range(5000, 8000)), 4, now=0.0).decode.name != route.decode.name
+
+
+def test_decode_only_pool_still_refuses_what_breaks_the_ttft_slo():
+    alone = router(pool_of(("d1", "decode")), ttft=0.01)
+    with pytest.raises(APIError) as info:
+        alone.pick("a", list(range(3000)), 4, now=0.0)
+    assert info.value.status == 429 and info.value.code == "ttft_slo"
+    assert alone.pick("b", list(range(3000)), 4, now=0.0, allow_none=True) is None
 
 
 def test_excluded_instances_are_not_chosen():
