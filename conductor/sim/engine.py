@@ -81,9 +81,10 @@ class SimConfig:
             raise ValueError("need n_prefill >= 0 and n_decode >= 1")
         if not (self.speedup > 0 and math.isfinite(self.speedup)):
             raise ValueError(f"speedup must be a positive number, got {self.speedup}")
-        if min(self.prefill_cache_blocks, self.decode_kv_capacity_tokens, self.block_size) <= 0 or \
-                (self.decode_cache_blocks is not None and self.decode_cache_blocks < 0):
+        if min(self.prefill_cache_blocks, self.decode_kv_capacity_tokens, self.block_size) <= 0:
             raise ValueError("cache, KV capacity and block size must be positive")
+        if self.decode_cache_blocks is not None and self.decode_cache_blocks < 0:
+            raise ValueError(f"decode_cache_blocks must be >= 0, got {self.decode_cache_blocks}")
         if self.bandwidth_Bps <= 0 or self.sample_interval_s <= 0:
             raise ValueError("bandwidth and sample interval must be positive")
         if self.decode_time not in ("little", "mean"):

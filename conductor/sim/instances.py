@@ -1,7 +1,8 @@
 """Simulated instances: a prefill node (FIFO of whole-prompt jobs, an LRU KVCache pool that
 reports to the prefix index, an outgoing link) and a decode node (continuous batching,
-bounded KV, optional colocated prefill with its own prefix pool). They keep their own mutable state; the engine
-drives them and turns them into frozen InstanceState snapshots for the scheduler.
+bounded KV, optional colocated prefill with its own prefix pool). They keep their own mutable
+state; the engine drives them and turns them into frozen InstanceState snapshots for the
+scheduler.
 """
 
 from __future__ import annotations
@@ -45,9 +46,6 @@ class BlockPool:
     def __init__(self, owner_id: str, capacity_blocks: int, index: PrefixIndex) -> None:
         self.owner_id, self.capacity_blocks, self.index = owner_id, capacity_blocks, index
         self.blocks: OrderedDict[int, None] = OrderedDict()
-
-    def __contains__(self, block: int) -> bool:
-        return block in self.blocks
 
     def local_prefix_blocks(self, hash_ids: tuple[int, ...]) -> int:
         n = 0
