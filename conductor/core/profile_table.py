@@ -92,7 +92,13 @@ def load_profile(path_or_name: str | pathlib.Path) -> ProfileTable:
             known = sorted(p.stem for p in PROFILES_DIR.glob("*.json"))
             raise FileNotFoundError(f"no profile table at {path} and no bundled profile of that name (bundled: {known})")
         path = bundled
-    return ProfileTable.from_json(json.loads(path.read_text()))
+    try:
+        return ProfileTable.from_json(json.loads(path.read_text()))
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as e:
+        # A wrong file (a trace, a truncated write) must name itself, not surface as a bare
+        # decoder message; `mooncake profile` writes the expected shape.
+        raise ValueError(f"{path} is not a profile table written by `mooncake profile`: "
+                         f"{type(e).__name__}: {e}") from e
 
 
 def save_profile(table: ProfileTable, path: str | pathlib.Path) -> None:

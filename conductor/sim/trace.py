@@ -17,7 +17,8 @@ import numpy as np
 
 class TraceError(ValueError):
     def __init__(self, path: str, line: int, message: str) -> None:
-        super().__init__(f"{path}:{line}: {message}")
+        # line 0: the file as a whole (an empty trace), not one of its lines
+        super().__init__(f"{path}:{line}: {message}" if line else f"{path}: {message}")
         self.path, self.line = path, line
 
 

@@ -35,6 +35,14 @@ def test_bundled_profiles_load_and_roundtrip(tmp_path):
         load_profile("no-such-profile")
 
 
+@pytest.mark.parametrize("text", ["", '{"name": "x"}', "[1]", '{"timestamp": 0, "input_length": 5}'])
+def test_a_file_that_is_not_a_profile_table_is_named_in_the_error(tmp_path, text):
+    path = tmp_path / "wrong.json"
+    path.write_text(text)
+    with pytest.raises(ValueError, match="wrong.json is not a profile table"):
+        load_profile(path)
+
+
 def test_profile_validation(tmp_path):
     d = paper_scale_profile().to_json()
     d["prefill"] = d["prefill"][:2]
