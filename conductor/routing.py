@@ -17,7 +17,7 @@ import logging
 import math
 from dataclasses import dataclass, field
 
-from conductor.core.index import PrefixIndex
+from conductor.core.index import PendingPrefixes, PrefixIndex
 from conductor.core.scheduler import Scheduler
 from conductor.core.types import ClusterState, Decision, InstanceState, Rejection, RejectReason, Request, Role
 from conductor.errors import APIError
@@ -37,6 +37,7 @@ class Route:
     request_id: str = ""
     decision: Decision | None = None
     kv_tokens: int = 0
+    blocks: tuple = ()  # the prompt's block hashes, pending on `prefill` until its prefill ends
     released: bool = field(default=False)
 
     @property
@@ -50,6 +51,9 @@ class Router:
         self.index = index
         self.scheduler = scheduler
         self.metrics = metrics
+        # Blocks the prefills routed but not finished will store: a request routed behind one
+        # on the same worker finds them cached (vLLM's prefix cache), before any KV event says so.
+        self.pending = PendingPrefixes()
         self.mean_decode_s: float | None = None
 
     def block_size(self) -> int:
@@ -70,7 +74,7 @@ class Router:
         block = self.block_size()
         hashes = tuple(hash_prompt_blocks(prompt, block)) if block else ()
         state = ClusterState(instances=tuple(self._instance(h) for h in handles.values()), index=self.index,
-                             mean_decode_s=self.mean_decode_s)
+                             mean_decode_s=self.mean_decode_s, pending=self.pending)
         result = self.scheduler.schedule(Request(request_id, len(prompt), hashes, now), state, now)
         if isinstance(result, Rejection):
             # With no prefill worker the core prefills on a decode worker (a colocated cluster),
@@ -82,23 +86,32 @@ class Router:
                      result.reason, result.retry_after_s)
             raise APIError(429, _rejection_message(result), code=str(result.reason),
                            headers={"Retry-After": str(max(1, math.ceil(result.retry_after_s)))})
-        route = Route(handles[result.prefill_instance], handles[result.decode_instance], request_id, result)
+        route = Route(handles[result.prefill_instance], handles[result.decode_instance], request_id, result,
+                      blocks=hashes)
         return self._commit(route, prompt, max_tokens, now, result.cached_prefix_tokens)
 
     def _commit(self, route: Route, prompt: list[int], max_tokens: int, now: float, cached: int) -> Route:
         route.kv_tokens = len(prompt) + max_tokens
         seconds = predicted_prefill_s(self.scheduler.estimators, len(prompt), cached)
         route.decode.ledger.assign(route.request_id, route.prefill.ledger, seconds, now, route.kv_tokens)
+        self.pending.add(route.prefill.name, route.blocks)
         self.metrics.routes.inc(kind="colocated" if route.colocated else "disaggregated")
         return route
 
     def first_token(self, route: Route, now: float) -> None:
         route.decode.ledger.prefill_done(route.request_id, route.prefill.ledger, now)
+        self._prefill_ended(route)
+
+    def _prefill_ended(self, route: Route) -> None:
+        """Its blocks are stored now (the worker's KV events follow) or never will be (failure)."""
+        self.pending.discard(route.prefill.name, route.blocks)
+        route.blocks = ()
 
     def finished(self, route: Route, decode_seconds: float | None) -> None:
         if route.released:
             return
         route.released = True
+        self._prefill_ended(route)
         route.decode.ledger.finished(route.request_id, route.prefill.ledger)
         if decode_seconds is not None and decode_seconds > 0:
             # Exponential average: prediction-based admission needs the typical decode length.

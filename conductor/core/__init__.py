@@ -2,7 +2,7 @@
 
 from conductor.core.config import Admission, Policy, SchedulerConfig
 from conductor.core.estimators import DecodeModel, Estimators, PrefillModel
-from conductor.core.index import EventKind, KVEvent, PrefixIndex
+from conductor.core.index import EventKind, KVEvent, PendingPrefixes, PrefixIndex
 from conductor.core.profile_table import ProfileTable, load_profile, paper_scale_profile
 from conductor.core.scheduler import Scheduler
 from conductor.core.types import (ClusterState, Decision, DecodeSeq, InstanceState, Rejection, RejectReason,
@@ -10,6 +10,6 @@ from conductor.core.types import (ClusterState, Decision, DecodeSeq, InstanceSta
 
 __all__ = [
     "Admission", "ClusterState", "Decision", "DecodeModel", "DecodeSeq", "Estimators", "EventKind", "InstanceState",
-    "KVEvent", "Policy", "PrefillModel", "PrefixIndex", "ProfileTable", "Rejection", "RejectReason", "Request",
+    "KVEvent", "PendingPrefixes", "Policy", "PrefillModel", "PrefixIndex", "ProfileTable", "Rejection", "RejectReason", "Request",
     "Role", "Scheduler", "SchedulerConfig", "load_profile", "paper_scale_profile",
 ]

@@ -8,6 +8,9 @@ walk costs one dict lookup per block, independent of the number of instances. Me
 
 The index is the one mutable part of the core's input: the shell applies the stores'
 "stored"/"removed" events to it in order; the scheduler only reads it.
+
+PendingPrefixes is its companion for blocks not stored yet: the shell adds a prompt's blocks
+to the instance it dispatches the prefill to, and discards them when that prefill ends.
 """
 
 from __future__ import annotations
@@ -173,3 +176,59 @@ class PrefixIndex:
             for slot in _bits(alive):
                 result[id_of[slot]] = n
         return result
+
+
+class PendingPrefixes:
+    """Blocks that prefills already dispatched to an instance will have stored there when they
+    end: what a request queued behind them on that instance will find cached.
+
+    Without it the scheduler prices a burst of requests sharing a new prefix as if each had to
+    compute it, because the first one's blocks are stored only when its prefill ends; the
+    queue estimates then overstate the work (by tens of seconds on a cold cache) and a policy
+    spreads the burst over every instance, computing the prefix once on each. A FIFO prefill
+    queue makes the reuse real; it is not a fetch source until stored. Counted per
+    (instance, block) because several queued prompts may share blocks.
+    """
+
+    def __init__(self) -> None:
+        self._index = PrefixIndex()
+        self._count: dict[tuple[str, Hashable], int] = {}
+
+    def __len__(self) -> int:
+        return len(self._count)
+
+    def add(self, instance_id: str, block_hashes: Iterable[Hashable]) -> None:
+        count, new = self._count, []
+        for h in block_hashes:
+            key = (instance_id, h)
+            n = count.get(key, 0)
+            count[key] = n + 1
+            if not n:
+                new.append(h)
+        if new:
+            self._index.apply_stored(instance_id, new)
+
+    def discard(self, instance_id: str, block_hashes: Iterable[Hashable]) -> None:
+        """Undo one add() of these blocks (its prefill ended or failed); unknown ones are ignored."""
+        count, gone = self._count, []
+        for h in block_hashes:
+            key = (instance_id, h)
+            n = count.get(key)
+            if n is None:
+                continue
+            if n == 1:
+                del count[key]
+                gone.append(h)
+            else:
+                count[key] = n - 1
+        if gone:
+            self._index.apply_removed(instance_id, gone)
+
+    def remove_instance(self, instance_id: str) -> None:
+        for key in [k for k in self._count if k[0] == instance_id]:
+            del self._count[key]
+        self._index.remove_instance(instance_id)
+
+    def match(self, block_hashes: Sequence[Hashable]) -> dict[str, int]:
+        """Longest pending prefix, in blocks, per instance (as PrefixIndex.match)."""
+        return self._index.match(block_hashes) if self._count else {}

@@ -1,6 +1,6 @@
 """Prefill-side selection policies (paper section 5).
 
-Each policy turns (request, prefill pool, prefix matches) into a PrefillChoice: where to
+Each policy turns (request, prefill pool, PrefixMatches) into a PrefillChoice: where to
 prefill, how much prefix is reused, whether to fetch a longer prefix from another holder,
 and the predicted TTFT = T_transfer + T_queue + T_prefill.
 
@@ -39,15 +39,35 @@ class PrefillChoice:
         return self.transfer_s + self.queue_s + self.prefill_s
 
 
+@dataclass(frozen=True, slots=True)
+class PrefixMatches:
+    """Longest prefix of the prompt, in blocks, per instance. stored: what the index says an
+    instance holds now (only that can be fetched from it). local: stored or pending there, what
+    a request queued on that instance will find cached when it runs (see PendingPrefixes)."""
+
+    stored: Mapping[str, int]
+    local: Mapping[str, int]
+
+    @classmethod
+    def of(cls, stored: Mapping[str, int], pending: Mapping[str, int]) -> PrefixMatches:
+        if not pending:
+            return cls(stored, stored)
+        local = dict(stored)
+        for inst, blocks in pending.items():
+            if blocks > local.get(inst, 0):
+                local[inst] = blocks
+        return cls(stored, local)
+
+
 def prefix_tokens(blocks: int, prompt_tokens: int, block_size: int) -> int:
     """Reusable tokens of a prefix of `blocks` blocks; at least one token is always computed
     (the engine needs the last position's logits), as vLLM does."""
     return max(0, min(blocks * block_size, prompt_tokens - 1))
 
 
-def _local(inst: InstanceState, prompt: int, matches: Mapping[str, int], est: Estimators,
+def _local(inst: InstanceState, prompt: int, matches: PrefixMatches, est: Estimators,
            cfg: SchedulerConfig) -> PrefillChoice:
-    cached = prefix_tokens(matches.get(inst.instance_id, 0), prompt, cfg.block_size)
+    cached = prefix_tokens(matches.local.get(inst.instance_id, 0), prompt, cfg.block_size)
     return PrefillChoice(inst.instance_id, cached, None, 0, est.queue_s(inst), est.prefill_s(prompt, cached), 0.0)
 
 
@@ -64,13 +84,13 @@ def best_holder(matches: Mapping[str, int], instances: Sequence[InstanceState]) 
 
 
 def kvcache_centric(prompt: int, pool: Sequence[InstanceState], all_instances: Sequence[InstanceState],
-                    matches: Mapping[str, int], est: Estimators, cfg: SchedulerConfig) -> PrefillChoice:
-    holder, best_blocks = best_holder(matches, all_instances)
+                    matches: PrefixMatches, est: Estimators, cfg: SchedulerConfig) -> PrefillChoice:
+    holder, best_blocks = best_holder(matches.stored, all_instances)
     best_tokens = prefix_tokens(best_blocks, prompt, cfg.block_size)
     best_fetch_prefill = est.prefill_s(prompt, best_tokens)
     choice: PrefillChoice | None = None
     for inst in pool:
-        local_blocks = matches.get(inst.instance_id, 0)
+        local_blocks = matches.local.get(inst.instance_id, 0)
         queue = est.queue_s(inst)
         fetch = holder is not None and best_blocks > local_blocks and (
             local_blocks == 0 or best_blocks / local_blocks >= cfg.kvcache_balancing_threshold)
@@ -88,7 +108,7 @@ def kvcache_centric(prompt: int, pool: Sequence[InstanceState], all_instances: S
 
 
 def choose_prefill(policy: Policy, prompt: int, pool: Sequence[InstanceState],
-                   all_instances: Sequence[InstanceState], matches: Mapping[str, int],
+                   all_instances: Sequence[InstanceState], matches: PrefixMatches,
                    est: Estimators, cfg: SchedulerConfig, rng: random.Random) -> PrefillChoice:
     """The prefill choice of `policy` over a non-empty pool."""
     if policy is Policy.RANDOM:

@@ -1,7 +1,8 @@
 """The scheduler core: one request, one cluster snapshot, one clock reading -> a decision.
 
 Algorithm (paper Algorithm 1 plus sections 4 and 6):
-  1. Match the prompt's block keys against the global prefix index.
+  1. Match the prompt's block keys against the global prefix index, and against the blocks
+     that prefills already dispatched will store (reusable by a request queued behind them).
   2. Prefill side: the policy picks a prefill instance and whether to fetch a longer prefix
      (policies.py), giving the predicted TTFT.
   3. Decode side: the instance with the lowest predicted TBT with this request added, as
@@ -27,7 +28,7 @@ from conductor.core.admission import DecodeChoice, Horizon, LoadView, choose_dec
     rank_and_gate, views_for
 from conductor.core.config import Admission, Policy, SchedulerConfig
 from conductor.core.estimators import Estimators
-from conductor.core.policies import PrefillChoice, choose_prefill, prefix_tokens
+from conductor.core.policies import PrefillChoice, PrefixMatches, choose_prefill, prefix_tokens
 from conductor.core.types import ClusterState, Decision, InstanceState, RejectReason, Rejection, Request
 
 __all__ = ["Scheduler", "decode_admits"]
@@ -48,7 +49,9 @@ class Scheduler:
             raise ValueError(f"request {request.request_id}: prompt_tokens must be positive")
         if not state.decode:
             return Rejection(request.request_id, RejectReason.NO_INSTANCE, cfg.max_retry_after_s)
-        matches = state.index.match(request.block_hashes) if request.block_hashes else {}
+        blocks = request.block_hashes
+        matches = PrefixMatches.of(state.index.match(blocks) if blocks else {},
+                                   state.pending.match(blocks) if blocks and state.pending else {})
         t_d = state.mean_decode_s or cfg.default_decode_s
         views = views_for(cfg.admission)
         rng = self._rng if cfg.policy is Policy.RANDOM else None
@@ -94,7 +97,7 @@ class Scheduler:
 
     # -- helpers --------------------------------------------------------------------------
 
-    def _colocated(self, prompt: int, pool: tuple[InstanceState, ...], matches: dict[str, int],
+    def _colocated(self, prompt: int, pool: tuple[InstanceState, ...], matches: PrefixMatches,
                    views: tuple[LoadView, LoadView], now: float, t_d: float, rng: random.Random | None,
                    forced: bool = False) -> tuple[PrefillChoice, DecodeChoice] | None:
         """Best 'prefill on the decode instance itself' option, if any is allowed.
@@ -108,7 +111,7 @@ class Scheduler:
         cfg, est = self.config, self.estimators
         cands: list[tuple[PrefillChoice, DecodeChoice]] = []
         for inst in pool:
-            cached = prefix_tokens(matches.get(inst.instance_id, 0), prompt, cfg.block_size)
+            cached = prefix_tokens(matches.local.get(inst.instance_id, 0), prompt, cfg.block_size)
             if not forced and prompt - cached > cfg.colocate_max_new_tokens:
                 continue
             prefill = est.prefill_s(prompt, cached)

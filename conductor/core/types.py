@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from conductor.core.index import PrefixIndex
+    from conductor.core.index import PendingPrefixes, PrefixIndex
     from mooncake.hashing import BlockHash
 
 
@@ -103,6 +103,8 @@ class InstanceState:
 class ClusterState:
     """Snapshot of every instance plus the global prefix index.
 
+    pending: blocks of prefills already dispatched but not finished, per instance (the shell
+    keeps it; None = not tracked). A request queued behind them reuses them there.
     mean_decode_s is the measured mean time a request spends decoding; prediction-based
     admission assumes every request decodes for this long (paper section 6.4). None means
     "not measured yet" and the scheduler falls back to its configured default.
@@ -111,6 +113,7 @@ class ClusterState:
     instances: tuple[InstanceState, ...]
     index: PrefixIndex
     mean_decode_s: float | None = None
+    pending: PendingPrefixes | None = None
     prefill: tuple[InstanceState, ...] = field(init=False)
     decode: tuple[InstanceState, ...] = field(init=False)
 

@@ -81,6 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--oracle-lengths", action="store_true",
                     help="give the scheduler every request's true output length, so prediction forecasts decode "
                          "load per request (a perfect length predictor: an upper bound, not available live)")
+    ap.add_argument("--no-pending-prefixes", action="store_true",
+                    help="price a request only with prefixes already stored, not with those that prefills already "
+                         "queued on the same instance will store first (the live router counts those)")
     ap.add_argument("--block-size", type=int, default=512, metavar="B", help="tokens per trace hash_id block")
     ap.add_argument("--prefill-cache-blocks", type=int, default=None, metavar="K",
                     help="KVCache pool per prefill instance, in blocks (default: from the profile)")
@@ -126,7 +129,8 @@ def main(argv: list[str] | None = None) -> int:
             if args.limit <= 0:
                 raise ValueError("--limit must be positive")
             trace = trace[: args.limit]
-        overrides = {"decode_time": args.decode_time, "oracle_lengths": args.oracle_lengths}
+        overrides = {"decode_time": args.decode_time, "oracle_lengths": args.oracle_lengths,
+                     "pending_prefixes": not args.no_pending_prefixes}
         if args.prefill_cache_blocks is not None:
             overrides["prefill_cache_blocks"] = args.prefill_cache_blocks
         if args.decode_cache_blocks is not None:

@@ -69,6 +69,9 @@ class SimConfig:
     or "mean" (mean of the completed decode durations so far, biased low while the pool fills)."""
     decode_time_tau_s: float = 300.0
     """Time constant of the "little" meter, simulated seconds."""
+    pending_prefixes: bool = True
+    """Tell the scheduler which blocks the prefills already dispatched to each instance will
+    store (core PendingPrefixes), as the live router does; False = only stored blocks count."""
     oracle_lengths: bool = False
     """Tell the scheduler every sequence's true remaining output length (DecodeSeq
     .remaining_tokens), so prediction forecasts per request: what a perfect output-length
@@ -93,10 +96,11 @@ class SimConfig:
 
 class Simulation:
     def __init__(self, trace: list[TraceRecord], scheduler: Scheduler, cost: CostModel, config: SimConfig) -> None:
-        from conductor.core.index import PrefixIndex
+        from conductor.core.index import PendingPrefixes, PrefixIndex
 
         self.trace, self.scheduler, self.cost, self.config = trace, scheduler, cost, config
         self.index = PrefixIndex()
+        self.pending = PendingPrefixes() if config.pending_prefixes else None
         self.prefills = {f"p{i}": PrefillNode(f"p{i}", config.prefill_cache_blocks, config.bandwidth_Bps, self.index)
                          for i in range(config.n_prefill)}
         decode_blocks = config.decode_cache_blocks
@@ -162,7 +166,7 @@ class Simulation:
             mean = self._meter.mean_decode_s(now)
         else:
             mean = self._decode_sum / self._decode_n if self._decode_n >= self.config.min_decode_samples else None
-        return ClusterState(insts, self.index, mean)
+        return ClusterState(insts, self.index, mean, self.pending)
 
     def _full_blocks(self, rec: TraceRecord) -> tuple[int, ...]:
         return rec.hash_ids[: rec.input_length // self.config.block_size]
@@ -181,6 +185,8 @@ class Simulation:
                   res.predicted_prefill_s, now + res.predicted_ttft_s)
         d = self.decodes[res.decode_instance]
         d.incoming[rid] = job
+        if self.pending is not None:
+            self.pending.add(res.prefill_instance, blocks)
         if res.colocated:
             job.colocated = True
             d.coloc_queue.append(job)
@@ -218,6 +224,8 @@ class Simulation:
         job = p.current
         assert job is not None
         p.cache.store(job.hash_ids)
+        if self.pending is not None:
+            self.pending.discard(p.id, job.hash_ids)
         p.current = None
         job.first_token_s = now
         self._push(now + self.cost.config.kv_handoff_s, KV_ARRIVE, job)
@@ -323,6 +331,8 @@ class Simulation:
             self._coloc[d.id] = None
             job.first_token_s = now
             d.cache.store(job.hash_ids)
+            if self.pending is not None:
+                self.pending.discard(d.id, job.hash_ids)
             del d.incoming[job.rid]
             self._enter_decode(d, job, now)
         self._start_step(d, now)

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from conductor.core import (ClusterState, DecodeModel, DecodeSeq, Estimators, InstanceState, PrefillModel,
-                            PrefixIndex, Request, Role, Scheduler, SchedulerConfig)
+from conductor.core import (ClusterState, DecodeModel, DecodeSeq, Estimators, InstanceState, PendingPrefixes,
+                            PrefillModel, PrefixIndex, Request, Role, Scheduler, SchedulerConfig)
 
 # 1 ms per new prompt token; TBT = 10 ms + 1 ms per sequence; 1 KB of KV per token.
 EST = Estimators(PrefillModel(0.0, 0.001, 0.0, 0.0), DecodeModel(0.01, 0.001, 0.0), kv_bytes_per_token=1000,
@@ -23,8 +23,9 @@ def decode(iid: str, batch: int = 0, kv_each: int = 100, cap: int = 10**9, incom
                          kv_capacity_tokens=cap)
 
 
-def state(*insts: InstanceState, index: PrefixIndex | None = None, mean_decode_s: float | None = None) -> ClusterState:
-    return ClusterState(tuple(insts), index or PrefixIndex(), mean_decode_s)
+def state(*insts: InstanceState, index: PrefixIndex | None = None, mean_decode_s: float | None = None,
+          pending: PendingPrefixes | None = None) -> ClusterState:
+    return ClusterState(tuple(insts), index or PrefixIndex(), mean_decode_s, pending)
 
 
 def request(prompt: int, n_blocks: int | None = None, rid: str = "r") -> Request:

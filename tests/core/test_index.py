@@ -1,7 +1,7 @@
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conductor.core.index import EventKind, KVEvent, PrefixIndex
+from conductor.core.index import EventKind, KVEvent, PendingPrefixes, PrefixIndex
 
 INSTANCES = [f"i{k}" for k in range(5)]
 events = st.lists(st.tuples(st.sampled_from(list(EventKind)), st.sampled_from(INSTANCES),
@@ -71,3 +71,42 @@ def test_match_is_the_same_across_chunk_boundaries(evs, keys):
             assert idx.match(keys) == reference_match(held, keys)
     finally:
         index_mod._CHUNK = saved
+
+
+pending_ops = st.lists(st.tuples(st.booleans(), st.sampled_from(INSTANCES[:3]), st.lists(st.integers(0, 6), max_size=5)),
+                       max_size=40)
+
+
+@settings(max_examples=300)
+@given(pending_ops, st.lists(st.integers(0, 6), max_size=7), st.sampled_from(INSTANCES[:3] + [None]))
+def test_pending_prefixes_count_each_dispatch_until_its_prefill_ends(ops, keys, dead):
+    # Model: a multiset of blocks per instance; a block stays pending while any add() of it is
+    # not yet undone by a discard(). Discarding what was never added changes nothing.
+    pend, counts = PendingPrefixes(), {i: {} for i in INSTANCES[:3]}
+    for is_add, inst, blocks in ops:
+        c = counts[inst]
+        if is_add:
+            pend.add(inst, blocks)
+            for b in blocks:
+                c[b] = c.get(b, 0) + 1
+        else:
+            pend.discard(inst, blocks)
+            for b in blocks:
+                if c.get(b):
+                    c[b] -= 1
+    if dead is not None:
+        pend.remove_instance(dead)
+        counts[dead] = {}
+    held = {i: {b for b, n in c.items() if n} for i, c in counts.items()}
+    assert pend.match(keys) == reference_match(held, keys)
+    assert len(pend) == sum(len(h) for h in held.values())
+
+
+def test_pending_block_stays_until_every_prefill_that_computes_it_ends():
+    pend = PendingPrefixes()
+    pend.add("p0", [1, 2, 3])
+    pend.add("p0", [1, 2])  # a second queued prompt sharing the first two blocks
+    pend.discard("p0", [1, 2, 3])  # the first one ends
+    assert pend.match([1, 2, 3]) == {"p0": 2}
+    pend.discard("p0", [1, 2])
+    assert pend.match([1, 2, 3]) == {} and len(pend) == 0

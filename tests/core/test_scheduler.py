@@ -3,7 +3,7 @@
 import pytest
 from core_helpers import BS, EST, decode, prefill, request, scheduler, state
 
-from conductor.core import Decision, PrefixIndex, Rejection, RejectReason, SchedulerConfig
+from conductor.core import Decision, PendingPrefixes, PrefixIndex, Rejection, RejectReason, SchedulerConfig
 
 
 def idx(**held: int) -> PrefixIndex:
@@ -59,6 +59,36 @@ def test_congested_sender_makes_fetching_lose():
         request(1000), s, 0.0)
     # Algorithm 1 prices p0 with the fetch (100 s) and p1 locally (5.1 s): p1 wins.
     assert (d.prefill_instance, d.fetch_from) == ("p1", None)
+
+
+def pending(**held: int) -> PendingPrefixes:
+    """Instance -> number of leading blocks (0..n-1) that a prefill already dispatched there computes."""
+    p = PendingPrefixes()
+    for inst, n in held.items():
+        p.add(inst, range(n))
+    return p
+
+
+@pytest.mark.parametrize("policy", ["cache-aware", "kvcache-centric"])
+def test_a_request_queued_behind_a_prefill_of_its_prefix_is_priced_with_that_prefix(policy):
+    # p0 has 0.5 s queued, and that work computes this prompt's first 99 blocks. Ignoring that,
+    # p0 costs 0.5 + 1.0 s and idle p1 wins with 1.0 s; counting it, p0 costs 0.5 + 0.01 s.
+    s = state(prefill("p0", queued=0.5), prefill("p1"), decode("d0"))
+    blind = scheduler(policy=policy, admission="none").schedule(request(1000), s, 0.0)
+    assert (blind.prefill_instance, blind.cached_prefix_tokens) == ("p1", 0)
+    s = state(prefill("p0", queued=0.5), prefill("p1"), decode("d0"), pending=pending(p0=99))
+    d = scheduler(policy=policy, admission="none").schedule(request(1000), s, 0.0)
+    assert (d.prefill_instance, d.cached_prefix_tokens, d.fetch_from) == ("p0", 990, None)
+    assert d.predicted_ttft_s == pytest.approx(0.5 + 0.01)
+
+
+def test_a_pending_prefix_is_never_fetched_from():
+    # p0 will hold 90 blocks once its queue drains (5 s), p2 holds 50 now: the idle p1 fetches the
+    # stored 50 from p2, not the 90 that do not exist yet on p0.
+    s = state(prefill("p0", queued=5.0), prefill("p1"), prefill("p2", queued=5.0), decode("d0"),
+              index=idx(p2=50), pending=pending(p0=90))
+    d = scheduler(policy="kvcache-centric", admission="none").schedule(request(1000), s, 0.0)
+    assert (d.prefill_instance, d.fetch_from, d.cached_prefix_tokens) == ("p1", "p2", 500)
 
 
 def test_ttft_slo_rejects_with_retry_after_from_queue_drain():

@@ -228,3 +228,43 @@ def test_prompt_larger_than_any_decode_node_is_refused_not_lost(admission):
     status = {o.rid: (o.status, o.reason) for o in sorted(res.outcomes, key=lambda o: o.rid)}
     assert status[0][0] == "rejected" and "no_capacity" in status[0][1]
     assert status[1] == ("completed", None)
+
+
+def _burst_sim(pending: bool):
+    from conductor.core import Estimators, Scheduler
+    from conductor.sim.cost_model import CostModel, CostModelConfig
+    from conductor.sim.engine import SimConfig, Simulation
+
+    # 16 prompts sharing a new 40-block prefix, one every 0.2 s, on a cold 4-node prefill pool.
+    rows = [TraceRecord(i, i * 200.0, 20480 + 512, 2, tuple(range(40)) + (1000 + i,)) for i in range(16)]
+    est = Estimators.from_profile(PROFILE)
+    sim = Simulation(rows, Scheduler(SchedulerConfig(admission="none", policy="cache-aware"), est),
+                     CostModel(est, CostModelConfig(noise_sigma=0.0)),
+                     SimConfig(n_prefill=4, n_decode=1, pending_prefixes=pending))
+    return sim, sim.run()
+
+
+def test_requests_queued_behind_a_prefill_of_their_prefix_are_priced_with_it():
+    # Counting pending blocks, the burst queues behind the first prompt on one node, which computes
+    # the shared prefix once; blind to them, every idle node computes its own copy.
+    sim_on, res_on = _burst_sim(True)
+    sim_off, _ = _burst_sim(False)
+    busy_on = sorted(p.busy_s for p in sim_on.prefills.values())
+    busy_off = sorted(p.busy_s for p in sim_off.prefills.values())
+    assert busy_on[:3] == [0.0, 0.0, 0.0]
+    assert sum(busy_on) < 0.5 * sum(busy_off)
+    assert sum(b > 2.0 for b in busy_off) >= 2  # the prefix (~3 s) computed on more than one node
+    assert len(sim_on.pending) == 0 == len(sim_off.pending or ())  # every pending block released
+    assert all(o.status == "completed" for o in res_on.outcomes)
+
+
+def test_cli_can_ignore_pending_prefixes(tmp_path, capsys):
+    rows = generate_trace(TraceParams(n_requests=200, rate_rps=4.0, n_prefixes=5, prefix_blocks_mean=40,
+                                      suffix_tokens_median=500, seed=3))
+    write_trace(rows, tmp_path / "t.jsonl")
+    ttft = []
+    for flag in ([], ["--no-pending-prefixes"]):
+        assert main(["--trace", str(tmp_path / "t.jsonl"), "--json", "--no-progress", "--admission", "none",
+                     "--policy", "cache-aware", *flag]) == 0
+        ttft.append(json.loads(capsys.readouterr().out)["mean_ttft_s"])
+    assert ttft[0] != ttft[1]

@@ -108,3 +108,20 @@ def test_mirror_view_adds_registered_and_drops_expired_but_keeps_static():
     view.apply(RegistryEvent("delete", instance_id="w1"), now=1.0)
     mirror_view(view, pool, index, now=1.0)
     assert set(pool.handles) == {"http://static:1"} and index.block_count("w1") == 0
+
+
+def test_a_prefill_in_flight_counts_as_cache_for_the_next_request_on_that_worker():
+    pool = pool_of(("p1", "prefill"), ("p2", "prefill"), ("d1", "decode"))
+    r = router(pool, policy="cache-aware")
+    shared = list(range(1000, 2920))  # 15 blocks of 128
+    first = r.pick("a", shared + [5, 6, 7], 8, now=0.0)
+    other = "p2" if first.prefill.name == "p1" else "p1"
+    pool.handles[f"http://{other}"].ledger.prefill_jobs["busy"] = 30.0  # keep the other worker busy
+    second = r.pick("b", shared + [8, 9], 8, now=0.0)
+    # No KV event has reported the shared blocks yet; the router knows `a` will have stored them.
+    assert second.prefill is first.prefill and second.decision.cached_prefix_tokens == 15 * BLOCK
+    r.first_token(first, now=1.0)
+    r.finished(second, None)  # e.g. its prefill failed: its pending blocks go too
+    assert len(r.pending) == 0
+    r.finished(first, 1.0)
+    assert len(r.pending) == 0
