@@ -119,27 +119,34 @@ class DecodeChoice:
 
 def judge_decode(inst: InstanceState, kv_need: int, view: LoadView, h: Horizon, est: Estimators,
                  cfg: SchedulerConfig, headroom: float = 0.0) -> DecodeChoice:
+    return DecodeChoice(inst.instance_id, *_judge(inst, kv_need, view, h, est, cfg, headroom))
+
+
+def _judge(inst: InstanceState, kv_need: int, view: LoadView, h: Horizon, est: Estimators,
+           cfg: SchedulerConfig, headroom: float) -> tuple[float, RejectReason | None]:
     batch, kv = decode_load(inst, view, h, est)
     tbt = est.tbt_s(batch + 1, kv + kv_need)
     if kv + kv_need > inst.kv_capacity_tokens * (1.0 - headroom):
-        problem: RejectReason | None = RejectReason.NO_CAPACITY
-    elif tbt > cfg.tbt_slo_s:
-        problem = RejectReason.TBT_SLO
-    else:
-        problem = None
-    return DecodeChoice(inst.instance_id, tbt, problem)
+        return tbt, RejectReason.NO_CAPACITY
+    if tbt > cfg.tbt_slo_s:
+        return tbt, RejectReason.TBT_SLO
+    return tbt, None
 
 
 def rank_and_gate(inst: InstanceState, kv_need: int, views: tuple[LoadView, LoadView], h: Horizon,
                   est: Estimators, cfg: SchedulerConfig) -> DecodeChoice:
     """TBT under the rank view; problem under the gate view (with the gate's KV headroom)."""
-    rank = judge_decode(inst, kv_need, views[0], h, est, cfg)
+    return DecodeChoice(inst.instance_id, *_rank_and_gate(inst, kv_need, views, h, est, cfg))
+
+
+def _rank_and_gate(inst: InstanceState, kv_need: int, views: tuple[LoadView, LoadView], h: Horizon,
+                   est: Estimators, cfg: SchedulerConfig) -> tuple[float, RejectReason | None]:
+    tbt, problem = _judge(inst, kv_need, views[0], h, est, cfg, 0.0)
     gating = cfg.admission in (Admission.EARLY, Admission.PREDICTION)
     headroom = cfg.gate_kv_headroom if gating else 0.0
     if views[1] is views[0] and headroom == 0.0:
-        return rank
-    gate = judge_decode(inst, kv_need, views[1], h, est, cfg, headroom)
-    return DecodeChoice(inst.instance_id, rank.tbt_s, gate.problem)
+        return tbt, problem
+    return tbt, _judge(inst, kv_need, views[1], h, est, cfg, headroom)[1]
 
 
 def choose_decode(pool: Sequence[InstanceState], kv_need: int, views: tuple[LoadView, LoadView], h: Horizon, est: Estimators, cfg: SchedulerConfig,
@@ -149,21 +156,24 @@ def choose_decode(pool: Sequence[InstanceState], kv_need: int, views: tuple[Load
     random instance."""
     if rng is not None:
         return rank_and_gate(rng.choice(pool), kv_need, views, h, est, cfg)
-    best_ok: DecodeChoice | None = None
-    best_any: DecodeChoice | None = None
+    # Plain tuples in the loop, one DecodeChoice at the end: at 1,024 instances this loop is
+    # half of a decision.
+    best_ok: tuple[float, InstanceState] | None = None
+    best_any: tuple[bool, float, InstanceState, RejectReason | None] | None = None
     for inst in pool:
-        c = rank_and_gate(inst, kv_need, views, h, est, cfg)
-        if c.problem is None and (best_ok is None or c.tbt_s < best_ok.tbt_s):
-            best_ok = c
+        tbt, problem = _rank_and_gate(inst, kv_need, views, h, est, cfg)
+        if problem is None:
+            if best_ok is None or tbt < best_ok[0]:
+                best_ok = (tbt, inst)
         # Among misfits, exceeding the TBT SLO beats exceeding KV capacity (which would stall).
-        if best_any is None or _misfit_key(c) < _misfit_key(best_any):
-            best_any = c
+        elif best_ok is None:
+            over_kv = problem is RejectReason.NO_CAPACITY
+            if best_any is None or (over_kv, tbt) < best_any[:2]:
+                best_any = (over_kv, tbt, inst, problem)
+    if best_ok is not None:
+        return DecodeChoice(best_ok[1].instance_id, best_ok[0], None)
     assert best_any is not None
-    return best_ok or best_any
-
-
-def _misfit_key(c: DecodeChoice) -> tuple[bool, float]:
-    return c.problem is RejectReason.NO_CAPACITY, c.tbt_s
+    return DecodeChoice(best_any[2].instance_id, best_any[1], best_any[3])
 
 
 def decode_admits(inst: InstanceState, kv_need: int, est: Estimators, cfg: SchedulerConfig) -> RejectReason | None:

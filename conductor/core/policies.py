@@ -87,24 +87,41 @@ def kvcache_centric(prompt: int, pool: Sequence[InstanceState], all_instances: S
                     matches: PrefixMatches, est: Estimators, cfg: SchedulerConfig) -> PrefillChoice:
     holder, best_blocks = best_holder(matches.stored, all_instances)
     best_tokens = prefix_tokens(best_blocks, prompt, cfg.block_size)
-    best_fetch_prefill = est.prefill_s(prompt, best_tokens)
-    choice: PrefillChoice | None = None
+    # What an instance pays besides its queue depends only on its local prefix length, and most
+    # instances share one (usually none): price each distinct length once. At 1,024 instances
+    # this loop is most of a decision.
+    priced: dict[int, tuple[int, str | None, int, float, float]] = {}
+    best: InstanceState | None = None
+    best_price: tuple[int, str | None, int, float, float] | None = None
+    best_ttft = best_queue = 0.0
     for inst in pool:
         local_blocks = matches.local.get(inst.instance_id, 0)
+        price = priced.get(local_blocks)
+        if price is None:
+            price = priced[local_blocks] = _price(prompt, local_blocks, holder, best_blocks, best_tokens, est, cfg)
         queue = est.queue_s(inst)
-        fetch = holder is not None and best_blocks > local_blocks and (
-            local_blocks == 0 or best_blocks / local_blocks >= cfg.kvcache_balancing_threshold)
-        if fetch:
-            local_tokens = prefix_tokens(local_blocks, prompt, cfg.block_size)
-            transfer = est.transfer_s(best_tokens - local_tokens, holder)
-            cand = PrefillChoice(inst.instance_id, best_tokens, holder.instance_id,
-                                 best_tokens - local_tokens, queue, best_fetch_prefill, transfer)
-        else:
-            cand = _local(inst, prompt, matches, est, cfg)
-        if choice is None or cand.ttft_s < choice.ttft_s:
-            choice = cand
-    assert choice is not None
-    return choice
+        ttft = price[4] + queue + price[3]  # transfer + queue + prefill, as PrefillChoice.ttft_s sums it
+        if best is None or ttft < best_ttft:
+            best, best_price, best_ttft, best_queue = inst, price, ttft, queue
+    assert best is not None and best_price is not None
+    cached, fetch_from, fetched, prefill, transfer = best_price
+    return PrefillChoice(best.instance_id, cached, fetch_from, fetched, best_queue, prefill, transfer)
+
+
+def _price(prompt: int, local_blocks: int, holder: InstanceState | None, best_blocks: int, best_tokens: int,
+           est: Estimators, cfg: SchedulerConfig) -> tuple[int, str | None, int, float, float]:
+    """(cached tokens, fetch source, fetched tokens, prefill s, transfer s) of an instance holding
+    local_blocks: fetch the best holder's longer prefix if best/local reaches the threshold (or
+    it holds none), else recompute beyond its own."""
+    fetch = holder is not None and best_blocks > local_blocks and (
+        local_blocks == 0 or best_blocks / local_blocks >= cfg.kvcache_balancing_threshold)
+    if fetch:
+        assert holder is not None
+        local_tokens = prefix_tokens(local_blocks, prompt, cfg.block_size)
+        return (best_tokens, holder.instance_id, best_tokens - local_tokens, est.prefill_s(prompt, best_tokens),
+                est.transfer_s(best_tokens - local_tokens, holder))
+    cached = prefix_tokens(local_blocks, prompt, cfg.block_size)
+    return cached, None, 0, est.prefill_s(prompt, cached), 0.0
 
 
 def choose_prefill(policy: Policy, prompt: int, pool: Sequence[InstanceState],
