@@ -224,11 +224,6 @@ class PendingPrefixes:
         if gone:
             self._index.apply_removed(instance_id, gone)
 
-    def remove_instance(self, instance_id: str) -> None:
-        for key in [k for k in self._count if k[0] == instance_id]:
-            del self._count[key]
-        self._index.remove_instance(instance_id)
-
     def match(self, block_hashes: Sequence[Hashable]) -> dict[str, int]:
         """Longest pending prefix, in blocks, per instance (as PrefixIndex.match)."""
         return self._index.match(block_hashes) if self._count else {}
