@@ -21,7 +21,6 @@ prefill queue over the TTFT SLO, over the middle 80 % of the arrival window unde
 from __future__ import annotations
 
 import argparse
-import multiprocessing
 import pathlib
 import statistics
 import sys
@@ -32,6 +31,7 @@ from conductor.sim.cli import simulate
 from conductor.sim.report import summarize
 from conductor.sim.trace import TraceParams, generate_trace, records_of
 
+from benchmarks.parallel import run_replays
 from benchmarks.results_md import write_block
 
 ROOT = pathlib.Path(__file__).resolve().parent
@@ -160,11 +160,9 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--seeds and --jobs must be positive")
     tasks = [(r, s) for r in REGIMES for s in range(args.seeds)]
     results: dict[str, dict[int, dict[str, Run]]] = {r: {} for r in REGIMES}
-    with multiprocessing.get_context("spawn").Pool(args.jobs) as pool:
-        for n, (regime, seed, runs) in enumerate(pool.imap_unordered(_one, tasks), 1):
-            results[regime][seed] = runs
-            print(f"[{n}/{len(tasks)}] {regime} seed {seed}: "
-                  + ", ".join(f"{k} {v.rejected}" for k, v in runs.items()), file=sys.stderr, flush=True)
+    describe = lambda r: f"{r[0]} seed {r[1]}: " + ", ".join(f"{k} {v.rejected}" for k, v in r[2].items())  # noqa: E731
+    for regime, seed, runs in run_replays(_one, tasks, args.jobs, describe):
+        results[regime][seed] = runs
     text = "\n".join(table(results)) + "\n"
     print(text)
     if args.write:

@@ -22,7 +22,6 @@ their decode instance.
 from __future__ import annotations
 
 import argparse
-import multiprocessing
 import pathlib
 import sys
 
@@ -31,6 +30,7 @@ from conductor.sim.cli import simulate
 from conductor.sim.report import summarize
 from conductor.sim.trace import TraceParams, generate_trace, load_trace, records_of
 
+from benchmarks.parallel import run_replays
 from benchmarks.results_md import write_block
 
 ROOT = pathlib.Path(__file__).resolve().parent
@@ -93,10 +93,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     tasks = [(name, sp) for name in WORKLOADS for sp in SPEEDUPS]
     results: dict[tuple[str, float], list[tuple[str, dict]]] = {}
-    with multiprocessing.get_context("spawn").Pool(max(args.jobs, 1)) as pool:
-        for n, (name, sp, rows) in enumerate(pool.imap_unordered(_one, tasks), 1):
-            results[(name, sp)] = rows
-            print(f"[{n}/{len(tasks)}] {name} {sp:g}x done", file=sys.stderr, flush=True)
+    for name, sp, rows in run_replays(_one, tasks, args.jobs, lambda r: f"{r[0]} {r[1]:g}x done"):
+        results[(name, sp)] = rows
     text = table({t: results[t] for t in tasks})
     print(text)
     if args.write and not write_block("sim-colocation", text):

@@ -14,7 +14,6 @@ seeds the paper's ordering random > load-balance > cache-aware > kvcache-centric
 from __future__ import annotations
 
 import argparse
-import multiprocessing
 import sys
 
 from conductor.core import SchedulerConfig, load_profile
@@ -22,6 +21,7 @@ from conductor.sim.cli import simulate
 from conductor.sim.report import summarize
 from conductor.sim.trace import TraceParams, generate_trace, records_of
 
+from benchmarks.parallel import run_replays
 from benchmarks.results_md import write_block
 
 POLICIES = ("random", "load-balance", "cache-aware", "kvcache-centric")
@@ -84,10 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     tasks = [(g, s) for g in range(len(GRID)) for s in SEEDS]
     results: dict[tuple[int, int], dict[bool, list[float]]] = {}
-    with multiprocessing.get_context("spawn").Pool(max(args.jobs, 1)) as pool:
-        for n, (g, s, out) in enumerate(pool.imap_unordered(_one, tasks), 1):
-            results[(g, s)] = out
-            print(f"[{n}/{len(tasks)}] workload {g} seed {s} done", file=sys.stderr, flush=True)
+    for g, s, out in run_replays(_one, tasks, args.jobs, lambda r: f"workload {r[0]} seed {r[1]} done"):
+        results[(g, s)] = out
     text = table(results)
     print(text)
     if args.write and not write_block("sim-pending", text):
