@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from conductor.core.config import Policy, SchedulerConfig
 from conductor.core.estimators import Estimators
@@ -90,38 +90,36 @@ def kvcache_centric(prompt: int, pool: Sequence[InstanceState], all_instances: S
     # What an instance pays besides its queue depends only on its local prefix length, and most
     # instances share one (usually none): price each distinct length once. At 1,024 instances
     # this loop is most of a decision.
-    priced: dict[int, tuple[int, str | None, int, float, float]] = {}
-    best: InstanceState | None = None
-    best_price: tuple[int, str | None, int, float, float] | None = None
-    best_ttft = best_queue = 0.0
+    priced: dict[int, PrefillChoice] = {}
+    best: tuple[float, InstanceState, float, PrefillChoice] | None = None
     for inst in pool:
         local_blocks = matches.local.get(inst.instance_id, 0)
         price = priced.get(local_blocks)
         if price is None:
             price = priced[local_blocks] = _price(prompt, local_blocks, holder, best_blocks, best_tokens, est, cfg)
         queue = est.queue_s(inst)
-        ttft = price[4] + queue + price[3]  # transfer + queue + prefill, as PrefillChoice.ttft_s sums it
-        if best is None or ttft < best_ttft:
-            best, best_price, best_ttft, best_queue = inst, price, ttft, queue
-    assert best is not None and best_price is not None
-    cached, fetch_from, fetched, prefill, transfer = best_price
-    return PrefillChoice(best.instance_id, cached, fetch_from, fetched, best_queue, prefill, transfer)
+        ttft = price.transfer_s + queue + price.prefill_s  # summed as PrefillChoice.ttft_s sums it
+        if best is None or ttft < best[0]:
+            best = (ttft, inst, queue, price)
+    assert best is not None
+    _, inst, queue, price = best
+    return replace(price, instance_id=inst.instance_id, queue_s=queue)
 
 
 def _price(prompt: int, local_blocks: int, holder: InstanceState | None, best_blocks: int, best_tokens: int,
-           est: Estimators, cfg: SchedulerConfig) -> tuple[int, str | None, int, float, float]:
-    """(cached tokens, fetch source, fetched tokens, prefill s, transfer s) of an instance holding
-    local_blocks: fetch the best holder's longer prefix if best/local reaches the threshold (or
-    it holds none), else recompute beyond its own."""
+           est: Estimators, cfg: SchedulerConfig) -> PrefillChoice:
+    """The choice for an instance holding local_blocks, before its own id and queue are filled in:
+    fetch the best holder's longer prefix if best/local reaches the threshold (or it holds
+    none), else recompute beyond its own prefix."""
     fetch = holder is not None and best_blocks > local_blocks and (
         local_blocks == 0 or best_blocks / local_blocks >= cfg.kvcache_balancing_threshold)
     if fetch:
         assert holder is not None
-        local_tokens = prefix_tokens(local_blocks, prompt, cfg.block_size)
-        return (best_tokens, holder.instance_id, best_tokens - local_tokens, est.prefill_s(prompt, best_tokens),
-                est.transfer_s(best_tokens - local_tokens, holder))
+        fetched = best_tokens - prefix_tokens(local_blocks, prompt, cfg.block_size)
+        return PrefillChoice("", best_tokens, holder.instance_id, fetched, 0.0, est.prefill_s(prompt, best_tokens),
+                             est.transfer_s(fetched, holder))
     cached = prefix_tokens(local_blocks, prompt, cfg.block_size)
-    return cached, None, 0, est.prefill_s(prompt, cached), 0.0
+    return PrefillChoice("", cached, None, 0, 0.0, est.prefill_s(prompt, cached), 0.0)
 
 
 def choose_prefill(policy: Policy, prompt: int, pool: Sequence[InstanceState],
