@@ -12,7 +12,7 @@ from pathlib import Path
 
 import httpx
 
-from messenger.tcp import free_port
+from mooncake.net import free_port
 
 MODEL_NAME = "SmolLM2-135M-Instruct"
 

@@ -16,8 +16,7 @@ from dataclasses import dataclass, replace
 
 from conductor.routing import Route
 from conductor.workers import WorkerClient, WorkerError, WorkerHandle
-from mooncake.connector.params import PullParams, PushParams
-from mooncake.protocol import GenerateChunk, GenerateRequest, Sampling
+from mooncake.protocol import GenerateChunk, GenerateRequest, PullParams, PushParams, Sampling
 
 log = logging.getLogger(__name__)
 

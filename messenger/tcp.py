@@ -48,13 +48,6 @@ def parse_address(address: str) -> tuple[str, int]:
     return host.strip("[]") or "127.0.0.1", int(port)
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port nobody listens on now (the OS picks it); whoever binds it next may still lose a race."""
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
-
-
 def _tune(sock: socket.socket) -> None:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     # Large buffers let one sendall of a multi-megabyte layer proceed without many wakeups.

@@ -45,7 +45,7 @@ def _cmd_conductor(args: argparse.Namespace) -> int:
     from conductor.config import ConductorConfig
 
     from conductor.cli_args import scheduler_config
-    from mooncake.worker.cli import registry_url
+    from mooncake.engine.cli import registry_url
 
     model = _resolve_model(args.model)
     config = ConductorConfig(

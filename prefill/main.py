@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 
-from mooncake.worker.cli import add_worker_arguments, worker_config
+from mooncake.engine.cli import add_worker_arguments, worker_config
 
 DEFAULT_PORT = 8100
 
@@ -16,7 +16,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace, model_path: str) -> int:
-    from mooncake.worker.runner import run_worker
+    from mooncake.engine.runner import run_worker
 
     run_worker(worker_config(args, "prefill", model_path))
     return 0

@@ -14,7 +14,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from messenger.tcp import free_port
+from mooncake.net import free_port
 
 MISSING = ("etcd binary not found on PATH or at /usr/bin/etcd. `make test` installs it "
            "(Debian: apt-get install -y etcd-server etcd-client); see docs/REGISTRY.md.")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import httpx
 
-from messenger.tcp import free_port
+from mooncake.net import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -8,7 +8,7 @@ import httpx
 import uvicorn
 from fastapi import FastAPI
 
-from messenger.tcp import free_port
+from mooncake.net import free_port
 from mooncake.registry import (ClusterView, InstanceLoad, MemoryRegistry,
                                RegistryConfig, ViewConfig, open_registry)
 from mooncake.registry.http import HttpRegistryClient, registry_router

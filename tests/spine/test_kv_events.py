@@ -1,5 +1,5 @@
 from mooncake.hashing import hash_prompt_blocks
-from mooncake.worker.kv_events import BlockEventLog, BlockHashTranslator
+from mooncake.engine.kv_events import BlockEventLog, BlockHashTranslator
 
 B = 4
 

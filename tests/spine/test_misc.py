@@ -5,7 +5,7 @@ import pytest
 from conductor.metrics import ConductorMetrics
 from messenger.tcp import TcpClient, TcpServer, TransferError, parse_address
 from messenger.wire import WireError, decode_prefix, encode_prefix
-from mooncake.connector.params import PullParams, PushParams, parse_pull, parse_push
+from mooncake.protocol import PullParams, PushParams, parse_pull, parse_push
 from mooncake.launcher import plan_cpu_binding
 from mooncake.logs import QuietPollingFilter
 from mooncake.protocol import GenerateRequest, Sampling

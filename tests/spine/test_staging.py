@@ -1,6 +1,6 @@
 import pytest
 
-from mooncake.connector.staging import KVStaging, StagedLayer, StagingConfig, StagingFull
+from decode.staging import KVStaging, StagedLayer, StagingConfig, StagingFull
 
 
 def layer(n: int) -> StagedLayer:

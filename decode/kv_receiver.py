@@ -1,12 +1,8 @@
-"""The connector's worker half: the data path between vLLM's paged KV cache and the messenger.
+"""The consumer's data path, in vLLM's worker process: receive pushed KV and land it in the
+paged cache.
 
-Producer: `save_kv_layer` copies the prompt's blocks of one layer out of the paged cache (one
-index_select, no per-token work) and hands them to a sender thread, so layer i travels while
-layer i+1 computes. `wait_for_save` returns once every layer of the step has been acknowledged,
-so the blocks may be freed and the prefill's answer means "the KV has landed".
-
-Consumer: a receiver thread lands pushed layers in `KVStaging` after checking their checksum.
-Each engine step, `get_transfer_results` copies complete transfers into the blocks the scheduler
+A messenger server thread lands pushed layers in `KVStaging` after checking their checksum.
+Each engine step, `collect_loads` copies complete transfers into the blocks the scheduler
 allocated and reports them finished; a transfer that is broken or late is reported failed, and
 vLLM recomputes that prompt locally (kv_load_failure_policy="recompute"): slower, never wrong.
 """
@@ -16,15 +12,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 
 import torch
 import xxhash
 
-from messenger.tcp import TcpClient, TcpConfig, TcpServer, TransferError
-from mooncake.connector.metadata import LoadSpec, MooncakeConnectorMetadata, SaveSpec
-from mooncake.connector.staging import KVStaging, StagedLayer, StagedTransfer, StagingConfig
+from decode.load_planner import LoadSpec
+from decode.staging import KVStaging, StagedLayer, StagedTransfer, StagingConfig
+from messenger.tcp import TcpConfig, TcpServer
 
 # Under "vllm." so the messages show in vLLM's worker processes, whose logging vLLM configures.
 log = logging.getLogger("vllm.mooncake." + __name__)
@@ -32,24 +27,16 @@ log = logging.getLogger("vllm.mooncake." + __name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
 @dataclass
-class ConnectorStats:
-    """Counters since start; served by the receiver's `stats` op and the worker's /metrics."""
+class ReceiverStats:
+    """Counters since start; served through the connector's control channel."""
 
-    pushed_transfers: int = 0
-    pushed_bytes: int = 0
-    push_failures: int = 0
     loaded_transfers: int = 0
     loaded_tokens: int = 0
     loaded_bytes: int = 0
     load_failures: int = 0
     load_timeouts: int = 0
     checksum_failures: int = 0
-    push_seconds: float = 0.0
     load_seconds: float = 0.0
 
 
@@ -59,94 +46,45 @@ class _PendingLoad:
     deadline: float
 
 
-class ConnectorWorker:
+class KVReceiver:
     def __init__(self, host: str, port: int, block_size: int, staging: StagingConfig, tcp: TcpConfig):
         self._block_size = block_size
         self._staging = KVStaging(staging)
-        self._client = TcpClient(tcp)
-        self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-push")
         self._server = TcpServer(host, port, self._on_frame, tcp)
         self._kv_caches: dict[str, torch.Tensor] = {}
         self._layer_index: dict[str, int] = {}
-        self._in_flight: list[tuple[SaveSpec, Future]] = []
         self._pending: dict[str, _PendingLoad] = {}
-        self._stats = ConnectorStats()
+        self._stats = ReceiverStats()
         self._stats_lock = threading.Lock()
 
-    # -- lifecycle ----------------------------------------------------------------------------
+    @property
+    def address(self) -> str:
+        return self._server.address
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._kv_caches = dict(kv_caches)
         self._layer_index = {name: i for i, name in enumerate(self._kv_caches)}
         self._server.start()
         first = next(iter(self._kv_caches.values()))
-        log.info("KV connector: %d layers of %s %s; receiving on %s", len(self._kv_caches),
+        log.info("KV receiver: %d layers of %s %s on %s", len(self._kv_caches),
                  tuple(first.shape), first.dtype, self._server.address)
+
+    def stats(self) -> dict:
+        with self._stats_lock:
+            return {**asdict(self._stats), "staged_bytes": self._staging.used_bytes}
+
+    def drop(self, transfer_id: str) -> None:
+        """The conductor will not decode this transfer here: free what was staged for it."""
+        self._staging.pop(transfer_id)
 
     def shutdown(self) -> None:
         self._server.close()
-        self._sender.shutdown(wait=False, cancel_futures=True)
-        self._client.close()
 
-    # -- producer -----------------------------------------------------------------------------
-
-    def save_kv_layer(self, meta: MooncakeConnectorMetadata, layer_name: str, kv_layer: torch.Tensor) -> None:
-        if not meta.saves:
-            return
-        index = self._layer_index[layer_name]
-        for spec in meta.saves:
-            ids = torch.tensor(spec.block_ids, dtype=torch.long, device=kv_layer.device)
-            rows = kv_layer.index_select(0, ids).cpu().contiguous()
-            future = self._sender.submit(self._push_layer, spec, index, layer_name, rows)
-            self._in_flight.append((spec, future))
-
-    def wait_for_save(self) -> None:
-        failed: dict[str, str] = {}
-        for spec, future in self._in_flight:
-            try:
-                future.result()
-            except Exception as exc:  # noqa: BLE001 - any failure of a push is reported the same way
-                failed[spec.transfer_id] = f"{type(exc).__name__}: {exc}"
-        self._in_flight.clear()
-        for transfer_id, error in failed.items():
-            log.error("KV push %s failed: %s (decode will recompute the prompt)", transfer_id, error)
-            with self._stats_lock:
-                self._stats.push_failures += 1
-
-    def _push_layer(self, spec: SaveSpec, index: int, layer_name: str, rows: torch.Tensor) -> None:
-        start = time.perf_counter()
-        payload = rows.view(torch.uint8).numpy() if rows.dtype != torch.bfloat16 else rows.view(torch.int16).numpy()
-        header = {
-            "op": "put", "transfer_id": spec.transfer_id, "layer_index": index,
-            "num_layers": len(self._layer_index), "layer_name": layer_name,
-            "num_tokens": spec.num_tokens, "shape": list(rows.shape), "dtype": dtype_name(rows.dtype),
-            "xxh3": xxhash.xxh3_64_hexdigest(payload),
-        }
-        self._client.request(spec.dest, header, payload)
-        with self._stats_lock:
-            self._stats.pushed_bytes += payload.nbytes
-            self._stats.push_seconds += time.perf_counter() - start
-            if index == len(self._layer_index) - 1:
-                self._stats.pushed_transfers += 1
-
-    # -- consumer -----------------------------------------------------------------------------
+    # -- receiving (messenger thread) ---------------------------------------------------------
 
     def _on_frame(self, header: dict, payload: bytearray) -> dict:
-        op = header.get("op")
-        if op == "put":
-            return self._on_put(header, payload)
-        if op == "stats":
-            with self._stats_lock:
-                return {"ok": True, "stats": asdict(self._stats),
-                        "staged_bytes": self._staging.used_bytes}
-        if op == "drop":  # the conductor will not decode this transfer here
-            self._staging.pop(str(header.get("transfer_id")))
-            return {"ok": True}
-        if op == "ping":
-            return {"ok": True}
-        return {"ok": False, "error": f"unknown op {op!r}"}
-
-    def _on_put(self, header: dict, payload: bytearray) -> dict:
+        if header.get("op") != "put":
+            return {"ok": False, "error": f"the KV socket takes only 'put', not {header.get('op')!r}"}
         now = time.monotonic()
         transfer_id = header["transfer_id"]
         if xxhash.xxh3_64_hexdigest(payload) != header["xxh3"]:
@@ -159,9 +97,11 @@ class ConnectorWorker:
                                 int(header["num_tokens"]), layer, now)
         return {"ok": True}
 
-    def start_load_kv(self, meta: MooncakeConnectorMetadata) -> None:
+    # -- landing (engine thread) --------------------------------------------------------------
+
+    def start_load_kv(self, loads: list[LoadSpec]) -> None:
         now = time.monotonic()
-        for spec in meta.loads:
+        for spec in loads:
             self._pending[spec.request_id] = _PendingLoad(spec, deadline=now + spec.wait_timeout_s)
 
     def collect_loads(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
@@ -223,4 +163,3 @@ class ConnectorWorker:
             self._stats.loaded_bytes += nbytes
             self._stats.load_seconds += time.perf_counter() - start
         return None
-

@@ -6,11 +6,17 @@ import os
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
+from mooncake.control import ControlEndpoint
+from mooncake.engine.config import WorkerConfig
 from mooncake.protocol import GenerateChunk, GenerateRequest
-from mooncake.worker.config import WorkerConfig
 
 if TYPE_CHECKING:
     from vllm.v1.engine.async_llm import AsyncLLM
+
+# vLLM loads our connector by name and module path inside its own processes; the shell names it
+# here and never imports it (the connector composes the prefill and decode halves: kv_connector/).
+CONNECTOR_CLASS = "MooncakeServeConnector"
+CONNECTOR_MODULE = "kv_connector.connector"
 
 
 def set_engine_environment(config: WorkerConfig) -> None:
@@ -21,7 +27,7 @@ def set_engine_environment(config: WorkerConfig) -> None:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO")
 
 
-def build_engine(config: WorkerConfig, kv_port: int, events_port: int) -> "AsyncLLM":
+def build_engine(config: WorkerConfig, kv_port: int, events_port: int, control: ControlEndpoint) -> "AsyncLLM":
     set_engine_environment(config)
     # Imported here: importing vLLM takes seconds and must follow the environment above.
     from vllm.config import KVEventsConfig, KVTransferConfig
@@ -39,12 +45,13 @@ def build_engine(config: WorkerConfig, kv_port: int, events_port: int) -> "Async
         enforce_eager=config.enforce_eager,
         enable_log_requests=False,
         kv_transfer_config=KVTransferConfig(
-            kv_connector="MooncakeConnector",
-            kv_connector_module_path="mooncake.connector.connector",
+            kv_connector=CONNECTOR_CLASS,
+            kv_connector_module_path=CONNECTOR_MODULE,
             kv_role="kv_both",
             # A lost or corrupt transfer is recomputed locally: slower, never wrong text.
             kv_load_failure_policy="recompute",
-            kv_connector_extra_config={"kv_host": config.kv_host, "kv_port": kv_port},
+            kv_connector_extra_config={"kv_host": config.kv_host, "kv_port": kv_port,
+                                       "control_path": control.path, "control_key": control.authkey_hex},
         ),
         # vLLM's own block stored/removed events feed the conductor's global prefix index.
         kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",

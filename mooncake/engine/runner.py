@@ -6,10 +6,11 @@ import logging
 
 import uvicorn
 
-from messenger.tcp import free_port
+from mooncake.net import free_port
+from mooncake.control import ControlEndpoint
 from mooncake.logs import configure_logging
-from mooncake.worker.app import create_app
-from mooncake.worker.config import WorkerConfig
+from mooncake.engine.app import create_app
+from mooncake.engine.config import WorkerConfig
 
 
 def run_worker(config: WorkerConfig) -> None:
@@ -21,5 +22,5 @@ def run_worker(config: WorkerConfig) -> None:
     logging.getLogger(__name__).info(
         "%s worker %s: http %s, kv %s:%d, model %s", config.role, config.instance_id,
         config.http_url, config.public_host, kv_port, config.model)
-    uvicorn.run(create_app(config, kv_port, events_port), host=config.host, port=config.port,
+    uvicorn.run(create_app(config, kv_port, events_port, ControlEndpoint.new()), host=config.host, port=config.port,
                 log_level="warning", timeout_graceful_shutdown=5)

@@ -17,6 +17,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
+import shutil
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -24,12 +26,12 @@ from dataclasses import dataclass, field
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from messenger.tcp import TcpClient, TcpConfig, TransferError
+from mooncake.control import ControlEndpoint, ControlError, control_call
 from mooncake.protocol import GenerateChunk, GenerateRequest
-from mooncake.worker.config import WorkerConfig
-from mooncake.worker.engine import build_engine, kv_capacity_tokens, run_request
-from mooncake.worker.kv_events import BlockEventLog, BlockHashTranslator, KVEventSubscriber
-from mooncake.worker.metrics import WorkerMetrics
+from mooncake.engine.config import WorkerConfig
+from mooncake.engine.engine import build_engine, kv_capacity_tokens, run_request
+from mooncake.engine.kv_events import BlockEventLog, BlockHashTranslator, KVEventSubscriber
+from mooncake.engine.metrics import WorkerMetrics
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +48,7 @@ class WorkerState:
     config: WorkerConfig
     kv_port: int
     events_port: int
+    control: ControlEndpoint
     engine: object | None = None
     block_size: int = 0
     kv_capacity_tokens: int = 0
@@ -68,7 +71,7 @@ class WorkerState:
         }
 
 
-def create_app(config: WorkerConfig, kv_port: int, events_port: int) -> FastAPI:
+def create_app(config: WorkerConfig, kv_port: int, events_port: int, control: ControlEndpoint) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         state: WorkerState = app.state.worker
@@ -84,9 +87,10 @@ def create_app(config: WorkerConfig, kv_port: int, events_port: int) -> FastAPI:
         engine = state.engine
         if engine is not None:
             engine.shutdown()
+        shutil.rmtree(os.path.dirname(state.control.path), ignore_errors=True)
 
     app = FastAPI(title=f"mooncake {config.role} worker", lifespan=lifespan)
-    app.state.worker = WorkerState(config=config, kv_port=kv_port, events_port=events_port)
+    app.state.worker = WorkerState(config=config, kv_port=kv_port, events_port=events_port, control=control)
 
     @app.get("/health")
     async def health(request: Request):
@@ -114,12 +118,12 @@ def create_app(config: WorkerConfig, kv_port: int, events_port: int) -> FastAPI:
 
     @app.get("/internal/kv_stats")
     async def kv_stats(request: Request):
-        return await asyncio.to_thread(_connector_stats, request.app.state.worker.kv_port)
+        return await asyncio.to_thread(_connector_stats, request.app.state.worker.control)
 
     @app.get("/metrics")
     async def metrics(request: Request):
         state: WorkerState = request.app.state.worker
-        stats = await asyncio.to_thread(_connector_stats, state.kv_port)
+        stats = await asyncio.to_thread(_connector_stats, state.control)
         body = state.metrics.render(state.load(), stats.get("stats", {}))
         return StreamingResponse(iter([body]), media_type="text/plain; version=0.0.4")
 
@@ -135,7 +139,7 @@ def create_app(config: WorkerConfig, kv_port: int, events_port: int) -> FastAPI:
     async def kv_drop(request: Request):
         body = await request.json()
         state: WorkerState = request.app.state.worker
-        await asyncio.to_thread(_connector_call, state.kv_port, {"op": "drop", "transfer_id": str(body["transfer_id"])})
+        await asyncio.to_thread(_connector_call, state.control, {"op": "drop", "transfer_id": str(body["transfer_id"])})
         return {"ok": True}
 
     @app.post("/internal/generate")
@@ -179,7 +183,7 @@ async def _stream(state: WorkerState, gen: GenerateRequest):
 async def _start_engine(state: WorkerState) -> None:
     try:
         # Building the engine blocks for tens of seconds; keep the event loop (and /health) free.
-        engine = await asyncio.to_thread(build_engine, state.config, state.kv_port, state.events_port)
+        engine = await asyncio.to_thread(build_engine, state.config, state.kv_port, state.events_port, state.control)
         state.block_size, state.kv_capacity_tokens = kv_capacity_tokens(engine)
         state.subscriber = KVEventSubscriber(f"tcp://127.0.0.1:{state.events_port}", state.event_log,
                                              BlockHashTranslator()).start()
@@ -193,19 +197,16 @@ async def _start_engine(state: WorkerState) -> None:
         state.engine_error = f"{type(exc).__name__}: {exc}"
 
 
-def _connector_stats(kv_port: int) -> dict:
-    return _connector_call(kv_port, {"op": "stats"})
+def _connector_stats(control: ControlEndpoint) -> dict:
+    return _connector_call(control, {"op": "stats"})
 
 
-def _connector_call(kv_port: int, header: dict) -> dict:
-    """Ask this worker's own connector (it lives in a vLLM process, reachable on the KV port)."""
-    client = TcpClient(TcpConfig(connect_timeout_s=1.0, io_timeout_s=2.0))
+def _connector_call(control: ControlEndpoint, request: dict) -> dict:
+    """Ask this worker's own connector (it lives in a vLLM process) over the control channel."""
     try:
-        return client.request(f"127.0.0.1:{kv_port}", header)
-    except TransferError as exc:
+        return control_call(control, request)
+    except ControlError as exc:
         return {"ok": False, "error": str(exc), "stats": {}}
-    finally:
-        client.close()
 
 
 async def _register(state: WorkerState) -> None:

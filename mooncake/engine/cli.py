@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from mooncake.worker.config import DTYPES, WorkerConfig
+from mooncake.engine.config import DTYPES, WorkerConfig
 
 
 def add_worker_arguments(parser: argparse.ArgumentParser, default_port: int) -> None:

@@ -1,0 +1,152 @@
+"""MooncakeServeConnector: the class vLLM loads (`kv_connector_module_path`).
+
+vLLM makes two instances: one in the scheduler (role SCHEDULER) and one per worker (role
+WORKER). This class only composes and routes: the producer half lives in prefill/ (push_planner,
+kv_sender), the consumer half in decode/ (load_planner, kv_receiver). Whether a request pushes,
+loads, or does neither is decided per request by its kv_transfer_params.
+
+Settings come from `kv_connector_extra_config`:
+  kv_host, kv_port            where this engine receives pushed KV (port 0 = any free port)
+  control_path, control_key   the control channel to the worker shell (mooncake/control.py)
+  staging_bytes               most pushed KV bytes held before the engine claims them
+  staging_ttl_s               unclaimed pushes are dropped after this long
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+)
+
+from decode.kv_receiver import KVReceiver
+from decode.load_planner import LoadPlanner
+from decode.staging import StagingConfig
+from kv_connector.metadata import ServeConnectorMetadata
+from messenger.tcp import TcpConfig
+from mooncake.control import ControlEndpoint, ControlServer
+from prefill.kv_sender import KVSender
+from prefill.push_planner import PushPlanner
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+
+class MooncakeServeConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
+                 kv_cache_config: "KVCacheConfig | None" = None):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        extra = self._kv_transfer_config.kv_connector_extra_config
+        block_size = vllm_config.cache_config.block_size
+        self._pushes: PushPlanner | None = None
+        self._loads: LoadPlanner | None = None
+        self._sender: KVSender | None = None
+        self._receiver: KVReceiver | None = None
+        self._control: ControlServer | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._pushes, self._loads = PushPlanner(block_size), LoadPlanner(block_size)
+            return
+        tcp = TcpConfig()
+        self._sender = KVSender(tcp)
+        self._receiver = KVReceiver(
+            host=str(extra.get("kv_host", "127.0.0.1")), port=int(extra.get("kv_port", 0)),
+            block_size=block_size, tcp=tcp,
+            staging=StagingConfig(capacity_bytes=int(extra.get("staging_bytes", 4 << 30)),
+                                  ttl_s=float(extra.get("staging_ttl_s", 120.0))),
+        )
+        if extra.get("control_path"):
+            endpoint = ControlEndpoint(str(extra["control_path"]), str(extra["control_key"]))
+            self._control = ControlServer(endpoint, self._on_control)
+
+    # -- worker side --------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        assert self._sender is not None and self._receiver is not None
+        self._sender.register_kv_caches(kv_caches)
+        self._receiver.register_kv_caches(kv_caches)
+        if self._control is not None:
+            self._control.start()
+
+    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+        assert self._receiver is not None
+        self._receiver.start_load_kv(self._meta().loads)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        # Loads land whole before the request is scheduled (async loading), so no layer waits.
+        return
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor,
+                      attn_metadata: "AttentionMetadata", **kwargs: Any) -> None:
+        assert self._sender is not None
+        self._sender.save_kv_layer(self._meta().saves, layer_name, kv_layer)
+
+    def wait_for_save(self) -> None:
+        assert self._sender is not None
+        self._sender.wait_for_save()
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        assert self._receiver is not None
+        finished, failed = self._receiver.collect_loads(finished_req_ids)
+        return KVConnectorTransferResults(finished_recving=finished, failed_recving=failed)
+
+    def shutdown(self) -> None:
+        if self._control is not None:
+            self._control.close()
+        if self._receiver is not None:
+            self._receiver.shutdown()
+        if self._sender is not None:
+            self._sender.shutdown()
+
+    def _meta(self) -> ServeConnectorMetadata:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, ServeConnectorMetadata)
+        return meta
+
+    def _on_control(self, request: dict) -> dict:
+        """Control calls from the worker shell (never on the KV data socket)."""
+        assert self._sender is not None and self._receiver is not None
+        op = request.get("op")
+        if op == "stats":
+            stats = {**self._sender.stats(), **self._receiver.stats()}
+            return {"ok": True, "stats": stats, "staged_bytes": stats.pop("staged_bytes")}
+        if op == "drop":
+            self._receiver.drop(str(request.get("transfer_id")))
+            return {"ok": True}
+        return {"ok": False, "error": f"unknown control op {op!r}"}
+
+    # -- scheduler side -----------------------------------------------------------------------
+
+    def bind_kv_cache_manager(self, kv_cache_manager: "KVCacheManager") -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        assert self._pushes is not None
+        self._pushes.bind_kv_cache_manager(kv_cache_manager)
+
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+        assert self._loads is not None
+        return self._loads.matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+        assert self._pushes is not None and self._loads is not None
+        self._pushes.after_alloc(request)
+        self._loads.after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        assert self._pushes is not None and self._loads is not None
+        return ServeConnectorMetadata(saves=self._pushes.plan(scheduler_output), loads=self._loads.take())
+
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        assert self._pushes is not None and self._loads is not None
+        self._pushes.finished(request.request_id)
+        self._loads.finished(request.request_id)
+        return False, None

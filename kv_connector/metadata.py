@@ -1,0 +1,16 @@
+"""What the connector's scheduler half tells its worker half each step (vLLM pickles this)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+from decode.load_planner import LoadSpec
+from prefill.push_planner import SaveSpec
+
+
+@dataclass
+class ServeConnectorMetadata(KVConnectorMetadata):
+    saves: list[SaveSpec] = field(default_factory=list)  # producer: push these after this step
+    loads: list[LoadSpec] = field(default_factory=list)  # consumer: land these

@@ -1,0 +1,111 @@
+"""The control channel between a worker's HTTP shell and its KV connector.
+
+The connector lives in a vLLM worker process that the shell did not create and cannot call
+directly; the shell asks it for counters and tells it to drop KV nobody will claim. Those calls
+ride this channel, never the KV data socket, so a slow or saturated transfer cannot delay them
+and a KV peer cannot issue them.
+
+Built on `multiprocessing.connection` (standard library): a local AF_UNIX listener with an
+HMAC handshake on a per-worker key, so only the shell that started the engine can talk to it.
+Messages are JSON objects, one request and one reply per connection.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+import tempfile
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from multiprocessing import AuthenticationError
+from multiprocessing.connection import Client, Connection, Listener
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+Handler = Callable[[dict[str, Any]], dict[str, Any]]
+
+
+class ControlError(ConnectionError):
+    """The connector did not answer: not started yet, gone, or too slow."""
+
+
+@dataclass(frozen=True)
+class ControlEndpoint:
+    """Where a connector listens for control calls, and the key that authenticates them."""
+
+    path: str
+    authkey_hex: str
+
+    @classmethod
+    def new(cls) -> "ControlEndpoint":
+        directory = tempfile.mkdtemp(prefix="mooncake-control-")
+        return cls(os.path.join(directory, "connector.sock"), secrets.token_hex(16))
+
+    @property
+    def authkey(self) -> bytes:
+        return bytes.fromhex(self.authkey_hex)
+
+
+@dataclass
+class ControlServer:
+    """Answers each control request with `handler`'s reply, on a daemon thread."""
+
+    endpoint: ControlEndpoint
+    handler: Handler
+    _listener: Listener | None = field(default=None, init=False)
+    _closed: threading.Event = field(default_factory=threading.Event, init=False)
+
+    def start(self) -> "ControlServer":
+        if os.path.exists(self.endpoint.path):  # left by an engine that died
+            os.unlink(self.endpoint.path)
+        self._listener = Listener(self.endpoint.path, family="AF_UNIX", authkey=self.endpoint.authkey)
+        threading.Thread(target=self._accept_loop, name="kv-control", daemon=True).start()
+        return self
+
+    def close(self) -> None:
+        self._closed.set()
+        if self._listener is not None:
+            try:
+                self._listener.close()
+            except OSError:
+                pass
+
+    def _accept_loop(self) -> None:
+        assert self._listener is not None
+        while not self._closed.is_set():
+            try:
+                conn = self._listener.accept()
+            except OSError:
+                return  # closed
+            except Exception as exc:  # noqa: BLE001 - a caller with the wrong key; keep serving
+                log.warning("refused a control connection: %s", exc)
+                continue
+            with conn:
+                self._answer(conn)
+
+    def _answer(self, conn: Connection) -> None:
+        try:
+            request = json.loads(conn.recv_bytes(1 << 20))
+            reply = self.handler(request) if isinstance(request, dict) else {"ok": False, "error": "not an object"}
+        except Exception as exc:  # noqa: BLE001 - the caller must get an answer, never a hang
+            reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+        try:
+            conn.send_bytes(json.dumps(reply).encode())
+        except OSError:
+            pass
+
+
+def control_call(endpoint: ControlEndpoint, request: dict[str, Any], timeout_s: float = 2.0) -> dict[str, Any]:
+    """One request and its reply. Raises ControlError if the connector does not answer in time."""
+    try:
+        with Client(endpoint.path, family="AF_UNIX", authkey=endpoint.authkey) as conn:
+            conn.send_bytes(json.dumps(request).encode())
+            if not conn.poll(timeout_s):
+                raise ControlError(f"the connector did not answer {request.get('op')!r} within {timeout_s} s")
+            return json.loads(conn.recv_bytes(1 << 20))
+    except (OSError, EOFError, ValueError, AuthenticationError) as exc:
+        raise ControlError(f"control call {request.get('op')!r} failed: {type(exc).__name__}: {exc}") from exc
