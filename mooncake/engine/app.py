@@ -24,7 +24,8 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from mooncake.control import ControlEndpoint, ControlError, control_call
 from mooncake.protocol import GenerateChunk, GenerateRequest
@@ -123,9 +124,12 @@ def create_app(config: WorkerConfig, kv_port: int, events_port: int, control: Co
     @app.get("/metrics")
     async def metrics(request: Request):
         state: WorkerState = request.app.state.worker
+        # The control call blocks, so it runs in a thread; rendering stays on the event loop, where
+        # state.load() reads in_flight without racing _stream's changes to it (and takes microseconds).
+        # A connector that does not answer gives empty stats: its counters are left out of this scrape.
         stats = await asyncio.to_thread(_connector_stats, state.control)
         body = state.metrics.render(state.load(), stats.get("stats", {}))
-        return StreamingResponse(iter([body]), media_type="text/plain; version=0.0.4")
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     @app.post("/internal/abort")
     async def abort(request: Request):
@@ -177,7 +181,7 @@ async def _stream(state: WorkerState, gen: GenerateRequest):
     finally:
         state.in_flight.pop(gen.request_id, None)
         state.metrics.prompt_tokens.inc(entry.prompt_tokens)
-        state.metrics.requests.inc(outcome=outcome)
+        state.metrics.requests.labels(outcome=outcome).inc()
 
 
 async def _start_engine(state: WorkerState) -> None:
