@@ -166,8 +166,15 @@ def test_metrics_have_units_and_count_requests(spine_cluster):
     # Every served request was routed one way or the other.
     routed = [line for line in text.splitlines() if line.startswith("mooncake_routes_total{kind=")]
     assert routed and sum(float(line.rsplit(" ", 1)[1]) for line in routed) >= 1, routed
+    # The worker's text comes from prometheus_client: parse it rather than match its number format.
+    from prometheus_client.parser import text_string_to_metric_families
+
     worker = httpx.get(spine_cluster.worker_urls["decode"] + "/metrics").text
-    assert "mooncake_kv_loaded_bytes_total" in worker
+    families = {f.name: f for f in text_string_to_metric_families(worker)}
+    loaded = families["mooncake_kv_loaded_bytes"]  # the connector answered the control call
+    assert loaded.type == "counter" and [s.name for s in loaded.samples] == ["mooncake_kv_loaded_bytes_total"]
+    assert loaded.samples[0].value >= 0
+    assert families["mooncake_worker_running_requests"].type == "gauge"
 
 
 def test_unknown_fields_are_ignored_not_refused(spine_cluster):
