@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
+
+from msgspec.structs import replace  # Sampling is a msgspec Struct
 
 from conductor.routing import Route
 from conductor.workers import WorkerClient, WorkerError, WorkerHandle

@@ -9,17 +9,17 @@ counts what it has sent to each, which is fresher than any report.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import httpx
+import msgspec
 
 from conductor.bandwidth import PushBandwidthMeter
 from conductor.ledger import Ledger
-from mooncake.protocol import GenerateChunk, GenerateRequest
+from mooncake.protocol import CHUNK_DECODER, ENCODER, HEALTH_DECODER, GenerateChunk, GenerateRequest
 
 log = logging.getLogger(__name__)
 
@@ -92,13 +92,13 @@ class WorkerClient:
         """Refresh one handle from the worker's /health."""
         try:
             resp = await self._http.get(f"{handle.http_url}/health", timeout=2.0)
-            body = resp.json()
-            handle.role = body.get("role", handle.role)
-            handle.instance_id = body.get("instance_id", handle.instance_id)
-            handle.kv_address = body.get("kv_address", handle.kv_address)
-            handle.status = body.get("status", "unknown")
+            health = HEALTH_DECODER.decode(resp.content)
+            handle.role = health.role or handle.role
+            handle.instance_id = health.instance_id or handle.instance_id
+            handle.kv_address = health.kv_address or handle.kv_address
+            handle.status = health.status
             handle.ready = resp.status_code == 200
-            handle.last_error = body.get("error")
+            handle.last_error = health.error
             handle.last_seen = time.monotonic()
         except (httpx.HTTPError, ValueError) as exc:
             handle.ready = False
@@ -123,14 +123,15 @@ class WorkerClient:
         handle.in_flight += 1
         try:
             async with self._http.stream("POST", f"{handle.http_url}/internal/generate",
-                                         json=request.to_dict()) as resp:
+                                         content=ENCODER.encode(request),
+                                         headers={"content-type": "application/json"}) as resp:
                 if resp.status_code != 200:
                     body = (await resp.aread()).decode(errors="replace")[:500]
                     raise WorkerError(f"{handle.name} answered {resp.status_code}: {body}")
                 async for line in resp.aiter_lines():
                     if not line:
                         continue
-                    chunk = GenerateChunk.from_dict(json.loads(line))
+                    chunk = CHUNK_DECODER.decode(line)
                     if chunk.error:
                         raise WorkerError(f"{handle.name}: {chunk.error}", started=started)
                     started = started or bool(chunk.token_ids)
@@ -141,7 +142,7 @@ class WorkerClient:
         except httpx.ReadTimeout as exc:
             await self.abort(handle, request.request_id)
             raise WorkerError(f"{handle.name} sent nothing for too long", started=started) from exc
-        except (httpx.HTTPError, json.JSONDecodeError) as exc:
+        except (httpx.HTTPError, msgspec.DecodeError) as exc:  # a bad line: msgspec names the field
             raise WorkerError(f"{handle.name} failed: {type(exc).__name__}: {exc}", started=started) from exc
         except (asyncio.CancelledError, GeneratorExit):
             # The client went away or a stop string matched: free the worker's slot now.

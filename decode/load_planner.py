@@ -8,18 +8,33 @@ records a LoadSpec for the receiver (decode/kv_receiver.py) to fill.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from mooncake.protocol import parse_pull
+from mooncake.protocol import BadTransferParams, PullParams, parse_pull
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.request import Request
 
 
+log = logging.getLogger(__name__)
+
+
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def pull_of(request: "Request") -> PullParams | None:
+    """The request's pull instruction; None when it has none or a malformed one."""
+    try:
+        return parse_pull(request.kv_transfer_params)
+    except BadTransferParams as exc:
+        # Raising here would kill vLLM's scheduler, and every request on this worker with it,
+        # over one bad instruction. Without the pull, the prompt is simply computed here.
+        log.error("request %s: ignoring %s", request.request_id, exc)
+        return None
 
 
 @dataclass(frozen=True)
@@ -42,7 +57,7 @@ class LoadPlanner:
         self._attempted: set[str] = set()  # requests whose load was already planned
 
     def matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
-        pull = parse_pull(request.kv_transfer_params)
+        pull = pull_of(request)
         if pull is None or request.request_id in self._attempted:
             # A load that already happened (or failed and fell back to recompute) is not offered
             # twice: a retry must compute, not wait for bytes that were consumed.
@@ -52,7 +67,7 @@ class LoadPlanner:
         return (count, True) if count > 0 else (0, False)
 
     def after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
-        pull = parse_pull(request.kv_transfer_params)
+        pull = pull_of(request)
         if pull is None or num_external_tokens <= 0:
             return
         available = min(pull.num_tokens, len(request.prompt_token_ids or ()))

@@ -1,18 +1,20 @@
 """Typed messages between the conductor and the workers' internal HTTP API.
 
 The conductor is the only public API. Workers take token ids (the conductor tokenizes) and
-answer with token ids (the conductor detokenizes), as newline-delimited JSON. Plain dataclasses
-with explicit to_dict/from_dict; pydantic stays at the public HTTP edge.
+answer with token ids (the conductor detokenizes), as newline-delimited JSON. Every message is
+a msgspec Struct with one JSON encoder/decoder, so types and required fields are checked by
+msgspec and its errors name the offending field path (e.g. `$.prompt_token_ids[2]`). Pydantic
+stays at the public HTTP edge.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import msgspec
 
-@dataclass(frozen=True)
-class Sampling:
+
+class Sampling(msgspec.Struct, frozen=True):
     """The subset of vLLM SamplingParams the conductor forwards."""
 
     max_tokens: int
@@ -29,58 +31,60 @@ class Sampling:
     ignore_eos: bool = False
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs, sorted by id
 
-    @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> "Sampling":
-        raw = dict(raw)
-        raw["stop_token_ids"] = tuple(raw.get("stop_token_ids") or ())
-        raw["logit_bias"] = tuple((int(t), float(b)) for t, b in raw.get("logit_bias") or ())
-        return cls(**raw)
 
-
-@dataclass(frozen=True)
-class GenerateRequest:
+class GenerateRequest(msgspec.Struct, frozen=True):
     request_id: str
     prompt_token_ids: list[int]
     sampling: Sampling
-    # Connector instructions, passed through to vLLM as kv_transfer_params (see connector/params.py).
-    kv_transfer_params: dict[str, Any] = field(default_factory=dict)
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> "GenerateRequest":
-        ids = raw["prompt_token_ids"]
-        if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
-            raise ValueError("prompt_token_ids must be a list of integers")
-        return cls(
-            request_id=str(raw["request_id"]),
-            prompt_token_ids=ids,
-            sampling=Sampling.from_dict(raw["sampling"]),
-            kv_transfer_params=dict(raw.get("kv_transfer_params") or {}),
-        )
+    # Connector instructions, passed through to vLLM as kv_transfer_params. A plain dict on
+    # purpose: vLLM hands it to the connector as one; parse_push/parse_pull type it there.
+    kv_transfer_params: dict[str, Any] = {}
 
 
-@dataclass(frozen=True)
-class GenerateChunk:
-    """One line of a worker's answer: new tokens since the last line."""
+class GenerateChunk(msgspec.Struct, frozen=True, omit_defaults=True):
+    """One line of a worker's answer: new tokens since the last line (None fields omitted)."""
 
-    token_ids: list[int]
+    token_ids: list[int]  # no default: always on the wire, even when empty
     finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
     num_cached_tokens: int | None = None  # prompt tokens vLLM did not compute (local or loaded)
     error: str | None = None
 
-    def to_dict(self) -> dict[str, Any]:
-        return {k: v for k, v in asdict(self).items() if v is not None}
 
-    @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> "GenerateChunk":
-        return cls(
-            token_ids=list(raw.get("token_ids") or []),
-            finish_reason=raw.get("finish_reason"),
-            num_cached_tokens=raw.get("num_cached_tokens"),
-            error=raw.get("error"),
-        )
+class AbortRequest(msgspec.Struct, frozen=True):
+    """Body of POST /internal/abort."""
+
+    request_id: str
+
+
+class DropRequest(msgspec.Struct, frozen=True):
+    """Body of POST /internal/kv_drop: free KV pushed for a request that will not decode here."""
+
+    transfer_id: str
+
+
+class WorkerHealth(msgspec.Struct, frozen=True):
+    """A worker's GET /health answer (200 ready, 503 starting or failed; same body)."""
+
+    instance_id: str = ""
+    role: str = ""  # "prefill" | "decode" | "both"
+    model: str = ""
+    kv_address: str = ""
+    status: str = "unknown"  # "starting" | "ready" | "failed"
+    error: str | None = None
+
+
+# One encoder and one decoder per message: built once, reused for every request and line.
+ENCODER = msgspec.json.Encoder()
+REQUEST_DECODER = msgspec.json.Decoder(GenerateRequest)
+CHUNK_DECODER = msgspec.json.Decoder(GenerateChunk)
+ABORT_DECODER = msgspec.json.Decoder(AbortRequest)
+DROP_DECODER = msgspec.json.Decoder(DropRequest)
+HEALTH_DECODER = msgspec.json.Decoder(WorkerHealth)
+
+
+def encode_chunk_line(chunk: GenerateChunk) -> bytes:
+    """One NDJSON line of a worker's answer."""
+    return ENCODER.encode(chunk) + b"\n"
 
 
 # -- kv_transfer_params: what the conductor tells each side's connector ---------------------------
@@ -93,8 +97,11 @@ PRODUCER_KEY = "mooncake_push"
 CONSUMER_KEY = "mooncake_pull"
 
 
-@dataclass(frozen=True)
-class PushParams:
+class BadTransferParams(ValueError):
+    """kv_transfer_params carried a mooncake_push/mooncake_pull entry of the wrong shape."""
+
+
+class PushParams(msgspec.Struct, frozen=True):
     """Prefill side: after computing the prompt, push its KV to `dest` as `transfer_id`."""
 
     transfer_id: str
@@ -102,12 +109,10 @@ class PushParams:
     num_tokens: int  # prompt tokens whose KV is pushed
 
     def to_params(self) -> dict[str, Any]:
-        return {PRODUCER_KEY: {"transfer_id": self.transfer_id, "dest": self.dest,
-                               "num_tokens": self.num_tokens}}
+        return {PRODUCER_KEY: msgspec.to_builtins(self)}
 
 
-@dataclass(frozen=True)
-class PullParams:
+class PullParams(msgspec.Struct, frozen=True):
     """Decode side: the first `num_tokens` prompt tokens' KV arrives as `transfer_id`."""
 
     transfer_id: str
@@ -115,20 +120,24 @@ class PullParams:
     wait_timeout_s: float = 30.0  # then give up and recompute the prompt locally
 
     def to_params(self) -> dict[str, Any]:
-        return {CONSUMER_KEY: {"transfer_id": self.transfer_id, "num_tokens": self.num_tokens,
-                               "wait_timeout_s": self.wait_timeout_s}}
+        return {CONSUMER_KEY: msgspec.to_builtins(self)}
 
 
 def parse_push(params: dict[str, Any] | None) -> PushParams | None:
-    raw = (params or {}).get(PRODUCER_KEY)
-    if not raw:
-        return None
-    return PushParams(str(raw["transfer_id"]), str(raw["dest"]), int(raw["num_tokens"]))
+    """The producer instruction in `params`, or None if there is none."""
+    return _parse(params, PRODUCER_KEY, PushParams)
 
 
 def parse_pull(params: dict[str, Any] | None) -> PullParams | None:
-    raw = (params or {}).get(CONSUMER_KEY)
+    """The consumer instruction in `params`, or None if there is none."""
+    return _parse(params, CONSUMER_KEY, PullParams)
+
+
+def _parse(params: dict[str, Any] | None, key: str, kind: type[Any]) -> Any:
+    raw = (params or {}).get(key)
     if not raw:
         return None
-    return PullParams(str(raw["transfer_id"]), int(raw["num_tokens"]),
-                      float(raw.get("wait_timeout_s", 30.0)))
+    try:
+        return msgspec.convert(raw, kind)
+    except msgspec.ValidationError as exc:
+        raise BadTransferParams(f"kv_transfer_params[{key!r}]: {exc}") from None

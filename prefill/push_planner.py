@@ -7,10 +7,11 @@ connector's per-step metadata.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from mooncake.protocol import PushParams, parse_push
+from mooncake.protocol import BadTransferParams, PushParams, parse_push
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheManager
@@ -18,8 +19,22 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 
+log = logging.getLogger(__name__)
+
+
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def push_of(request: "Request") -> PushParams | None:
+    """The request's push instruction; None when it has none or a malformed one."""
+    try:
+        return parse_push(request.kv_transfer_params)
+    except BadTransferParams as exc:
+        # Raising here would kill vLLM's scheduler, and every request on this worker with it,
+        # over one bad instruction. Without the push, the decode side times out and recomputes.
+        log.error("request %s: ignoring %s", request.request_id, exc)
+        return None
 
 
 @dataclass(frozen=True)
@@ -43,7 +58,7 @@ class PushPlanner:
         self._kv_cache_manager = manager
 
     def after_alloc(self, request: "Request") -> None:
-        push = parse_push(request.kv_transfer_params)
+        push = push_of(request)
         if push is not None:
             self._pushes[request.request_id] = push
 

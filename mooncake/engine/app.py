@@ -15,7 +15,6 @@ The HTTP server is up at once; the engine starts in the background (about 30 s o
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import shutil
@@ -23,12 +22,14 @@ import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
+import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from mooncake.control import ControlEndpoint, ControlError, control_call
-from mooncake.protocol import GenerateChunk, GenerateRequest
+from mooncake.protocol import (ABORT_DECODER, DROP_DECODER, REQUEST_DECODER, GenerateChunk, GenerateRequest,
+                               encode_chunk_line)
 from mooncake.engine.config import WorkerConfig
 from mooncake.engine.engine import build_engine, kv_capacity_tokens, run_request
 from mooncake.engine.kv_events import BlockEventLog, BlockHashTranslator, KVEventSubscriber
@@ -134,16 +135,22 @@ def create_app(config: WorkerConfig, kv_port: int, events_port: int, control: Co
     @app.post("/internal/abort")
     async def abort(request: Request):
         state: WorkerState = request.app.state.worker
-        body = await request.json()
+        try:
+            body = ABORT_DECODER.decode(await request.body())
+        except msgspec.DecodeError as exc:
+            return JSONResponse({"error": f"bad abort request: {exc}"}, status_code=400)
         if state.engine is not None:
-            await state.engine.abort(str(body["request_id"]))
+            await state.engine.abort(body.request_id)
         return {"ok": True}
 
     @app.post("/internal/kv_drop")
     async def kv_drop(request: Request):
-        body = await request.json()
+        try:
+            body = DROP_DECODER.decode(await request.body())
+        except msgspec.DecodeError as exc:
+            return JSONResponse({"error": f"bad kv_drop request: {exc}"}, status_code=400)
         state: WorkerState = request.app.state.worker
-        await asyncio.to_thread(_connector_call, state.control, {"op": "drop", "transfer_id": str(body["transfer_id"])})
+        await asyncio.to_thread(_connector_call, state.control, {"op": "drop", "transfer_id": body.transfer_id})
         return {"ok": True}
 
     @app.post("/internal/generate")
@@ -152,8 +159,8 @@ def create_app(config: WorkerConfig, kv_port: int, events_port: int, control: Co
         if state.engine is None:
             return JSONResponse({"error": "engine is not ready"}, status_code=503)
         try:
-            gen = GenerateRequest.from_dict(await request.json())
-        except (KeyError, TypeError, ValueError) as exc:
+            gen = REQUEST_DECODER.decode(await request.body())
+        except msgspec.DecodeError as exc:  # ValidationError too; its text names the field
             return JSONResponse({"error": f"bad generate request: {exc}"}, status_code=400)
         return StreamingResponse(_stream(state, gen), media_type="application/x-ndjson")
 
@@ -170,14 +177,14 @@ async def _stream(state: WorkerState, gen: GenerateRequest):
                 entry.first_token_at = time.monotonic()
                 state.metrics.first_token.observe(entry.first_token_at - entry.started_at)
             state.metrics.generated_tokens.inc(len(chunk.token_ids))
-            yield json.dumps(chunk.to_dict()) + "\n"
+            yield encode_chunk_line(chunk)
         outcome = "ok"
     except asyncio.CancelledError:
         outcome = "cancelled"  # the conductor went away; vLLM aborts the request itself
         raise
     except Exception as exc:  # noqa: BLE001 - reported to the conductor as a final line
         log.exception("request %s failed", gen.request_id)
-        yield json.dumps(GenerateChunk([], finish_reason="error", error=str(exc)).to_dict()) + "\n"
+        yield encode_chunk_line(GenerateChunk([], finish_reason="error", error=str(exc)))
     finally:
         state.in_flight.pop(gen.request_id, None)
         state.metrics.prompt_tokens.inc(entry.prompt_tokens)
@@ -214,12 +221,11 @@ def _connector_call(control: ControlEndpoint, request: dict) -> dict:
 
 
 async def _register(state: WorkerState) -> None:
-    """Announce this worker once its engine is ready, then keep publishing its load."""
-    from mooncake.registry import InstanceInfo, InstanceLoad, RegistryConfig, open_registry
+    """Announce this worker once its engine is ready; the registry keeps it alive from then on."""
+    from mooncake.registry import InstanceInfo, RegistryConfig, RegistryUnavailable, open_registry
+    from mooncake.registry.retry import retrying
 
     c = state.config
-    from mooncake.registry import RegistryUnavailable
-
     registry = open_registry(RegistryConfig(url=c.registry_url, ttl_s=c.registry_ttl_s))
     state.registry = registry
     info = InstanceInfo(
@@ -227,26 +233,9 @@ async def _register(state: WorkerState) -> None:
         kv_address=f"{c.public_host}:{state.kv_port}", model=c.served_model_name,
         block_size=state.block_size, kv_capacity_tokens=state.kv_capacity_tokens, started_at=time.time(),
     )
-    delay = 0.2
-    while True:  # the registry (etcd, or the conductor) may not be up yet: keep trying
-        try:
-            await registry.register(info, ttl_s=c.registry_ttl_s)
-            break
-        except RegistryUnavailable as exc:
-            log.warning("registry %s unavailable (%s); retrying in %.1f s", c.registry_url, exc, delay)
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 5.0)
+    # The registry (etcd, or the conductor) may not be up yet: keep trying, 0.2 s to 5 s apart.
+    await retrying(0.2, 5.0, RegistryUnavailable)(registry.register, info, ttl_s=c.registry_ttl_s)
     log.info("registered %s at %s", c.instance_id, c.registry_url)
-    while True:
-        load = state.load()
-        try:
-            await registry.publish_load(InstanceLoad(
-                instance_id=c.instance_id, queued_prefill_tokens=load["queued_prefill_tokens"],
-                running_requests=load["running_requests"], kv_tokens_used=load["kv_tokens_used"],
-                updated_at=time.time()))
-        except Exception as exc:  # noqa: BLE001 - the registry may be down; keep serving
-            log.debug("load report failed: %s", exc)
-        await asyncio.sleep(0.5)
 
 
 async def _close_registry(state: WorkerState) -> None:

@@ -12,17 +12,16 @@ Plain http:// is refused: it cannot say whether it means etcd or the conductor.
 
 from __future__ import annotations
 
-from mooncake.registry.base import (InstanceInfo, InstanceLoad, Registry, RegistryEvent,
-                                    RegistryUnavailable, Snapshot, decode_info, decode_load,
-                                    encode_info, encode_load)
+from mooncake.registry.base import (InstanceInfo, Registry, RegistryEvent, RegistryUnavailable,
+                                    Snapshot, decode_info, encode_info)
 from mooncake.registry.config import RegistryConfig
 from mooncake.registry.memory import MemoryRegistry
 from mooncake.registry.view import ClusterView, ViewConfig
 
 __all__ = [
-    "ClusterView", "InstanceInfo", "InstanceLoad", "MemoryRegistry", "Registry",
-    "RegistryConfig", "RegistryEvent", "RegistryUnavailable", "Snapshot", "ViewConfig",
-    "decode_info", "decode_load", "encode_info", "encode_load", "open_registry",
+    "ClusterView", "InstanceInfo", "MemoryRegistry", "Registry", "RegistryConfig",
+    "RegistryEvent", "RegistryUnavailable", "Snapshot", "ViewConfig", "decode_info",
+    "encode_info", "open_registry",
 ]
 
 

@@ -1,21 +1,23 @@
-"""Cluster registry contract: who is in the cluster, and how loaded each one is.
+"""Cluster registry contract: who is in the cluster.
 
-Workers announce themselves (`register`) under a lease they keep alive, and publish their
-load; the conductor reads a `snapshot` and follows `watch`. Three backends implement the
-same ABC: `MemoryRegistry` (in-process), `HttpRegistryClient` (worker processes talking to
-the conductor-hosted embedded registry) and `EtcdRegistry` (multi-host).
+Workers announce themselves (`register`) under a lease they keep alive; the conductor reads a
+`snapshot` and follows `watch`. Three backends implement the same ABC: `MemoryRegistry`
+(in-process), `HttpRegistryClient` (worker processes talking to the conductor-hosted embedded
+registry) and `EtcdRegistry` (multi-host).
 
-Wire encoding is explicit and versioned (`"v": 1`) so that workers and conductors of
-different builds can share one etcd without guessing at field names.
+Records are msgspec Structs with an explicit wire version (`"v": 1`, msgspec's tag field) so
+that workers and conductors of different builds can share one etcd without guessing at field
+names; a record with another version fails to decode.
 """
 
 from __future__ import annotations
 
 import abc
-import json
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
+
+import msgspec
 
 Role = Literal["prefill", "decode", "both"]
 ROLES: tuple[str, ...] = ("prefill", "decode", "both")
@@ -26,8 +28,7 @@ class RegistryUnavailable(Exception):
     """The backend cannot be reached right now (etcd down, conductor restarting)."""
 
 
-@dataclass(frozen=True)
-class InstanceInfo:
+class InstanceInfo(msgspec.Struct, frozen=True, tag_field="v", tag=WIRE_VERSION):
     """What a worker instance is; written once at registration, immutable afterwards."""
 
     instance_id: str
@@ -40,9 +41,10 @@ class InstanceInfo:
     started_at: float  # wall-clock seconds (time.time()) of the worker's start
 
     def __post_init__(self) -> None:
+        # Runs on construction and on decoding (msgspec turns the error into a ValidationError).
         if not self.instance_id or "/" in self.instance_id:
             raise ValueError(f"instance_id must be non-empty without '/': {self.instance_id!r}")
-        if self.role not in ROLES:
+        if self.role not in ROLES:  # msgspec checks the Literal on decode, not in __init__
             raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
         if self.block_size <= 0 or self.kv_capacity_tokens < 0:
             raise ValueError("block_size must be > 0 and kv_capacity_tokens >= 0")
@@ -52,90 +54,21 @@ class InstanceInfo:
         return self.role == role or self.role == "both"
 
 
-@dataclass(frozen=True)
-class InstanceLoad:
-    """A worker's load report. New fields must get defaults so old writers still decode."""
-
-    instance_id: str
-    queued_prefill_tokens: int = 0
-    running_requests: int = 0
-    waiting_requests: int = 0
-    kv_tokens_used: int = 0
-    updated_at: float = 0.0  # worker wall clock when measured
-
-
-_INFO_FIELDS = ("instance_id", "role", "http_url", "kv_address", "model", "block_size",
-                "kv_capacity_tokens", "started_at")
-_LOAD_FIELDS = ("instance_id", "queued_prefill_tokens", "running_requests", "waiting_requests",
-                "kv_tokens_used", "updated_at")
-_INT_LOAD_FIELDS = _LOAD_FIELDS[1:5]
-
-
-def info_to_dict(info: InstanceInfo) -> dict[str, Any]:
-    return {"v": WIRE_VERSION, **{f: getattr(info, f) for f in _INFO_FIELDS}}
-
-
-def info_from_dict(d: Mapping[str, Any]) -> InstanceInfo:
-    _check_version(d)
-    try:
-        return InstanceInfo(
-            instance_id=str(d["instance_id"]), role=d["role"], http_url=str(d["http_url"]),
-            kv_address=str(d["kv_address"]), model=str(d["model"]),
-            block_size=int(d["block_size"]), kv_capacity_tokens=int(d["kv_capacity_tokens"]),
-            started_at=float(d["started_at"]))
-    except KeyError as e:
-        raise ValueError(f"InstanceInfo is missing field {e.args[0]!r}") from None
-
-
-def load_to_dict(load: InstanceLoad) -> dict[str, Any]:
-    return {"v": WIRE_VERSION, **{f: getattr(load, f) for f in _LOAD_FIELDS}}
-
-
-def load_from_dict(d: Mapping[str, Any]) -> InstanceLoad:
-    _check_version(d)
-    if "instance_id" not in d:
-        raise ValueError("InstanceLoad is missing field 'instance_id'")
-    # Unknown fields are ignored and missing counters default to 0: a newer worker may
-    # report more, an older one less, and neither should break the conductor.
-    kwargs: dict[str, Any] = {f: int(d[f]) for f in _INT_LOAD_FIELDS if f in d}
-    return InstanceLoad(instance_id=str(d["instance_id"]),
-                        updated_at=float(d.get("updated_at", 0.0)), **kwargs)
+_INFO_DECODER = msgspec.json.Decoder(InstanceInfo)
 
 
 def encode_info(info: InstanceInfo) -> bytes:
-    return json.dumps(info_to_dict(info), separators=(",", ":")).encode()
+    return msgspec.json.encode(info)
 
 
 def decode_info(raw: bytes | str) -> InstanceInfo:
-    return info_from_dict(_loads(raw))
+    """Raises msgspec.DecodeError (a ValueError whose text names the field, e.g. `$.v` for
+    another wire version) for a malformed record."""
+    return _INFO_DECODER.decode(raw)
 
 
-def encode_load(load: InstanceLoad) -> bytes:
-    return json.dumps(load_to_dict(load), separators=(",", ":")).encode()
-
-
-def decode_load(raw: bytes | str) -> InstanceLoad:
-    return load_from_dict(_loads(raw))
-
-
-def _loads(raw: bytes | str) -> Mapping[str, Any]:
-    try:
-        d = json.loads(raw)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"not JSON: {e}") from None
-    if not isinstance(d, dict):
-        raise ValueError("expected a JSON object")
-    return d
-
-
-def _check_version(d: Mapping[str, Any]) -> None:
-    if d.get("v") != WIRE_VERSION:
-        raise ValueError(f"unsupported wire version {d.get('v')!r} (this build reads "
-                         f"{WIRE_VERSION})")
-
-
-Snapshot = dict[str, tuple[InstanceInfo, InstanceLoad | None]]
-EventKind = Literal["put", "delete", "load", "resync", "outage"]
+Snapshot = dict[str, InstanceInfo]
+EventKind = Literal["put", "delete", "alive", "resync", "outage"]
 
 
 @dataclass(frozen=True)
@@ -144,8 +77,8 @@ class RegistryEvent:
 
     put: `info` is new or replaced (the instance (re-)registered).
     delete: the instance left (deregistered, or its lease/TTL expired).
-    load: `load` is the instance's latest load report; also sent as a liveness refresh
-          at least every keepalive interval while the instance is registered.
+    alive: the instance is still registered; sent at least every keepalive interval while
+           it is, as the liveness refresh that ClusterView's own TTL expects.
     resync: `snapshot` is the complete current membership; replace the whole view.
     outage: the backend became unreachable; keep the last view, stop trusting TTLs, and
             wait for the next resync.
@@ -154,14 +87,13 @@ class RegistryEvent:
     kind: EventKind
     instance_id: str = ""
     info: InstanceInfo | None = None
-    load: InstanceLoad | None = None
     snapshot: Snapshot | None = None
 
 
 class Registry(abc.ABC):
     """Membership of the cluster. All methods are coroutines on the caller's event loop.
 
-    Worker side: register, publish_load, deregister. Conductor side: snapshot, watch.
+    Worker side: register, deregister. Conductor side: snapshot, watch.
     Every backend works for both sides, and `close` ends whatever either started.
     """
 
@@ -171,19 +103,10 @@ class Registry(abc.ABC):
 
         Blocks until the first write is acknowledged (raises RegistryUnavailable if the
         backend cannot be reached). Then starts a background keepalive task on the running
-        loop that refreshes the lease, rewrites the latest load as a liveness signal, and
+        loop that refreshes the lease, writes a liveness signal watchers can see, and
         re-registers by itself whenever the lease is lost or the backend forgot the instance
         (restart). The task lives until `deregister(info.instance_id)` or `close()`.
         Registering the same id again replaces the info and the lease.
-        """
-
-    @abc.abstractmethod
-    async def publish_load(self, load: InstanceLoad) -> None:
-        """Record `load` for a registered instance and try to write it once.
-
-        Never raises for a backend outage: the latest load is kept and written again by the
-        keepalive task once the backend is back. Raises KeyError if the instance was never
-        registered through this object.
         """
 
     @abc.abstractmethod
@@ -193,7 +116,7 @@ class Registry(abc.ABC):
 
     @abc.abstractmethod
     async def snapshot(self) -> Snapshot:
-        """Current membership with the latest loads. Raises RegistryUnavailable on outage."""
+        """Current membership. Raises RegistryUnavailable on outage."""
 
     @abc.abstractmethod
     def watch(self) -> AsyncIterator[RegistryEvent]:

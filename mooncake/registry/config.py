@@ -20,14 +20,13 @@ class RegistryConfig:
     ttl_s: float = 5.0
     # How often a worker refreshes its lease; several refreshes must fit in one TTL.
     keepalive_interval_s: float = 1.0
-    # How often a worker is expected to publish its load (used by workers' loops).
-    load_interval_s: float = 0.5
     # Deadline of one request to the backend (etcd RPC or conductor HTTP call).
     request_timeout_s: float = 2.0
-    # Reconnect backoff of watchers and keepalives: starts at min, doubles up to max.
+    # Reconnect backoff of watchers (registry/retry.py): starts at min, doubles up to max.
+    # Keepalives do not back off: they tick every keepalive_interval_s, outage or not.
     retry_min_s: float = 0.1
     retry_max_s: float = 2.0
-    # etcd key prefix; instances live under <prefix>instances/, loads under <prefix>load/.
+    # etcd key prefix; instances live under <prefix>instances/, liveness under <prefix>alive/.
     etcd_prefix: str = "/mooncake/v1/"
     # How often a polling watcher (embedded+http) lists the conductor's registry.
     poll_interval_s: float = 0.5
@@ -44,8 +43,6 @@ class RegistryConfig:
         if not 0 < self.keepalive_interval_s <= self.ttl_s / 2:
             raise ValueError(f"keepalive_interval_s={self.keepalive_interval_s} must be in "
                              f"(0, ttl_s/2={self.ttl_s / 2}] so one lost refresh is survivable")
-        if not 0 < self.load_interval_s <= self.ttl_s:
-            raise ValueError(f"load_interval_s={self.load_interval_s} must be in (0, ttl_s]")
         if self.request_timeout_s <= 0 or self.poll_interval_s <= 0:
             raise ValueError("request_timeout_s and poll_interval_s must be > 0")
         if not 0 < self.retry_min_s <= self.retry_max_s:
@@ -70,16 +67,3 @@ class RegistryConfig:
             out.append((host, int(port)))
         return out
 
-
-class Backoff:
-    """Exponential retry delay; `reset` after a success. Pure: the caller sleeps."""
-
-    def __init__(self, min_s: float, max_s: float) -> None:
-        self._min, self._max, self._next = min_s, max_s, min_s
-
-    def next(self) -> float:
-        delay, self._next = self._next, min(self._next * 2, self._max)
-        return delay
-
-    def reset(self) -> None:
-        self._next = self._min

@@ -1,16 +1,17 @@
 """Registry on etcd (multi-host). Key layout, with the default prefix /mooncake/v1/:
 
-    /mooncake/v1/instances/<instance_id>  InstanceInfo JSON   attached to the instance's lease
-    /mooncake/v1/load/<instance_id>       InstanceLoad JSON   attached to the same lease
+    /mooncake/v1/instances/<instance_id>  InstanceInfo JSON        attached to the instance's lease
+    /mooncake/v1/alive/<instance_id>      worker wall-clock time   attached to the same lease
 
 Both keys are written in one transaction and die with the lease, so a crashed worker
 vanishes `ttl_s` after its last keepalive without anyone cleaning up. The keepalive task
-also rewrites the load key every interval: that write is the liveness signal watchers see
+also rewrites the alive key every interval: that write is the liveness signal watchers see
 (a lease refresh is invisible to them).
 
 Watching: read the whole prefix at revision R, emit "resync", watch from R+1. After any
 failure (etcd down, stream broken, revision compacted) the watcher starts over with a
-fresh read, which is correct whatever was missed and makes compaction harmless.
+fresh read, which is correct whatever was missed and makes compaction harmless. Reconnects
+back off exponentially (mooncake/registry/retry.py).
 """
 
 from __future__ import annotations
@@ -19,19 +20,20 @@ import asyncio
 import contextlib
 import logging
 import math
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import aetcd
 import aetcd.exceptions
 import grpc
 
-from mooncake.registry.base import (InstanceInfo, InstanceLoad, Registry, RegistryEvent,
-                                    RegistryUnavailable, Snapshot, decode_info, decode_load,
-                                    encode_info, encode_load)
-from mooncake.registry.config import Backoff, RegistryConfig
+from mooncake.registry.base import (InstanceInfo, Registry, RegistryEvent, RegistryUnavailable,
+                                    Snapshot, decode_info, encode_info)
+from mooncake.registry.config import RegistryConfig
+from mooncake.registry.retry import retrying
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -48,7 +50,7 @@ _GRPC_OPTIONS = MappingProxyType({
 })
 # What a call can raise when etcd or the channel fails. ValueError: gRPC's "Cannot invoke RPC
 # on closed channel", when a concurrent call has just closed the shared client after its own
-# failure (keepalive and publish_load run side by side).
+# failure (a keepalive and a deregister, or two registrations, may run side by side).
 _FAILURES = (aetcd.exceptions.ClientError, grpc.RpcError, OSError, asyncio.TimeoutError, ValueError)
 
 
@@ -63,7 +65,6 @@ def _caller_cancelled() -> bool:
 class _Registration:
     info: InstanceInfo
     ttl_s: int
-    load: InstanceLoad
     lease_id: int | None = None
     task: asyncio.Task | None = None
 
@@ -80,7 +81,7 @@ class EtcdRegistry(Registry):
         prefix = config.etcd_prefix.encode()
         self._prefix = prefix
         self._inst_prefix = prefix + b"instances/"
-        self._load_prefix = prefix + b"load/"
+        self._alive_prefix = prefix + b"alive/"
         self._ops: aetcd.Client | None = None  # for unary calls; replaced after a failure
         self._regs: dict[str, _Registration] = {}
 
@@ -121,8 +122,13 @@ class EtcdRegistry(Registry):
     def _ikey(self, instance_id: str) -> bytes:
         return self._inst_prefix + instance_id.encode()
 
-    def _lkey(self, instance_id: str) -> bytes:
-        return self._load_prefix + instance_id.encode()
+    def _akey(self, instance_id: str) -> bytes:
+        return self._alive_prefix + instance_id.encode()
+
+    @staticmethod
+    def _alive_value() -> bytes:
+        # Any put makes a watch event; the time only helps a human reading etcdctl output.
+        return repr(time.time()).encode()
 
     # -- worker side ----------------------------------------------------------------------
     async def _grant_and_put(self, reg: _Registration) -> None:
@@ -131,7 +137,7 @@ class EtcdRegistry(Registry):
             iid = reg.info.instance_id
             await c.transaction(compare=[], failure=[], success=[
                 c.transactions.put(self._ikey(iid), encode_info(reg.info), lease.id),
-                c.transactions.put(self._lkey(iid), encode_load(reg.load), lease.id)])
+                c.transactions.put(self._akey(iid), self._alive_value(), lease.id)])
             return lease.id
         old, reg.lease_id = reg.lease_id, await self._run(op)
         if old is not None:  # its keys now belong to the new lease; let it go
@@ -142,9 +148,7 @@ class EtcdRegistry(Registry):
         old = self._regs.pop(info.instance_id, None)
         if old is not None and old.task is not None:
             old.task.cancel()
-        reg = _Registration(info, max(1, math.ceil(ttl_s)),
-                            InstanceLoad(info.instance_id, updated_at=info.started_at),
-                            lease_id=old.lease_id if old else None)
+        reg = _Registration(info, max(1, math.ceil(ttl_s)), lease_id=old.lease_id if old else None)
         await self._grant_and_put(reg)
         reg.task = asyncio.get_running_loop().create_task(
             self._keepalive(reg), name=f"registry-keepalive-{info.instance_id}")
@@ -166,7 +170,7 @@ class EtcdRegistry(Registry):
                     log.warning("registry: lease of %s lost; registering again", iid)
                     await self._grant_and_put(reg)
                 else:
-                    await self._run(lambda c: c.put(self._lkey(iid), encode_load(reg.load),
+                    await self._run(lambda c: c.put(self._akey(iid), self._alive_value(),
                                                     lease=lease_id))
                 if failing:
                     log.info("registry: etcd reachable again for %s", iid)
@@ -175,18 +179,6 @@ class EtcdRegistry(Registry):
                 if not failing:  # one line per outage, not one per tick
                     log.warning("registry: keepalive of %s failed, will retry: %r", iid, e)
                 failing = True
-
-    async def publish_load(self, load: InstanceLoad) -> None:
-        reg = self._regs.get(load.instance_id)
-        if reg is None:
-            raise KeyError(f"{load.instance_id!r} is not registered here")
-        reg.load = load
-        lease_id = reg.lease_id
-        if lease_id is None:
-            return
-        with contextlib.suppress(RegistryUnavailable):
-            await self._run(lambda c: c.put(self._lkey(load.instance_id), encode_load(load),
-                                            lease=lease_id))
 
     async def deregister(self, instance_id: str) -> None:
         reg = self._regs.pop(instance_id, None)
@@ -200,22 +192,18 @@ class EtcdRegistry(Registry):
                 await self._run(lambda c: c.revoke_lease(lease_id))  # deletes both keys
             else:
                 await self._run(lambda c: c.delete(self._ikey(instance_id)))
-                await self._run(lambda c: c.delete(self._lkey(instance_id)))
+                await self._run(lambda c: c.delete(self._akey(instance_id)))
 
     # -- conductor side -------------------------------------------------------------------
     async def _read_all(self, client: aetcd.Client) -> tuple[Snapshot, int]:
         """The whole membership and the revision it was read at."""
         rng = await client.get_prefix(self._prefix)
         infos: dict[str, InstanceInfo] = {}
-        loads: dict[str, InstanceLoad] = {}
         for kv in rng:
             ev = self._translate("PUT", kv.key, kv.value)
             if ev is not None and ev.kind == "put":
                 infos[ev.instance_id] = ev.info  # type: ignore[assignment]
-            elif ev is not None and ev.load is not None:
-                loads[ev.instance_id] = ev.load
-        return {iid: (info, loads.get(iid)) for iid, info in sorted(infos.items())}, \
-            rng.header.revision
+        return dict(sorted(infos.items())), rng.header.revision
 
     def _translate(self, kind: str, key: bytes, value: bytes) -> RegistryEvent | None:
         """An etcd key change as a RegistryEvent; None for keys we do not act on. A value
@@ -227,27 +215,50 @@ class EtcdRegistry(Registry):
                 if kind == "DELETE":
                     return RegistryEvent("delete", iid)
                 return RegistryEvent("put", iid, info=decode_info(value))
-            if key.startswith(self._load_prefix) and kind == "PUT":
-                load = decode_load(value)
-                return RegistryEvent("load", load.instance_id, load=load)
-        except (ValueError, UnicodeDecodeError) as e:
+            if key.startswith(self._alive_prefix) and kind == "PUT":
+                return RegistryEvent("alive", key[len(self._alive_prefix):].decode())
+        except (ValueError, UnicodeDecodeError) as e:  # msgspec's DecodeError is a ValueError
             log.warning("registry: skipping undecodable key %r: %s", key, e)
-        return None  # a load key's delete always comes with its instance key's
+        return None  # an alive key's delete always comes with its instance key's
 
     async def snapshot(self) -> Snapshot:
         snap, _ = await self._run(self._read_all)
         return snap
 
+    async def _open_watch(self) -> tuple[aetcd.Client, Snapshot, Any]:
+        """A fresh client, the membership at revision R and a watch stream from R+1."""
+        client = self._new_client()
+        try:
+            async with asyncio.timeout(2 * self._config.request_timeout_s):
+                snap, rev = await self._read_all(client)
+                stream = await client.watch_prefix(self._prefix, start_revision=rev + 1)
+        except BaseException:
+            self._next_endpoint += 1  # try the next endpoint next time
+            with contextlib.suppress(Exception):
+                await client.close()
+            raise
+        return client, snap, stream
+
     async def watch(self) -> AsyncIterator[RegistryEvent]:
-        backoff = Backoff(self._config.retry_min_s, self._config.retry_max_s)
         synced, outage_sent = False, False
         while True:
-            client = self._new_client()
+            opened = None
+            # A fresh retrying per reconnect: its backoff starts again at retry_min_s.
+            async for attempt in retrying(self._config.retry_min_s, self._config.retry_max_s,
+                                          _FAILURES):
+                with attempt:
+                    opened = await self._open_watch()
+                failure = attempt.retry_state.outcome.exception()
+                # A compacted revision means etcd answered: the next try reads afresh.
+                down = failure is not None and not isinstance(
+                    failure, aetcd.exceptions.RevisionCompactedError)
+                if down and synced and not outage_sent:
+                    log.warning("registry: etcd unreachable, keeping the last view: %r", failure)
+                    outage_sent = True
+                    yield RegistryEvent("outage")  # before the first backoff sleep
+            assert opened is not None  # retrying only ends on success (or raises)
+            client, snap, stream = opened
             try:
-                async with asyncio.timeout(2 * self._config.request_timeout_s):
-                    snap, rev = await self._read_all(client)
-                    stream = await client.watch_prefix(self._prefix, start_revision=rev + 1)
-                backoff.reset()
                 synced, outage_sent = True, False
                 yield RegistryEvent("resync", snapshot=snap)
                 async for ev in stream:
@@ -260,7 +271,7 @@ class EtcdRegistry(Registry):
                 continue  # etcd is up: re-read now, no outage, no backoff
             except _FAILURES as e:
                 self._next_endpoint += 1
-                if synced and not outage_sent:
+                if not outage_sent:
                     log.warning("registry: etcd unreachable, keeping the last view: %r", e)
                     outage_sent = True
                     yield RegistryEvent("outage")
@@ -268,7 +279,8 @@ class EtcdRegistry(Registry):
                 # Also runs when the consumer stops the iterator: the stream dies with it.
                 with contextlib.suppress(Exception):
                     await client.close()
-            await asyncio.sleep(backoff.next())
+            # Do not hammer an etcd that just dropped us; later tries back off in retrying.
+            await asyncio.sleep(self._config.retry_min_s)
 
     async def close(self) -> None:
         tasks = [r.task for r in self._regs.values() if r.task is not None]

@@ -16,50 +16,55 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
-from fastapi import APIRouter, HTTPException, Request
+import msgspec
+from fastapi import APIRouter, HTTPException, Request, Response
 
-from mooncake.registry.base import (InstanceInfo, InstanceLoad, Registry, RegistryEvent,
-                                    RegistryUnavailable, Snapshot, info_from_dict,
-                                    info_to_dict, load_from_dict, load_to_dict)
-from mooncake.registry.config import Backoff, RegistryConfig
+from mooncake.registry.base import (InstanceInfo, Registry, RegistryEvent, RegistryUnavailable,
+                                    Snapshot)
+from mooncake.registry.config import RegistryConfig
 from mooncake.registry.memory import MemoryRegistry
+from mooncake.registry.retry import retrying
 
 log = logging.getLogger(__name__)
 
 ROUTE_PREFIX = "/internal/registry"
 
 
-async def _body(request: Request) -> dict[str, Any]:
-    try:
-        body = await request.json()
-    except ValueError:
-        raise HTTPException(400, "body is not JSON") from None
-    if not isinstance(body, dict):
-        raise HTTPException(400, "body must be a JSON object")
-    return body
+class Registration(msgspec.Struct, frozen=True):
+    """Body of POST /instances."""
+
+    info: InstanceInfo
+    ttl_s: float
+
+
+class Listing(msgspec.Struct, frozen=True):
+    """Answer of GET /instances."""
+
+    instances: list[InstanceInfo]
+    v: int = 1
+
+
+_REGISTRATION = msgspec.json.Decoder(Registration)
+_LISTING = msgspec.json.Decoder(Listing)
 
 
 def registry_router(registry: MemoryRegistry) -> APIRouter:
     """Internal routes over `registry`; mount with `app.include_router(...)`.
 
-    POST   /internal/registry/instances                {"info", "ttl_s", "load"?}
+    POST   /internal/registry/instances                {"info", "ttl_s"}
     POST   /internal/registry/instances/{id}/heartbeat  404 if unknown: register again
-    PUT    /internal/registry/instances/{id}/load       InstanceLoad JSON; 404 if unknown
     DELETE /internal/registry/instances/{id}
-    GET    /internal/registry/instances                 {"v": 1, "instances": [...]}
+    GET    /internal/registry/instances                 {"instances": [...], "v": 1}
     """
     router = APIRouter(prefix=ROUTE_PREFIX, tags=["internal-registry"])
 
     @router.post("/instances")
     async def register(request: Request) -> dict[str, Any]:
-        body = await _body(request)
         try:
-            info = info_from_dict(body["info"])
-            ttl_s = float(body["ttl_s"])
-            load = load_from_dict(body["load"]) if body.get("load") else None
-            registry.put(info, ttl_s, load)
-        except (KeyError, TypeError, ValueError) as e:
-            raise HTTPException(400, f"bad registration: {e!r}") from None
+            body = _REGISTRATION.decode(await request.body())
+            registry.put(body.info, body.ttl_s)
+        except ValueError as e:  # msgspec's DecodeError is one, and names the field
+            raise HTTPException(400, f"bad registration: {e}") from None
         return {"ok": True}
 
     @router.post("/instances/{instance_id}/heartbeat")
@@ -68,27 +73,14 @@ def registry_router(registry: MemoryRegistry) -> APIRouter:
             raise HTTPException(404, f"unknown instance {instance_id!r}: register again")
         return {"ok": True}
 
-    @router.put("/instances/{instance_id}/load")
-    async def load(instance_id: str, request: Request) -> dict[str, Any]:
-        try:
-            report = load_from_dict(await _body(request))
-        except ValueError as e:
-            raise HTTPException(400, f"bad load: {e}") from None
-        if report.instance_id != instance_id:
-            raise HTTPException(400, "instance_id in path and body differ")
-        if not registry.set_load(report):
-            raise HTTPException(404, f"unknown instance {instance_id!r}: register again")
-        return {"ok": True}
-
     @router.delete("/instances/{instance_id}")
     async def deregister(instance_id: str) -> dict[str, Any]:
         return {"removed": registry.remove(instance_id)}
 
     @router.get("/instances")
-    async def list_instances() -> dict[str, Any]:
-        return {"v": 1, "instances": [
-            {"info": info_to_dict(info), "load": load_to_dict(ld) if ld else None}
-            for info, ld in registry.list().values()]}
+    async def list_instances() -> Response:
+        listing = Listing(list(registry.list().values()))
+        return Response(msgspec.json.encode(listing), media_type="application/json")
 
     return router
 
@@ -97,7 +89,6 @@ def registry_router(registry: MemoryRegistry) -> APIRouter:
 class _Registration:
     info: InstanceInfo
     ttl_s: float
-    load: InstanceLoad
     task: asyncio.Task | None = None
 
 
@@ -126,16 +117,16 @@ class HttpRegistryClient(Registry):
         return resp
 
     async def _put(self, reg: _Registration) -> None:
-        await self._call("POST", "/instances", json={
-            "info": info_to_dict(reg.info), "ttl_s": reg.ttl_s, "load": load_to_dict(reg.load)})
+        body = msgspec.json.encode(Registration(reg.info, reg.ttl_s))
+        await self._call("POST", "/instances", content=body,
+                         headers={"content-type": "application/json"})
 
     # -- worker side --------------------------------------------------------------------
     async def register(self, info: InstanceInfo, ttl_s: float) -> None:
         old = self._regs.pop(info.instance_id, None)
         if old is not None and old.task is not None:
             old.task.cancel()
-        reg = _Registration(info, ttl_s, InstanceLoad(info.instance_id,
-                                                      updated_at=info.started_at))
+        reg = _Registration(info, ttl_s)
         await self._put(reg)
         reg.task = asyncio.get_running_loop().create_task(
             self._keepalive(reg), name=f"registry-keepalive-{info.instance_id}")
@@ -159,19 +150,6 @@ class HttpRegistryClient(Registry):
                     log.warning("registry: heartbeat failed, will retry: %r", e)
                 failing = True
 
-    async def publish_load(self, load: InstanceLoad) -> None:
-        reg = self._regs.get(load.instance_id)
-        if reg is None:
-            raise KeyError(f"{load.instance_id!r} is not registered here")
-        reg.load = load
-        try:
-            resp = await self._call("PUT", f"/instances/{load.instance_id}/load",
-                                    json=load_to_dict(load))
-            if resp.status_code == 404:
-                await self._put(reg)
-        except RegistryUnavailable:
-            pass  # kept in reg.load; the keepalive re-sends it with the next registration
-
     async def deregister(self, instance_id: str) -> None:
         reg = self._regs.pop(instance_id, None)
         if reg is not None and reg.task is not None:
@@ -186,27 +164,24 @@ class HttpRegistryClient(Registry):
         resp = await self._call("GET", "/instances")
         if resp.status_code == 404:
             raise RegistryUnavailable("no registry routes at this url")
-        out: Snapshot = {}
-        for item in resp.json()["instances"]:
-            info = info_from_dict(item["info"])
-            out[info.instance_id] = (info, load_from_dict(item["load"]) if item["load"] else None)
-        return out
+        try:
+            listing = _LISTING.decode(resp.content)
+        except msgspec.DecodeError as e:  # not our conductor, or a half-written answer
+            raise RegistryUnavailable(f"GET /instances: {e}") from e
+        return {info.instance_id: info for info in listing.instances}
 
     async def watch(self) -> AsyncIterator[RegistryEvent]:
-        backoff = Backoff(self._config.retry_min_s, self._config.retry_max_s)
         last: Snapshot | None = None  # None: not in sync (start, or after an outage)
-        down = False
         while True:
-            try:
-                snap = await self.snapshot()
-            except RegistryUnavailable:
-                if last is not None and not down:
+            snap: Snapshot = {}
+            async for attempt in retrying(self._config.retry_min_s, self._config.retry_max_s,
+                                          RegistryUnavailable):
+                with attempt:
+                    snap = await self.snapshot()
+                if attempt.retry_state.outcome.failed and last is not None:
+                    # Before the first backoff sleep: the consumer stops trusting TTLs now.
                     yield RegistryEvent("outage")
-                last, down = None, True
-                await asyncio.sleep(backoff.next())
-                continue
-            backoff.reset()
-            down = False
+                    last = None
             if last is None:
                 yield RegistryEvent("resync", snapshot=snap)
             else:
@@ -225,12 +200,12 @@ class HttpRegistryClient(Registry):
 
 
 def _diff(old: Snapshot, new: Snapshot) -> list[RegistryEvent]:
-    """Events that turn `old` into `new`; every surviving instance gets a "load" event,
+    """Events that turn `old` into `new`; every surviving instance gets an "alive" event,
     since a successful poll is proof of life."""
     events = [RegistryEvent("delete", iid) for iid in old if iid not in new]
-    for iid, (info, load) in new.items():
-        if iid not in old or old[iid][0] != info:
-            events.append(RegistryEvent("put", iid, info=info, load=load))
+    for iid, info in new.items():
+        if old.get(iid) != info:
+            events.append(RegistryEvent("put", iid, info=info))
         else:
-            events.append(RegistryEvent("load", iid, load=load))
+            events.append(RegistryEvent("alive", iid))
     return events

@@ -18,8 +18,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
-from mooncake.registry.base import (InstanceInfo, InstanceLoad, Registry, RegistryEvent,
-                                    Snapshot)
+from mooncake.registry.base import InstanceInfo, Registry, RegistryEvent, Snapshot
 from mooncake.registry.config import RegistryConfig
 
 log = logging.getLogger(__name__)
@@ -28,7 +27,6 @@ log = logging.getLogger(__name__)
 @dataclass
 class _Entry:
     info: InstanceInfo
-    load: InstanceLoad
     ttl_s: float
     deadline: float
 
@@ -37,7 +35,6 @@ class _Entry:
 class _LocalRegistration:
     info: InstanceInfo
     ttl_s: float
-    load: InstanceLoad
     task: asyncio.Task | None = None
 
 
@@ -61,8 +58,7 @@ class _Subscriber:
 
 
 class MemoryRegistry(Registry):
-    """In-process registry. The sync methods (put, heartbeat, set_load, remove, list,
-    expire) are the server side used by the HTTP router; the async Registry methods add
+    """In-process registry. The sync methods (put, heartbeat, remove, list, expire) are the server side used by the HTTP router; the async Registry methods add
     in-process keepalive tasks on top."""
 
     def __init__(self, config: RegistryConfig | None = None,
@@ -79,16 +75,13 @@ class MemoryRegistry(Registry):
         self._local: dict[str, _LocalRegistration] = {}  # registered via the async API
 
     # -- server side (sync, no awaits: atomic on the event loop) --------------------------
-    def put(self, info: InstanceInfo, ttl_s: float, load: InstanceLoad | None = None) -> None:
-        """Add or replace an instance with a fresh TTL. A missing load starts at zero."""
+    def put(self, info: InstanceInfo, ttl_s: float) -> None:
+        """Add or replace an instance with a fresh TTL."""
         if ttl_s <= 0:
             raise ValueError(f"ttl_s={ttl_s} must be > 0")
         self.expire()
-        load = load or InstanceLoad(info.instance_id, updated_at=info.started_at)
-        if load.instance_id != info.instance_id:
-            raise ValueError("load.instance_id differs from info.instance_id")
-        self._entries[info.instance_id] = _Entry(info, load, ttl_s, self._clock() + ttl_s)
-        self._emit(RegistryEvent("put", info.instance_id, info=info, load=load))
+        self._entries[info.instance_id] = _Entry(info, ttl_s, self._clock() + ttl_s)
+        self._emit(RegistryEvent("put", info.instance_id, info=info))
 
     def heartbeat(self, instance_id: str) -> bool:
         """Extend the TTL. False if the instance is unknown or already expired: the caller
@@ -98,18 +91,7 @@ class MemoryRegistry(Registry):
         if e is None:
             return False
         e.deadline = self._clock() + e.ttl_s
-        # The "load" event doubles as the liveness refresh that ClusterView expects.
-        self._emit(RegistryEvent("load", instance_id, load=e.load))
-        return True
-
-    def set_load(self, load: InstanceLoad) -> bool:
-        """Store a load report (also extends the TTL). False if the instance is unknown."""
-        self.expire()
-        e = self._entries.get(load.instance_id)
-        if e is None:
-            return False
-        e.load, e.deadline = load, self._clock() + e.ttl_s
-        self._emit(RegistryEvent("load", load.instance_id, load=load))
+        self._emit(RegistryEvent("alive", instance_id))  # the refresh ClusterView expects
         return True
 
     def remove(self, instance_id: str) -> bool:
@@ -120,9 +102,9 @@ class MemoryRegistry(Registry):
         return True
 
     def list(self) -> Snapshot:
-        """Live instances with their loads."""
+        """Live instances."""
         self.expire()
-        return {iid: (e.info, e.load) for iid, e in sorted(self._entries.items())}
+        return {iid: e.info for iid, e in sorted(self._entries.items())}
 
     def expire(self) -> list[str]:
         """Remove entries past their deadline and tell watchers; returns the removed ids."""
@@ -142,9 +124,8 @@ class MemoryRegistry(Registry):
         old = self._local.pop(info.instance_id, None)
         if old is not None and old.task is not None:
             old.task.cancel()
-        reg = _LocalRegistration(info, ttl_s, InstanceLoad(info.instance_id,
-                                                           updated_at=info.started_at))
-        self.put(info, ttl_s, reg.load)
+        reg = _LocalRegistration(info, ttl_s)
+        self.put(info, ttl_s)
         reg.task = asyncio.get_running_loop().create_task(
             self._keepalive(reg), name=f"registry-keepalive-{info.instance_id}")
         self._local[info.instance_id] = reg
@@ -154,14 +135,7 @@ class MemoryRegistry(Registry):
             await asyncio.sleep(self._config.keepalive_interval_s)
             if not self.heartbeat(reg.info.instance_id):
                 log.warning("registry: %s had expired; registering again", reg.info.instance_id)
-                self.put(reg.info, reg.ttl_s, reg.load)
-
-    async def publish_load(self, load: InstanceLoad) -> None:
-        reg = self._local.get(load.instance_id)
-        if reg is None:
-            raise KeyError(f"{load.instance_id!r} is not registered here")
-        reg.load = load  # the worker's copy: survives our own expiry of the entry
-        self.set_load(load)
+                self.put(reg.info, reg.ttl_s)
 
     async def deregister(self, instance_id: str) -> None:
         reg = self._local.pop(instance_id, None)

@@ -3,7 +3,7 @@
 Liveness has two layers. The backend is authoritative (etcd leases, the embedded
 registry's TTL) and sends "delete" when an instance dies. The view adds its own TTL as a
 safety net against a lost delete: every registered instance refreshes itself at least once
-per keepalive interval (a "load" event), so one silent for `expire_after_s` is dropped.
+per keepalive interval (an "alive" event), so one silent for `expire_after_s` is dropped.
 That net is switched off during a backend outage: silence then says nothing about the
 workers, and the last view is the best the conductor has until the next "resync".
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mooncake.registry.base import InstanceInfo, InstanceLoad, RegistryEvent
+from mooncake.registry.base import InstanceInfo, RegistryEvent
 
 
 @dataclass(frozen=True)
@@ -31,12 +31,11 @@ class ViewConfig:
 @dataclass(frozen=True)
 class _Entry:
     info: InstanceInfo
-    load: InstanceLoad | None
     last_seen: float
 
 
 class ClusterView:
-    """Current instances and their loads. Mutated only by `apply` and `expire`."""
+    """Current instances and when each was last heard of. Mutated only by `apply` and `expire`."""
 
     def __init__(self, config: ViewConfig | None = None) -> None:
         self._config = config or ViewConfig()
@@ -49,25 +48,22 @@ class ClusterView:
         """Fold one event into the view; `now` is the consumer's clock at arrival."""
         if event.kind == "resync":
             snap = event.snapshot or {}
-            self._entries = {iid: _Entry(info, load, now) for iid, (info, load) in snap.items()}
+            self._entries = {iid: _Entry(info, now) for iid, info in snap.items()}
             self._synced, self._outage_since = True, None
         elif event.kind == "outage":
             if self._outage_since is None:
                 self._outage_since = now
         elif event.kind == "put":
             assert event.info is not None, "put event without info"
-            old = self._entries.get(event.instance_id)
-            # A re-registration keeps the last load: it is still the best estimate.
-            load = event.load or (old.load if old else None)
-            self._entries[event.instance_id] = _Entry(event.info, load, now)
+            self._entries[event.instance_id] = _Entry(event.info, now)
         elif event.kind == "delete":
             self._entries.pop(event.instance_id, None)
-        elif event.kind == "load":
+        elif event.kind == "alive":
             old = self._entries.get(event.instance_id)
-            # A load for an unknown instance is dropped: its put (or the next resync)
-            # carries the info we need before it can be scheduled anyway.
+            # An unknown instance stays unknown: its put (or the next resync) carries the
+            # info we need before it can be scheduled anyway.
             if old is not None:
-                self._entries[event.instance_id] = _Entry(old.info, event.load or old.load, now)
+                self._entries[event.instance_id] = _Entry(old.info, now)
         else:
             raise ValueError(f"unknown event kind {event.kind!r}")
 
@@ -105,10 +101,6 @@ class ClusterView:
     def get(self, instance_id: str) -> InstanceInfo | None:
         e = self._entries.get(instance_id)
         return e.info if e else None
-
-    def load(self, instance_id: str) -> InstanceLoad | None:
-        e = self._entries.get(instance_id)
-        return e.load if e else None
 
     def last_seen(self, instance_id: str) -> float | None:
         e = self._entries.get(instance_id)

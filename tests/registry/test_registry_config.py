@@ -6,7 +6,6 @@ from pathlib import Path
 import pytest
 
 from mooncake.registry import MemoryRegistry, RegistryConfig, open_registry
-from mooncake.registry.config import Backoff
 from mooncake.registry.etcd import EtcdRegistry
 from mooncake.registry.http import HttpRegistryClient
 
@@ -32,7 +31,6 @@ def test_bad_urls_are_refused(url: str, match: str) -> None:
 @pytest.mark.parametrize("kw, match", [
     (dict(ttl_s=0.5), "ttl_s"),
     (dict(ttl_s=2.0, keepalive_interval_s=1.5), "keepalive_interval_s"),
-    (dict(load_interval_s=0), "load_interval_s"),
     (dict(retry_min_s=3.0, retry_max_s=1.0), "retry_min_s"),
     (dict(etcd_prefix="mooncake"), "etcd_prefix"),
 ])
@@ -41,11 +39,39 @@ def test_bad_settings_are_refused(kw: dict, match: str) -> None:
         RegistryConfig(**kw)
 
 
-def test_backoff_doubles_to_max_and_resets() -> None:
-    b = Backoff(0.1, 0.5)
-    assert [b.next() for _ in range(5)] == [0.1, 0.2, 0.4, 0.5, 0.5]
-    b.reset()
-    assert b.next() == 0.1
+def test_retrying_backs_off_exponentially_to_the_cap_and_only_on_unavailable(caplog) -> None:
+    import asyncio
+    import logging
+
+    from mooncake.registry import RegistryUnavailable
+    from mooncake.registry.retry import retrying
+
+    delays: list[float] = []
+    policy = retrying(0.1, 0.5, RegistryUnavailable)
+    policy.sleep = lambda d: delays.append(d) or asyncio.sleep(0)  # no real waiting
+    calls = []
+
+    async def flaky() -> str:
+        calls.append(1)
+        if len(calls) < 6:
+            raise RegistryUnavailable("down")
+        return "up"
+
+    with caplog.at_level(logging.WARNING, logger="mooncake.registry.retry"):
+        assert asyncio.run(policy(flaky)) == "up"
+    assert delays == pytest.approx([0.1, 0.2, 0.4, 0.5, 0.5])
+    assert len(caplog.records) == 5 and "0.4" in caplog.records[2].getMessage()
+
+    async def broken() -> None:
+        calls.append(1)
+        raise KeyError("a bug, not an outage")
+
+    calls.clear()
+    with pytest.raises(KeyError):
+        asyncio.run(retrying(0.1, 0.5, RegistryUnavailable)(broken))
+    assert len(calls) == 1  # not retried
+    with pytest.raises(ValueError, match="min_s"):
+        retrying(1.0, 0.5, RegistryUnavailable)
 
 
 def test_missing_etcd_binary_says_how_to_install(monkeypatch) -> None:

@@ -9,8 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from mooncake.registry import (ClusterView, InstanceInfo, InstanceLoad, RegistryConfig,
-                               open_registry)
+from mooncake.registry import ClusterView, RegistryConfig, open_registry
 from mooncake.registry.etcd import EtcdRegistry
 from tests.registry.support import info, run, wait_until
 
@@ -44,7 +43,7 @@ class Follower:
         await asyncio.gather(self.task, return_exceptions=True)
 
 
-def test_register_watch_load_deregister(etcd_server) -> None:
+def test_register_watch_alive_deregister(etcd_server) -> None:
     async def main() -> None:
         cfg = cfg_for(etcd_server)
         worker, conductor = open_registry(cfg), open_registry(cfg)
@@ -54,26 +53,23 @@ def test_register_watch_load_deregister(etcd_server) -> None:
         await wait_until(lambda: f.ids() == {"p0"}, what="initial resync")
         assert f.kinds[0] == "resync"
         await worker.register(info("d0", "decode"), cfg.ttl_s)
-        await worker.publish_load(InstanceLoad("d0", running_requests=5))
         await wait_until(lambda: f.ids() == {"p0", "d0"}, what="put d0")
-        await wait_until(lambda: (f.view.load("d0") or InstanceLoad("d0")).running_requests == 5,
-                         what="d0's load")
         snap = await conductor.snapshot()
-        assert snap["d0"][1].running_requests == 5 and snap["p0"][0].role == "prefill"
+        assert snap["d0"] == info("d0", "decode") and snap["p0"].role == "prefill"
 
         # Key layout, as documented: both keys attached to one lease.
         keys = etcd_server.etcdctl("get", "--prefix", "/mooncake/v1/", "--keys-only").split()
-        assert keys == ["/mooncake/v1/instances/d0", "/mooncake/v1/instances/p0",
-                        "/mooncake/v1/load/d0", "/mooncake/v1/load/p0"]
+        assert keys == ["/mooncake/v1/alive/d0", "/mooncake/v1/alive/p0",
+                        "/mooncake/v1/instances/d0", "/mooncake/v1/instances/p0"]
         raw = json.loads(etcd_server.etcdctl("get", "/mooncake/v1/instances/p0", "-w", "json"))
         lease = raw["kvs"][0]["lease"]
-        raw = json.loads(etcd_server.etcdctl("get", "/mooncake/v1/load/p0", "-w", "json"))
+        raw = json.loads(etcd_server.etcdctl("get", "/mooncake/v1/alive/p0", "-w", "json"))
         assert lease != 0 and raw["kvs"][0]["lease"] == lease
 
-        # Liveness: the keepalive rewrites the load key, so a live worker keeps sending
-        # "load" events and outlives several TTLs.
+        # Liveness: the keepalive rewrites the alive key, so a live worker keeps sending
+        # "alive" events and outlives several TTLs.
         await asyncio.sleep(2.5)
-        assert f.ids() == {"p0", "d0"} and f.kinds.count("load") >= 4
+        assert f.ids() == {"p0", "d0"} and f.kinds.count("alive") >= 4
 
         await worker.deregister("d0")
         await wait_until(lambda: f.ids() == {"p0"}, timeout=3.0, what="delete d0")
@@ -132,8 +128,6 @@ def test_etcd_restart_keeps_view_then_resyncs_and_lost_lease_reregisters(etcd_se
 
         etcd_server.kill()
         await wait_until(lambda: "outage" in f.kinds, timeout=5.0, what="outage event")
-        # The worker keeps running: publishing during the outage must not raise.
-        await worker.publish_load(InstanceLoad("p0", queued_prefill_tokens=1234))
         with pytest.raises(Exception):
             await conductor.snapshot()
         await asyncio.sleep(1.0)
@@ -144,9 +138,10 @@ def test_etcd_restart_keeps_view_then_resyncs_and_lost_lease_reregisters(etcd_se
         await wait_until(lambda: f.kinds.count("resync") > resyncs, timeout=8.0,
                          what="resync after restart")
         assert f.view.outage_since is None and f.ids() == {"p0"}
-        # The keepalive re-sends the load recorded during the outage.
-        await wait_until(lambda: f.view.load("p0").queued_prefill_tokens == 1234,
-                         timeout=3.0, what="latest load after restart")
+        # The keepalive survived the outage: its liveness writes reach the watcher again.
+        alive = f.kinds.count("alive")
+        await wait_until(lambda: f.kinds.count("alive") >= alive + 2, timeout=3.0,
+                         what="alive events after restart")
 
         # The lease is lost (revoked by an operator, or expired during a long partition):
         # the worker registers again by itself.
@@ -188,7 +183,7 @@ def keepalive_survives(etcd_server, disturb) -> None:
 @pytest.mark.parametrize("raised", [ValueError("Cannot invoke RPC on closed channel!"), asyncio.CancelledError()],
                          ids=["new-call-on-closed-channel", "call-in-flight-cancelled-by-close"])
 def test_keepalive_survives_its_channel_being_closed_under_it(etcd_server, monkeypatch, raised) -> None:
-    # publish_load and the keepalive share one client; after a failure one of them closes it
+    # Concurrent calls share one client; after a failure one of them closes it
     # while the other is using it. gRPC then raises ValueError in a new call, CancelledError in
     # a call in flight. Seen in CI after an etcd restart: the decode worker's keepalive ended
     # silently and its lease expired for good. The refresh here fails that way once.
@@ -216,8 +211,7 @@ def test_compacted_watch_revision_takes_a_fresh_snapshot(etcd_server) -> None:
         cfg = cfg_for(etcd_server)
         worker, conductor = open_registry(cfg), open_registry(cfg)
         await worker.register(info("p0"), cfg.ttl_s)
-        for i in range(5):
-            await worker.publish_load(InstanceLoad("p0", running_requests=i))
+        await asyncio.sleep(5 * cfg.keepalive_interval_s)  # a few revisions to compact
         status = json.loads(etcd_server.etcdctl("endpoint", "status", "-w", "json"))
         etcd_server.etcdctl("compaction", str(status[0]["Status"]["header"]["revision"]))
 
@@ -234,8 +228,8 @@ def test_compacted_watch_revision_takes_a_fresh_snapshot(etcd_server) -> None:
         # etcd accepts the watch, then cancels it as compacted: the watcher reads again.
         await wait_until(lambda: len(calls) == 2 and f.kinds.count("resync") == 2,
                          what="second resync after compaction")
-        assert f.kinds == ["resync", "resync"] and f.ids() == {"p0"}  # no outage event
-        assert f.view.load("p0").running_requests == 4
+        assert f.kinds[:2] == ["resync", "resync"] and "outage" not in f.kinds
+        assert f.ids() == {"p0"}
         await worker.register(info("d0", "decode"), cfg.ttl_s)
         await wait_until(lambda: f.ids() == {"p0", "d0"}, what="watch works afterwards")
         await f.stop()

@@ -2,9 +2,7 @@
 
 import asyncio
 
-import pytest
-
-from mooncake.registry import InstanceInfo, InstanceLoad, MemoryRegistry, RegistryConfig
+from mooncake.registry import InstanceInfo, MemoryRegistry, RegistryConfig
 
 
 class FakeClock:
@@ -30,13 +28,11 @@ def test_ttl_expiry_on_injected_clock() -> None:
     reg.put(info("b"), ttl_s=5.0)
     clock.t = 4.0
     assert reg.heartbeat("a")
-    assert reg.set_load(InstanceLoad("b", running_requests=2))  # a load also refreshes
     clock.t = 8.9
-    assert sorted(reg.list()) == ["a", "b"]
+    assert sorted(reg.list()) == ["a"]  # b was not refreshed: gone at 5.0
     clock.t = 9.1
     assert reg.list() == {}
     assert not reg.heartbeat("a")  # expired: the worker must register again
-    assert not reg.set_load(InstanceLoad("a"))
 
 
 def test_watch_starts_with_resync_then_follows() -> None:
@@ -49,10 +45,10 @@ def test_watch_starts_with_resync_then_follows() -> None:
         assert first.kind == "resync" and list(first.snapshot) == ["a"]
         reg.put(info("b"), ttl_s=1.0)
         ev = await anext(it)
-        assert (ev.kind, ev.instance_id, ev.load) == ("put", "b", InstanceLoad("b"))
-        reg.set_load(InstanceLoad("b", waiting_requests=3))
+        assert (ev.kind, ev.instance_id, ev.info) == ("put", "b", info("b"))
+        assert reg.heartbeat("b")
         ev = await anext(it)
-        assert ev.kind == "load" and ev.load.waiting_requests == 3
+        assert (ev.kind, ev.instance_id) == ("alive", "b")
         clock.t = 1.5  # nobody calls anything: the idle watcher's sweep must notice
         kinds = {(e.kind, e.instance_id) for e in [await anext(it), await anext(it)]}
         assert kinds == {("delete", "a"), ("delete", "b")}
@@ -83,14 +79,10 @@ def test_in_process_register_keepalive_and_reregister() -> None:
         cfg = RegistryConfig(ttl_s=1.0, keepalive_interval_s=0.05)
         reg = MemoryRegistry(cfg, clock=clock)
         await reg.register(info("w"), ttl_s=1.0)
-        await reg.publish_load(InstanceLoad("w", kv_tokens_used=42))
         clock.t = 100.0  # the process stalled past its TTL
         assert reg.list() == {}
         await asyncio.sleep(0.2)  # the keepalive notices (heartbeat False) and re-registers
-        snap = reg.list()
-        assert list(snap) == ["w"] and snap["w"][1].kv_tokens_used == 42
-        with pytest.raises(KeyError):
-            await reg.publish_load(InstanceLoad("stranger"))
+        assert reg.list() == {"w": info("w")}
         await reg.deregister("w")
         assert reg.list() == {}
         await reg.close()

@@ -1,11 +1,13 @@
 import socket
 
+import msgspec
 import pytest
 
 from conductor.metrics import ConductorMetrics
 from messenger.tcp import TcpClient, TcpServer, TransferError, parse_address
 from messenger.wire import WireError, decode_prefix, encode_prefix
-from mooncake.protocol import PullParams, PushParams, parse_pull, parse_push
+from mooncake.protocol import (CHUNK_DECODER, ENCODER, REQUEST_DECODER, BadTransferParams, GenerateChunk,
+                               PullParams, PushParams, encode_chunk_line, parse_pull, parse_push)
 from mooncake.launcher import plan_cpu_binding
 from mooncake.logs import QuietPollingFilter
 from mooncake.protocol import GenerateRequest, Sampling
@@ -22,18 +24,74 @@ def test_cpu_binding_plan(cores, count, expected):
     assert plan_cpu_binding(cores, count) == expected
 
 
-def test_params_round_trip():
+def test_params_round_trip_with_the_wire_keys():
     push = PushParams("t", "10.0.0.2:7000", 123)
     pull = PullParams("t", 123, 9.0)
+    assert push.to_params() == {"mooncake_push": {"transfer_id": "t", "dest": "10.0.0.2:7000", "num_tokens": 123}}
+    assert pull.to_params() == {"mooncake_pull": {"transfer_id": "t", "num_tokens": 123, "wait_timeout_s": 9.0}}
     assert parse_push(push.to_params()) == push and parse_pull(pull.to_params()) == pull
     assert parse_push(None) is None and parse_pull({}) is None
+    # As vLLM hands them to the connector: plain dicts, wait_timeout_s optional, ints for floats.
+    assert parse_pull({"mooncake_pull": {"transfer_id": "t", "num_tokens": 5}}) == PullParams("t", 5, 30.0)
+    assert parse_pull({"mooncake_pull": {"transfer_id": "t", "num_tokens": 5, "wait_timeout_s": 2}}).wait_timeout_s == 2.0
 
 
-def test_generate_request_round_trips_through_json():
+@pytest.mark.parametrize("params, match", [
+    ({"mooncake_push": {"transfer_id": "t", "num_tokens": 1}}, r"missing required field `dest`"),
+    ({"mooncake_push": {"transfer_id": "t", "dest": "h:1", "num_tokens": "1"}}, r"\$\.num_tokens"),
+    ({"mooncake_push": "t"}, r"mooncake_push.*Expected `object`"),
+])
+def test_malformed_push_params_raise_a_clear_error(params, match):
+    with pytest.raises(BadTransferParams, match=match):
+        parse_push(params)
+
+
+def test_malformed_pull_params_raise_a_clear_error():
+    with pytest.raises(BadTransferParams, match=r"mooncake_pull.*\$\.num_tokens"):
+        parse_pull({"mooncake_pull": {"transfer_id": "t", "num_tokens": [1]}})
+
+
+def test_generate_request_round_trips_through_json_with_the_same_shape():
     import json
 
-    req = GenerateRequest("r1", [1, 2, 3], Sampling(max_tokens=4, stop_token_ids=(7,), logit_bias=((5, -2.5), (9, 1.0))))
-    assert GenerateRequest.from_dict(json.loads(json.dumps(req.to_dict()))) == req
+    req = GenerateRequest("r1", [1, 2, 3], Sampling(max_tokens=4, stop_token_ids=(7,), logit_bias=((5, -2.5), (9, 1.0))),
+                          PullParams("t", 3).to_params())
+    raw = ENCODER.encode(req)
+    assert REQUEST_DECODER.decode(raw) == req
+    body = json.loads(raw)
+    assert set(body) == {"request_id", "prompt_token_ids", "sampling", "kv_transfer_params"}
+    assert body["sampling"]["stop_token_ids"] == [7] and body["sampling"]["logit_bias"] == [[5, -2.5], [9, 1.0]]
+    assert body["kv_transfer_params"] == {"mooncake_pull": {"transfer_id": "t", "num_tokens": 3, "wait_timeout_s": 30.0}}
+    # kv_transfer_params stays a dict: vLLM passes it to the connector as one.
+    assert isinstance(REQUEST_DECODER.decode(raw).kv_transfer_params, dict)
+    # Optional parts may be left out by a sender.
+    minimal = REQUEST_DECODER.decode(b'{"request_id":"r","prompt_token_ids":[1],"sampling":{"max_tokens":2}}')
+    assert minimal.kv_transfer_params == {} and minimal.sampling == Sampling(max_tokens=2)
+
+
+@pytest.mark.parametrize("body, match", [
+    (b'{"request_id":"r","prompt_token_ids":[1,"x"],"sampling":{"max_tokens":2}}', r"\$\.prompt_token_ids\[1\]"),
+    (b'{"request_id":"r","prompt_token_ids":[1],"sampling":{}}', r"missing required field `max_tokens` - at `\$\.sampling`"),
+    (b'{"request_id":"r","prompt_token_ids":[1]}', r"missing required field `sampling`"),
+    (b'{"request_id":"r","prompt_token_ids":[1],"sampling":{"max_tokens":2},"kv_transfer_params":[]}', r"\$\.kv_transfer_params"),
+    (b"not json", r"malformed"),
+])
+def test_malformed_generate_requests_name_the_field(body, match):
+    with pytest.raises(msgspec.DecodeError, match=match):
+        REQUEST_DECODER.decode(body)
+
+
+def test_chunk_lines_omit_none_fields_and_decode_back():
+    line = encode_chunk_line(GenerateChunk([4, 5]))
+    assert line == b'{"token_ids":[4,5]}\n'
+    last = GenerateChunk([], finish_reason="stop", num_cached_tokens=16)
+    assert encode_chunk_line(last) == b'{"token_ids":[],"finish_reason":"stop","num_cached_tokens":16}\n'
+    assert CHUNK_DECODER.decode(encode_chunk_line(last)) == last
+    assert CHUNK_DECODER.decode(b'{"token_ids":[],"error":"boom"}') == GenerateChunk([], error="boom")
+    with pytest.raises(msgspec.ValidationError, match="missing required field `token_ids`"):
+        CHUNK_DECODER.decode(b'{"error":"boom"}')
+    with pytest.raises(msgspec.ValidationError, match=r"\$\.token_ids"):
+        CHUNK_DECODER.decode(b'{"token_ids":"abc"}')
 
 
 def test_access_log_leaves_out_polling_routes_only():
@@ -125,3 +183,86 @@ def test_push_bandwidth_is_averaged_over_intervals_that_moved_enough_bytes():
     assert m.update(2100, 1.05) == 0.5 * 3000.0 + 0.5 * 2000.0
     late = PushBandwidthMeter(min_bytes=1000)
     assert late.update(10_000, 2.0) == 5000.0  # joined a worker that already pushed: its lifetime mean
+
+
+def _worker_app(monkeypatch, seen: list):
+    """The worker's real HTTP app with its engine replaced: run_request yields two chunks."""
+    import mooncake.engine.app as worker_app
+    from mooncake.control import ControlEndpoint
+    from mooncake.engine.config import WorkerConfig
+
+    async def fake_run_request(engine, request):
+        seen.append(request)
+        yield GenerateChunk([11], num_cached_tokens=0)
+        yield GenerateChunk([12], finish_reason="length")
+
+    monkeypatch.setattr(worker_app, "run_request", fake_run_request)
+    app = worker_app.create_app(WorkerConfig(role="both", model="m", served_model_name="m"), 1, 2,
+                                ControlEndpoint("/nonexistent/connector.sock", "00" * 16))
+    app.state.worker.engine = object()  # "ready"; the lifespan (which builds vLLM) never runs
+    return app
+
+
+def test_worker_answers_400_naming_the_field_of_a_malformed_generate_body(monkeypatch):
+    import asyncio
+
+    import httpx
+
+    async def main():
+        app = _worker_app(monkeypatch, [])
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://w") as c:
+            bad = {"request_id": "r", "prompt_token_ids": [1, "x"], "sampling": {"max_tokens": 2}}
+            resp = await c.post("/internal/generate", json=bad)
+            assert resp.status_code == 400 and "$.prompt_token_ids[1]" in resp.json()["error"]
+            resp = await c.post("/internal/generate", content=b"{")
+            assert resp.status_code == 400 and "truncated" in resp.json()["error"]
+            resp = await c.post("/internal/abort", json={"request": "r"})
+            assert resp.status_code == 400 and "request_id" in resp.json()["error"]
+            resp = await c.post("/internal/kv_drop", json={"transfer_id": 5})
+            assert resp.status_code == 400 and "$.transfer_id" in resp.json()["error"]
+    asyncio.run(main())
+
+
+def test_conductor_and_worker_speak_the_same_typed_ndjson(monkeypatch):
+    import asyncio
+
+    import httpx
+
+    from conductor.workers import WorkerClient, WorkerHandle
+
+    async def main():
+        seen: list = []
+        app = _worker_app(monkeypatch, seen)
+        client = WorkerClient(token_timeout_s=5.0)
+        await client._http.aclose()
+        client._http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app))
+        req = GenerateRequest("r1", [1, 2], Sampling(max_tokens=2, logit_bias=((3, 1.5),)),
+                              PushParams("t", "h:1", 2).to_params())
+        chunks = [c async for c in client.generate(WorkerHandle(http_url="http://w"), req)]
+        assert seen == [req]  # the worker decoded exactly what the conductor encoded
+        assert chunks == [GenerateChunk([11], num_cached_tokens=0), GenerateChunk([12], finish_reason="length")]
+        await client.close()
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("line", [b'{"token_ids":"x"}', b'{"token_ids":[1]', b'[]'])
+def test_a_malformed_worker_line_is_a_worker_error(line):
+    import asyncio
+
+    import httpx
+
+    from conductor.workers import WorkerClient, WorkerError, WorkerHandle
+
+    async def main():
+        client = WorkerClient(token_timeout_s=5.0)
+        await client._http.aclose()
+        client._http = httpx.AsyncClient(transport=httpx.MockTransport(
+            lambda request: httpx.Response(200, content=b'{"token_ids":[1]}\n' + line + b"\n")))
+        got = []
+        with pytest.raises(WorkerError, match="failed: DecodeError|ValidationError") as err:
+            async for chunk in client.generate(WorkerHandle(http_url="http://w"),
+                                               GenerateRequest("r", [1], Sampling(max_tokens=2))):
+                got.append(chunk)
+        assert got == [GenerateChunk([1])] and err.value.started
+        await client.close()
+    asyncio.run(main())

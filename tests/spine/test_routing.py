@@ -101,7 +101,7 @@ def test_mirror_view_adds_registered_and_drops_expired_but_keeps_static():
     pool, index, view = WorkerPool(), PrefixIndex(), ClusterView()
     pool.add("http://static:1", static=True)
     info = InstanceInfo("w1", "prefill", "http://w1:1", "w1:2", "m", BLOCK, 1000, 0.0)
-    view.apply(RegistryEvent("resync", snapshot={"w1": (info, None)}), now=0.0)
+    view.apply(RegistryEvent("resync", snapshot={"w1": info}), now=0.0)
     mirror_view(view, pool, index, now=0.0)
     assert pool.handles["http://w1:1"].kv_address == "w1:2"
     index.apply_stored("w1", [1, 2, 3])
