@@ -9,7 +9,7 @@ import time
 from contextlib import asynccontextmanager
 
 from fastapi import Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.responses import JSONResponse, Response
 
 from conductor.config import ConductorConfig
 from conductor.core.estimators import Estimators
@@ -18,7 +18,7 @@ from conductor.core.profile_table import load_profile
 from conductor.core.scheduler import Scheduler
 from conductor.errors import APIError, error_body, install_error_handlers
 from conductor.membership import follow_registry, poll_health, poll_kv_events
-from conductor.metrics import ConductorMetrics
+from conductor.metrics import CONTENT_TYPE, ConductorMetrics, LiveState
 from conductor.relay import Relay
 from conductor.routing import Router
 from conductor.schemas import ChatCompletionRequest, CompletionRequest
@@ -46,7 +46,12 @@ def create_app(config: ConductorConfig) -> FastAPI:
                       pick_fallback=lambda tried: next(
                           (h for h in pool.ready("decode") if h.name not in tried), None))
         app.state.pool, app.state.index, app.state.router = pool, index, router
-        app.state.service = CompletionService(config, tokenizer, router, relay, app.state.metrics)
+        service = app.state.service = CompletionService(config, tokenizer, router, relay, app.state.metrics)
+        app.state.metrics.watch(lambda: LiveState(
+            in_flight=service.in_flight,
+            ready_workers={"prefill": len(pool.ready("prefill")), "decode": len(pool.ready("decode"))},
+            push_bandwidth_Bps={h.name: h.push_bandwidth.estimate_Bps for h in pool.all()
+                                if h.push_bandwidth.estimate_Bps}))
         registry = app.state.registry if config.registry_url is None else open_registry(
             RegistryConfig(url=config.registry_url, ttl_s=config.registry_ttl_s))
         view = ClusterView(ViewConfig(expire_after_s=2 * config.registry_ttl_s))
@@ -113,17 +118,15 @@ def create_app(config: ConductorConfig) -> FastAPI:
                 "decode": len(pool.ready("decode"))}, "workers": workers,
                 "registry": {"url": config.registry_url or "embedded", "instances": len(view),
                              "outage_since": view.outage_since},
-                "prefix_index_blocks": len(request.app.state.index)}
+                "prefix_index_blocks": len(request.app.state.index),
+                # What admitted requests hold (in-flight slots, ledger entries per worker, pending
+                # prefix entries): all zero once every request has ended, however it ended.
+                "requests": request.app.state.service.snapshot()}
         return JSONResponse(body, status_code=200 if ok else 503)
 
     @app.get("/metrics")
     async def metrics(request: Request):
-        pool: WorkerPool = request.app.state.pool
-        service: CompletionService = request.app.state.service
-        ready = {"prefill": len(pool.ready("prefill")), "decode": len(pool.ready("decode"))}
-        bandwidth = {h.name: h.push_bandwidth.estimate_Bps for h in pool.all() if h.push_bandwidth.estimate_Bps}
-        return PlainTextResponse(request.app.state.metrics.render(service.in_flight, ready, bandwidth),
-                                 media_type="text/plain; version=0.0.4")
+        return Response(request.app.state.metrics.render(), media_type=CONTENT_TYPE)
 
     return app
 
@@ -131,10 +134,10 @@ def create_app(config: ConductorConfig) -> FastAPI:
 async def _serve(service: CompletionService, body, endpoint: str):
     try:
         prepared = await service.prepare(body)
-        return await service.serve(prepared, endpoint)
     except APIError as exc:
-        service.metrics.requests.inc(endpoint=endpoint, status=str(exc.status))
+        service.metrics.requests.labels(endpoint=endpoint, status=str(exc.status)).inc()
         raise
+    return await service.serve(prepared, endpoint)  # counts its own answer, refusals included
 
 
 def _model_card(config: ConductorConfig, created: int) -> dict:

@@ -1,55 +1,106 @@
-"""The conductor's own metrics: what users saw (status codes, TTFT, TBT, end-to-end latency)."""
+"""The conductor's own metrics: what users saw (status codes, TTFT, TBT, end-to-end latency).
+
+Each app builds its own ConductorMetrics, with its own CollectorRegistry: nothing is registered
+in prometheus_client's process-wide default registry, so two conductors in one process (tests)
+never share a count. Gauges that describe the present (requests in flight, ready workers,
+measured push bandwidth) are read from the live state when scraped, never pushed per request.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from mooncake.promtext import Counter, Histogram, gauge, gauge_family
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
 
 _LATENCY_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0)
 _TBT_S = (0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 1.0, 2.0)
 _RATIO = (0.25, 0.5, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0)
 
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
 
 @dataclass
-class ConductorMetrics:
-    requests: Counter = field(default_factory=lambda: Counter(
-        "mooncake_requests_total", "Requests answered, by endpoint and HTTP status."))
-    rejections: Counter = field(default_factory=lambda: Counter(
-        "mooncake_rejections_total", "Requests refused before any work, by reason."))
-    routes: Counter = field(default_factory=lambda: Counter(
-        "mooncake_routes_total", "Requests routed, by kind: disaggregated (prefill worker, then decode "
-        "worker) or colocated (prefilled on the decode worker itself)."))
-    retries: Counter = field(default_factory=lambda: Counter(
-        "mooncake_retries_total", "Requests moved to another worker after a failure, by stage."))
-    prompt_tokens: Counter = field(default_factory=lambda: Counter(
-        "mooncake_prompt_tokens_total", "Prompt tokens received (tokens)."))
-    cached_prompt_tokens: Counter = field(default_factory=lambda: Counter(
-        "mooncake_cached_prompt_tokens_total", "Prompt tokens served from a prefix cache (tokens)."))
-    generated_tokens: Counter = field(default_factory=lambda: Counter(
-        "mooncake_generated_tokens_total", "Tokens generated (tokens)."))
-    ttft: Histogram = field(default_factory=lambda: Histogram(
-        "mooncake_time_to_first_token_seconds", "Arrival to first token (seconds).", _LATENCY_S))
-    tbt: Histogram = field(default_factory=lambda: Histogram(
-        "mooncake_time_between_tokens_seconds", "Gap between streamed token chunks (seconds).", _TBT_S))
-    e2e: Histogram = field(default_factory=lambda: Histogram(
-        "mooncake_request_latency_seconds", "Arrival to last token (seconds).", _LATENCY_S))
-    ttft_prediction: Histogram = field(default_factory=lambda: Histogram(
-        "mooncake_ttft_prediction_ratio", "Measured TTFT / the scheduler's predicted TTFT (ratio; above 1: "
-        "the profile table is optimistic for this hardware, and SLO admission lets through requests "
-        "that will miss).", _RATIO))
+class LiveState:
+    """What the scrape-time gauges show, read from the app's state at each scrape."""
+    in_flight: int = 0
+    ready_workers: dict[str, int] = field(default_factory=dict)  # by role
+    push_bandwidth_Bps: dict[str, float] = field(default_factory=dict)  # by instance (measured ones only)
 
-    def render(self, in_flight: int, ready_workers: dict[str, int],
-               push_bandwidth_Bps: dict[str, float] | None = None) -> str:
-        lines: list[str] = []
-        for inst in (self.requests, self.rejections, self.routes, self.retries, self.prompt_tokens,
-                     self.cached_prompt_tokens, self.generated_tokens, self.ttft, self.tbt, self.e2e,
-                     self.ttft_prediction):
-            lines += inst.render()
-        lines += gauge("mooncake_in_flight_requests", "Requests in progress.", in_flight)
-        lines += gauge_family("mooncake_ready_workers", "Workers whose engine is ready, by role.", "role",
-                              ready_workers)
-        lines += gauge_family("mooncake_kv_push_bandwidth_bytes_per_second",
-                              "Measured KV push bandwidth of each prefill worker, as the scheduler prices "
-                              "transfers with it (bytes per second).", "instance", push_bandwidth_Bps or {})
-        return "\n".join(lines) + "\n"
+
+class _LiveCollector:
+    def __init__(self, read: Callable[[], LiveState]):
+        self._read = read
+
+    def collect(self):
+        state = self._read()
+        yield GaugeMetricFamily("mooncake_in_flight_requests", "Requests in progress.", value=state.in_flight)
+        ready = GaugeMetricFamily("mooncake_ready_workers", "Workers whose engine is ready, by role.",
+                                  labels=["role"])
+        for role, n in sorted(state.ready_workers.items()):
+            ready.add_metric([role], n)
+        yield ready
+        bandwidth = GaugeMetricFamily(
+            "mooncake_kv_push_bandwidth_bytes_per_second",
+            "Measured KV push bandwidth of each prefill worker, as the scheduler prices transfers with it "
+            "(bytes per second).", labels=["instance"])
+        for instance, bps in sorted(state.push_bandwidth_Bps.items()):
+            bandwidth.add_metric([instance], bps)
+        yield bandwidth
+
+
+class _WithoutCreated:
+    """The registry's families less prometheus_client's `_created` timestamps, which the text
+    format shows as extra gauge families. Turning them off is process-wide
+    (disable_created_metrics); filtering at render time keeps it to this app."""
+
+    def __init__(self, registry: CollectorRegistry):
+        self._registry = registry
+
+    def collect(self):
+        for family in self._registry.collect():
+            family.samples = [s for s in family.samples if not s.name.endswith("_created")]
+            yield family
+
+
+class ConductorMetrics:
+    def __init__(self) -> None:
+        # prometheus_client appends `_total` to a counter's name: "mooncake_requests" is exposed
+        # as mooncake_requests_total.
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter("mooncake_requests", "Requests answered, by endpoint and HTTP status.",
+                                ["endpoint", "status"], registry=r)
+        self.rejections = Counter("mooncake_rejections", "Requests refused before any work, by reason.",
+                                  ["reason"], registry=r)
+        self.routes = Counter(
+            "mooncake_routes", "Requests routed, by kind: disaggregated (prefill worker, then decode worker) "
+            "or colocated (prefilled on the decode worker itself).", ["kind"], registry=r)
+        self.retries = Counter("mooncake_retries", "Requests moved to another worker after a failure, by stage.",
+                               ["stage"], registry=r)
+        self.prompt_tokens = Counter("mooncake_prompt_tokens", "Prompt tokens received (tokens).", registry=r)
+        self.cached_prompt_tokens = Counter("mooncake_cached_prompt_tokens",
+                                            "Prompt tokens served from a prefix cache (tokens).", registry=r)
+        self.generated_tokens = Counter("mooncake_generated_tokens", "Tokens generated (tokens).", registry=r)
+        self.ttft = Histogram("mooncake_time_to_first_token_seconds", "Arrival to first token (seconds).",
+                              buckets=_LATENCY_S, registry=r)
+        self.tbt = Histogram("mooncake_time_between_tokens_seconds",
+                             "Gap between streamed token chunks (seconds).", buckets=_TBT_S, registry=r)
+        self.e2e = Histogram("mooncake_request_latency_seconds", "Arrival to last token (seconds).",
+                             buckets=_LATENCY_S, registry=r)
+        self.ttft_prediction = Histogram(
+            "mooncake_ttft_prediction_ratio", "Measured TTFT / the scheduler's predicted TTFT (ratio; above 1: "
+            "the profile table is optimistic for this hardware, and SLO admission lets through requests "
+            "that will miss).", buckets=_RATIO, registry=r)
+
+    def watch(self, read: Callable[[], LiveState]) -> None:
+        """Serve the scrape-time gauges from `read` (called once per scrape). Call once per app."""
+        self.registry.register(_LiveCollector(read))
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition (CONTENT_TYPE)."""
+        return generate_latest(_WithoutCreated(self.registry))
+
+    def value(self, name: str, **labels: str) -> float:
+        """One sample's current value by its exposed name (0 when never set); for tests and tools."""
+        return self.registry.get_sample_value(name, labels) or 0.0

@@ -4,11 +4,13 @@ The router is the shell around `conductor.core.Scheduler`: it hashes the prompt'
 the same function the workers' KV events are keyed by, builds a ClusterState snapshot from the
 ready workers and the conductor's own ledger, asks the core, and turns the answer into a Route
 or an HTTP refusal (429 with Retry-After, counted by reason). It also keeps the ledger current
-as requests pass their first token and finish.
+as requests pass their first token and finish (each admitted request's RequestLife calls it).
 
-Hot-spot migration (`Decision.fetch_from`) needs the KVCache store to pull blocks between
-instances; until that exists the prefill instance recomputes what it does not hold, which is
-what the decision predicts when fetch_from is None.
+A kvcache-centric decision may carry `fetch_from`: the core priced pulling the prefix from a
+hot instance, but the cluster cannot move blocks between instances yet (that needs the KVCache
+store), so the prefill instance recomputes what it does not hold. The predicted TTFT of such a
+decision (the x-mooncake-predicted-ttft-ms header, the TTFT prediction ratio) assumes a fetch
+that does not happen, and is optimistic by the difference.
 """
 
 from __future__ import annotations
@@ -68,7 +70,7 @@ class Router:
             if allow_none:
                 return None
             states = ", ".join(f"{h.http_url} {h.status}" for h in self.pool.all()) or "none configured"
-            self.metrics.rejections.inc(reason="no_instance")
+            self.metrics.rejections.labels(reason="no_instance").inc()
             raise APIError(503, f"no decode worker is ready (workers: {states})", code="workers_unavailable",
                            headers={"Retry-After": "5"})
         block = self.block_size()
@@ -81,7 +83,7 @@ class Router:
             # under the same SLOs and admission, so every refusal here is a real one.
             if allow_none:
                 return None
-            self.metrics.rejections.inc(reason=str(result.reason))
+            self.metrics.rejections.labels(reason=str(result.reason)).inc()
             log.info("rejected %s (%d prompt tokens): %s, retry after %.1f s", request_id, len(prompt),
                      result.reason, result.retry_after_s)
             raise APIError(429, _rejection_message(result), code=str(result.reason),
@@ -95,7 +97,7 @@ class Router:
         seconds = predicted_prefill_s(self.scheduler.estimators, len(prompt), cached)
         route.decode.ledger.assign(route.request_id, route.prefill.ledger, seconds, now, route.kv_tokens)
         self.pending.add(route.prefill.name, route.blocks)
-        self.metrics.routes.inc(kind="colocated" if route.colocated else "disaggregated")
+        self.metrics.routes.labels(kind="colocated" if route.colocated else "disaggregated").inc()
         return route
 
     def first_token(self, route: Route, now: float) -> None:
@@ -117,10 +119,6 @@ class Router:
             # Exponential average: prediction-based admission needs the typical decode length.
             m = self.mean_decode_s
             self.mean_decode_s = decode_seconds if m is None else 0.9 * m + 0.1 * decode_seconds
-
-    def reroute(self, route: Route, new: Route) -> None:
-        """A retry moved the request: release the old assignment (the new one is committed)."""
-        self.finished(route, None)
 
     def _instance(self, h: WorkerHandle) -> InstanceState:
         role = Role.PREFILL if h.role == "prefill" else Role.DECODE

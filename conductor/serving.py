@@ -10,17 +10,18 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
 from conductor import responses
 from conductor.config import ConductorConfig
 from conductor.errors import APIError, sse_error
+from conductor.lifecycle import LifeStreamingResponse, RequestLife
 from conductor.metrics import ConductorMetrics
 from conductor.relay import Relay, RelayStats
-from conductor.routing import Route, Router
+from conductor.routing import Router
 from conductor.schemas import ChatCompletionRequest, CompletionRequest
 from conductor.textstream import IncrementalDetokenizer, StopStringMatcher
 from conductor.workers import WorkerError
@@ -43,18 +44,19 @@ class Prepared:
 
 class CompletionService:
     def __init__(self, config: ConductorConfig, tokenizer, router: Router, relay: Relay,
-                 metrics: ConductorMetrics):
+                 metrics: ConductorMetrics, clock: Callable[[], float] = time.monotonic):
         self.config = config
         self.tokenizer = tokenizer
         self.router = router
         self.relay = relay
         self.metrics = metrics
-        self.in_flight = 0
+        self.clock = clock
+        self.live: dict[str, RequestLife] = {}  # admitted and not released, by request id
 
     # -- validation -----------------------------------------------------------------------------
 
     async def prepare(self, body: CompletionRequest | ChatCompletionRequest) -> Prepared:
-        arrived = time.monotonic()
+        arrived = self.clock()
         chat = isinstance(body, ChatCompletionRequest)
         if body.model != self.config.served_model_name:
             raise APIError(404, f"The model `{body.model}` does not exist. This server serves "
@@ -127,108 +129,129 @@ class CompletionService:
 
     # -- execution ------------------------------------------------------------------------------
 
-    async def serve(self, req: Prepared, endpoint: str):
-        if self.in_flight >= self.config.max_in_flight:
-            self.metrics.rejections.inc(reason="max_in_flight")
-            raise APIError(429, f"{self.in_flight} requests are in progress (limit "
-                                f"{self.config.max_in_flight}); retry shortly",
-                           code="overloaded", headers={"Retry-After": "1"})
-        route = self.router.pick(req.request_id, req.prompt, req.sampling.max_tokens, time.monotonic())
-        stats = RelayStats()
-        self.in_flight += 1
-        try:
-            chunks, first, route = await self._start(req, route, stats)
-        except BaseException:
-            self.in_flight -= 1
-            self.router.finished(route, None)
-            raise
-        first_at = time.monotonic()
-        self.router.first_token(route, first_at)
-        self.metrics.ttft.observe(first_at - req.arrived)
-        self.metrics.prompt_tokens.inc(len(req.prompt))
-        self.metrics.cached_prompt_tokens.inc(stats.prefill_cached_tokens)
-        headers = {"x-mooncake-prefill": route.prefill.name, "x-mooncake-decode": route.decode.name,
-                   "x-mooncake-cached-tokens": str(stats.prefill_cached_tokens)}
-        if route.decision is not None:
-            headers["x-mooncake-predicted-ttft-ms"] = str(round(route.decision.predicted_ttft_s * 1000))
-            if route.decision.predicted_ttft_s > 0:
-                self.metrics.ttft_prediction.observe((first_at - req.arrived) / route.decision.predicted_ttft_s)
-        events = self._events(req, chunks, first, stats, route, first_at)
-        if req.stream:
-            return StreamingResponse(self._sse(req, events, stats, endpoint), media_type="text/event-stream",
-                                     headers=headers)
-        try:
-            text, finish, n_tokens = "", "length", 0
-            async for piece, finish_reason, count in events:
-                text += piece
-                finish = finish_reason or finish
-                n_tokens = count
-        except WorkerError as exc:
-            self.metrics.requests.inc(endpoint=endpoint, status="502")
-            raise APIError(502, f"a worker failed mid-request: {exc}") from exc
-        headers["x-mooncake-decode-instance"] = stats.decode_instance
-        headers["x-mooncake-decode-cached-tokens"] = str(stats.decode_cached_tokens or 0)
-        usage = responses.usage(len(req.prompt), n_tokens, stats.prefill_cached_tokens)
-        self.metrics.requests.inc(endpoint=endpoint, status="200")
-        return JSONResponse(responses.full_response(req.meta, text, finish, usage), headers=headers)
+    @property
+    def in_flight(self) -> int:
+        return len(self.live)
 
-    async def _start(self, req: Prepared, route: Route, stats: RelayStats):
+    def snapshot(self) -> dict:
+        """What admitted requests hold right now: after every request has ended, all zero."""
+        ledgers = {h.name: {"prefill_jobs": len(h.ledger.prefill_jobs), "incoming": len(h.ledger.incoming),
+                            "running": len(h.ledger.running)} for h in self.router.pool.all()}
+        return {"in_flight": self.in_flight, "pending_prefix_entries": len(self.router.pending),
+                "ledgers": ledgers}
+
+    def admit(self, req: Prepared, endpoint: str) -> RequestLife:
+        """Route the request and take its slot; refusals (429, 503) are counted and raised."""
+        try:
+            if self.in_flight >= self.config.max_in_flight:
+                self.metrics.rejections.labels(reason="max_in_flight").inc()
+                raise APIError(429, f"{self.in_flight} requests are in progress (limit "
+                                    f"{self.config.max_in_flight}); retry shortly",
+                               code="overloaded", headers={"Retry-After": "1"})
+            route = self.router.pick(req.request_id, req.prompt, req.sampling.max_tokens, self.clock())
+        except APIError as exc:
+            self.metrics.requests.labels(endpoint=endpoint, status=str(exc.status)).inc()
+            raise
+        return RequestLife(req.request_id, endpoint, req.arrived, route, self.router, self.metrics, self.live,
+                           self.clock)
+
+    async def serve(self, req: Prepared, endpoint: str):
+        life = self.admit(req, endpoint)
+        handed_on = False
+        try:
+            stats = RelayStats()
+            first = await self._start(req, life, stats)
+            first_at = life.first_token()
+            route = life.route
+            self.metrics.prompt_tokens.inc(len(req.prompt))
+            self.metrics.cached_prompt_tokens.inc(stats.prefill_cached_tokens)
+            headers = {"x-mooncake-prefill": route.prefill.name, "x-mooncake-decode": route.decode.name,
+                       "x-mooncake-cached-tokens": str(stats.prefill_cached_tokens)}
+            if route.decision is not None:
+                headers["x-mooncake-predicted-ttft-ms"] = str(round(route.decision.predicted_ttft_s * 1000))
+            events = self._events(req, life, first, first_at)
+            if req.stream:
+                response = LifeStreamingResponse(self._sse(req, life, events, stats), life,
+                                                 media_type="text/event-stream", headers=headers)
+                handed_on = True  # the response releases the life when it ends, however it ends
+                return response
+            try:
+                text, finish, n_tokens = "", "length", 0
+                async for piece, finish_reason, count in events:
+                    text += piece
+                    finish = finish_reason or finish
+                    n_tokens = count
+            except WorkerError as exc:
+                raise APIError(502, f"a worker failed mid-request: {exc}") from exc
+            headers["x-mooncake-decode-instance"] = stats.decode_instance
+            headers["x-mooncake-decode-cached-tokens"] = str(stats.decode_cached_tokens or 0)
+            usage = responses.usage(len(req.prompt), n_tokens, stats.prefill_cached_tokens)
+            life.status = "200"
+            return JSONResponse(responses.full_response(req.meta, text, finish, usage), headers=headers)
+        except APIError as exc:
+            life.status = str(exc.status)
+            raise
+        except Exception:
+            life.status = "500"
+            raise
+        finally:
+            if not handed_on:
+                await life.release()
+
+    async def _start(self, req: Prepared, life: RequestLife, stats: RelayStats) -> GenerateChunk:
         """Run until the first token, so a failure before it is still an honest HTTP error.
-        A prefill that fails is retried once per other instance; returns the route that worked."""
+        A prefill that fails is retried once per other instance, moving the life to the new route."""
         tried: set[str] = set()
         while True:
-            chunks = self.relay.run(req.request_id, req.prompt, req.sampling, route, stats)
+            route = life.route
+            life.chunks = self.relay.run(req.request_id, req.prompt, req.sampling, route, stats)
             try:
-                return chunks, await chunks.__anext__(), route
+                return await life.chunks.__anext__()
             except WorkerError as exc:
+                chunks, life.chunks = life.chunks, None
                 await chunks.aclose()
                 tried.add(route.prefill.name)
-                self.router.finished(route, None)
-                retry = self.router.pick(req.request_id, req.prompt, req.sampling.max_tokens, time.monotonic(),
+                life.leave_route()
+                retry = self.router.pick(req.request_id, req.prompt, req.sampling.max_tokens, self.clock(),
                                          exclude=tried, allow_none=True)
                 if retry is None:
                     raise APIError(503, f"no worker could run the prompt: {exc}", code="workers_unavailable",
                                    headers={"Retry-After": "5"}) from exc
                 log.warning("prefill on %s failed (%s); retrying on %s", route.prefill.name, exc, retry.prefill.name)
-                self.metrics.retries.inc(stage="prefill")
-                route = retry
+                self.metrics.retries.labels(stage="prefill").inc()
+                life.reroute(retry)
 
-    async def _events(self, req: Prepared, chunks: AsyncIterator[GenerateChunk], first: GenerateChunk,
-                      stats: RelayStats, route: Route, first_at: float) -> AsyncIterator[tuple[str, str | None, int]]:
-        """(text, finish_reason, tokens so far), with stop strings applied; aborts on a stop."""
+    async def _events(self, req: Prepared, life: RequestLife, first: GenerateChunk,
+                      first_at: float) -> AsyncIterator[tuple[str, str | None, int]]:
+        """(text, finish_reason, tokens so far), with stop strings applied. Ends early on a stop;
+        the life closes the workers' stream (aborting them) when it is released."""
         detok = IncrementalDetokenizer(self.tokenizer)
         stopper = StopStringMatcher(req.stops)
         count = 0
-        last = time.monotonic()
-        try:
-            chunk: GenerateChunk | None = first
-            while chunk is not None:
-                count += len(chunk.token_ids)
-                self.metrics.generated_tokens.inc(len(chunk.token_ids))
-                now = time.monotonic()
-                if chunk is not first:
-                    self.metrics.tbt.observe(now - last)
-                last = now
-                result = stopper.push(detok.push(chunk.token_ids))
-                if result.stopped:
-                    yield result.text, "stop", count
-                    return
-                if chunk.finish_reason is not None:
-                    tail = stopper.push(detok.flush())
-                    yield result.text + tail.text + ("" if tail.stopped else stopper.flush()), \
-                        "stop" if tail.stopped else chunk.finish_reason, count
-                    return
-                if result.text:
-                    yield result.text, None, count
-                chunk = await anext(chunks, None)
-            yield stopper.flush(), "stop", count  # the stream ended without a finish reason
-        finally:
-            await chunks.aclose()  # aborts the worker's request if we stopped early
-            self.in_flight -= 1
-            self.router.finished(route, time.monotonic() - first_at)
-            self.metrics.e2e.observe(time.monotonic() - req.arrived)
+        last = first_at
+        chunk: GenerateChunk | None = first
+        while chunk is not None:
+            count += len(chunk.token_ids)
+            self.metrics.generated_tokens.inc(len(chunk.token_ids))
+            now = self.clock()
+            if chunk is not first:
+                self.metrics.tbt.observe(now - last)
+            last = now
+            result = stopper.push(detok.push(chunk.token_ids))
+            if result.stopped:
+                yield result.text, "stop", count
+                return
+            if chunk.finish_reason is not None:
+                tail = stopper.push(detok.flush())
+                yield result.text + tail.text + ("" if tail.stopped else stopper.flush()), \
+                    "stop" if tail.stopped else chunk.finish_reason, count
+                return
+            if result.text:
+                yield result.text, None, count
+            chunk = await anext(life.chunks, None)
+        yield stopper.flush(), "stop", count  # the stream ended without a finish reason
 
-    async def _sse(self, req: Prepared, events, stats: RelayStats, endpoint: str) -> AsyncIterator[str]:
+    async def _sse(self, req: Prepared, life: RequestLife, events, stats: RelayStats) -> AsyncIterator[str]:
         yield responses.chunk(req.meta, "", role=True) if req.meta.chat else ""
         n_tokens, status = 0, "200"
         try:
@@ -243,4 +266,4 @@ class CompletionService:
             usage = responses.usage(len(req.prompt), n_tokens, stats.prefill_cached_tokens)
             yield responses.chunk(req.meta, None, usage_body=usage, no_choices=True)
         yield responses.DONE
-        self.metrics.requests.inc(endpoint=endpoint, status=status)
+        life.status = status  # every byte was handed to the server; a client gone before stays None

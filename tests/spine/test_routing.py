@@ -44,7 +44,7 @@ def test_prefix_holder_wins_and_ledger_tracks_the_request():
     assert route.decision.cached_prefix_tokens == 12 * BLOCK
     p2, d1 = pool.handles["http://p2"], pool.handles["http://d1"]
     assert "req" in p2.ledger.prefill_jobs and "req" in d1.ledger.incoming
-    assert r.metrics.routes.get(kind="disaggregated") == 1 and r.metrics.routes.get(kind="colocated") == 0
+    assert r.metrics.value("mooncake_routes_total", kind="disaggregated") == 1 and r.metrics.value("mooncake_routes_total", kind="colocated") == 0
     r.first_token(route, now=1.0)
     assert "req" not in p2.ledger.prefill_jobs and "req" in d1.ledger.running
     r.finished(route, decode_seconds=2.0)
@@ -68,7 +68,7 @@ def test_slo_rejection_is_429_with_retry_after_and_counted():
         r.pick("a", list(range(2000)), 8, now=0.0)
     assert info.value.status == 429 and info.value.code == "ttft_slo"
     assert int(info.value.headers["Retry-After"]) >= 1
-    assert r.metrics.rejections.get(reason="ttft_slo") == 1
+    assert r.metrics.value("mooncake_rejections_total", reason="ttft_slo") == 1
 
 
 def test_no_decode_worker_is_503_and_no_prefill_degrades_to_colocated():
@@ -78,7 +78,7 @@ def test_no_decode_worker_is_503_and_no_prefill_degrades_to_colocated():
     alone = router(pool_of(("d1", "decode"), ("d2", "decode")))
     route = alone.pick("a", list(range(3000)), 4, now=0.0)
     assert route.colocated and route.decode.name in ("d1", "d2")
-    assert alone.metrics.routes.get(kind="colocated") == 1
+    assert alone.metrics.value("mooncake_routes_total", kind="colocated") == 1
     # The colocated prompt's prefill is queued work on its decode worker: the next goes to the other.
     assert alone.pick("b", list(range(5000, 8000)), 4, now=0.0).decode.name != route.decode.name
 

@@ -1,0 +1,307 @@
+"""Every way an admitted request can end gives back everything it held, exactly once.
+
+A real CompletionService and Router (the real scheduling core) with a scripted relay in place of
+the workers; streamed answers are driven through their ASGI `__call__` with hand-made
+receive/send, so a client can leave before the first byte or in the middle of the stream.
+"""
+
+import asyncio
+
+import pytest
+from starlette.requests import ClientDisconnect
+
+from conductor.config import ConductorConfig
+from conductor.errors import APIError
+from conductor.lifecycle import LifeStreamingResponse
+from conductor.schemas import CompletionRequest
+from conductor.serving import CompletionService
+from conductor.workers import WorkerError
+from mooncake.protocol import GenerateChunk
+from tests.spine.test_routing import pool_of, router
+
+PROMPT = list(range(1000, 3500))  # 2,500 tokens: disaggregated, with pending prefix blocks
+
+
+class LetterTokenizer:
+    """Token i is the letter chr(97 + i % 26)."""
+
+    def __len__(self) -> int:
+        return 50_000
+
+    def decode(self, ids, skip_special_tokens=True) -> str:
+        return "".join(chr(97 + i % 26) for i in ids)
+
+
+class ScriptedRelay:
+    """Stands in for Relay: fails before the first token on the prefill instances in `fail_on`,
+    else yields `tokens` one per chunk (the last with a finish reason), optionally failing after
+    `error_after` chunks. Records whether each stream was closed before it finished."""
+
+    def __init__(self, tokens, fail_on=(), error_after=None, pause_s=0.0):
+        self.tokens = tokens
+        self.fail_on = set(fail_on)
+        self.error_after = error_after
+        self.pause_s = pause_s
+        self.prefills: list[str] = []
+        self.closed_early = 0
+        self.completed = 0
+
+    async def run(self, request_id, prompt, sampling, route, stats):
+        self.prefills.append(route.prefill.name)
+        if route.prefill.name in self.fail_on:
+            raise WorkerError(f"{route.prefill.name} is down")
+        done = False
+        try:
+            for i, token in enumerate(self.tokens):
+                if self.error_after is not None and i == self.error_after:
+                    raise WorkerError("decode worker died", started=True)
+                last = i == len(self.tokens) - 1
+                done = last  # the consumer stops pulling at the finish reason, as with a worker
+                yield GenerateChunk([token], finish_reason="length" if last else None)
+                await asyncio.sleep(self.pause_s)
+        finally:
+            if done:
+                self.completed += 1
+            else:
+                self.closed_early += 1
+
+
+def make_service(relay, specs=(("p1", "prefill"), ("p2", "prefill"), ("d1", "decode"))):
+    pool = pool_of(*specs)
+    r = router(pool)
+    config = ConductorConfig(model_path="unused", served_model_name="m")
+    return CompletionService(config, LetterTokenizer(), r, relay, r.metrics)
+
+
+async def prepared(service, **body):
+    return await service.prepare(CompletionRequest(model="m", prompt=PROMPT, **body))
+
+
+def assert_all_released(service, status: str, endpoint: str = "completions", first_token: bool = True):
+    snap = service.snapshot()
+    assert snap["in_flight"] == 0 and snap["pending_prefix_entries"] == 0, snap
+    assert all(n == 0 for ledger in snap["ledgers"].values() for n in ledger.values()), snap
+    m = service.metrics
+    answered = [s.labels["status"] for fam in m.registry.collect() if fam.name == "mooncake_requests"
+                for s in fam.samples if s.name == "mooncake_requests_total" for _ in range(int(s.value))]
+    assert answered == [status], answered  # counted once, with its outcome
+    assert m.value("mooncake_request_latency_seconds_count") == (1 if first_token else 0)
+
+
+class Client:
+    """The ASGI side of one streamed response: collects the body, and leaves when told to."""
+
+    def __init__(self, leave_after_bodies=None, spec="2.4"):
+        self.leave_after_bodies = leave_after_bodies
+        self.spec = spec
+        self.messages: list[dict] = []
+        self.left = asyncio.Event()
+
+    @property
+    def scope(self):
+        return {"type": "http", "asgi": {"spec_version": self.spec}}
+
+    async def receive(self):
+        await self.left.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(self, message):
+        bodies = sum(1 for m in self.messages if m["type"] == "http.response.body")
+        if self.leave_after_bodies is not None and bodies >= self.leave_after_bodies:
+            self.left.set()
+            if self.spec >= "2.4":
+                raise OSError("client went away")  # what a 2.4 server's send does after a disconnect
+            await asyncio.sleep(3600)  # a 2.3 server: the disconnect arrives through receive()
+        self.messages.append(message)
+
+    def text(self) -> str:
+        return b"".join(m.get("body", b"") for m in self.messages if m["type"] == "http.response.body").decode()
+
+
+async def drive(response, client: Client):
+    try:
+        await response(client.scope, client.receive, client.send)
+    except ClientDisconnect:
+        assert client.left.is_set()
+
+
+def test_success_non_streamed_releases_once():
+    async def main():
+        relay = ScriptedRelay(list(range(8)))
+        service = make_service(relay)
+        req = await prepared(service, max_tokens=8)
+        response = await service.serve(req, "completions")
+        assert response.status_code == 200 and b'"text": "abcdefgh"' in response.body.replace(b'":"', b'": "')
+        assert relay.completed == 1 and relay.prefills in (["p1"], ["p2"])
+        assert_all_released(service, "200")
+
+    asyncio.run(main())
+
+
+def test_success_streamed_releases_once_after_the_last_byte():
+    async def main():
+        relay = ScriptedRelay(list(range(6)))
+        service = make_service(relay)
+        req = await prepared(service, max_tokens=6, stream=True)
+        response = await service.serve(req, "completions")
+        assert isinstance(response, LifeStreamingResponse)
+        assert service.in_flight == 1  # held by the response until it has been sent
+        client = Client()
+        await drive(response, client)
+        assert "data: [DONE]" in client.text() and relay.completed == 1
+        assert_all_released(service, "200")
+
+    asyncio.run(main())
+
+
+def test_error_before_the_first_token_on_every_prefill_worker_is_503_and_releases():
+    async def main():
+        relay = ScriptedRelay(list(range(4)), fail_on={"p1", "p2", "d1"})
+        service = make_service(relay)
+        req = await prepared(service, max_tokens=4)
+        with pytest.raises(APIError) as info:
+            await service.serve(req, "completions")
+        assert info.value.status == 503
+        assert len(relay.prefills) >= 2  # retried on the other prefill worker first
+        assert_all_released(service, "503", first_token=False)
+
+    asyncio.run(main())
+
+
+def test_retry_on_another_prefill_worker_moves_the_ledger_entry_and_pending_prefix():
+    async def main():
+        relay = ScriptedRelay(list(range(5)))
+        service = make_service(relay)
+        first = service.router.pick("probe", PROMPT, 5, 0.0)  # which instance the core will choose
+        service.router.finished(first, None)
+        relay.fail_on = {first.prefill.name}
+        req = await prepared(service, max_tokens=5, stream=True)
+        response = await service.serve(req, "completions")
+        other = "p2" if first.prefill.name == "p1" else "p1"
+        assert relay.prefills == [first.prefill.name, other]
+        assert response.headers["x-mooncake-prefill"] == other
+        snap = service.snapshot()  # mid-request: only the new route holds entries
+        assert snap["ledgers"][first.prefill.name] == {"prefill_jobs": 0, "incoming": 0, "running": 0}
+        assert snap["ledgers"]["d1"]["running"] == 1 and snap["in_flight"] == 1
+        assert service.metrics.value("mooncake_retries_total", stage="prefill") == 1
+        await drive(response, Client())
+        assert_all_released(service, "200")
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("spec", ["2.3", "2.4"])
+def test_client_gone_before_the_first_byte_releases_although_the_body_never_started(spec):
+    async def main():
+        relay = ScriptedRelay(list(range(50)))
+        service = make_service(relay)
+        req = await prepared(service, max_tokens=50, stream=True)
+        response = await service.serve(req, "completions")
+        await drive(response, Client(leave_after_bodies=0, spec=spec))
+        assert relay.closed_early == 1  # the workers' stream was closed: their requests are aborted
+        assert_all_released(service, "499")
+
+    asyncio.run(main())
+
+
+def test_response_start_refused_releases_too():
+    """The server cannot even send the headers: the body iterator is never touched."""
+    async def main():
+        relay = ScriptedRelay(list(range(50)))
+        service = make_service(relay)
+        req = await prepared(service, max_tokens=50, stream=True)
+        response = await service.serve(req, "completions")
+
+        async def send(message):
+            raise OSError("connection reset")
+
+        with pytest.raises(ClientDisconnect):
+            await response({"type": "http", "asgi": {"spec_version": "2.4"}}, None, send)
+        assert relay.closed_early == 1
+        assert_all_released(service, "499")
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("spec", ["2.3", "2.4"])
+def test_client_gone_mid_stream_releases_and_aborts_the_workers(spec):
+    async def main():
+        relay = ScriptedRelay(list(range(500)), pause_s=0.001)
+        service = make_service(relay)
+        req = await prepared(service, max_tokens=500, stream=True)
+        response = await service.serve(req, "completions")
+        client = Client(leave_after_bodies=5, spec=spec)
+        await asyncio.wait_for(drive(response, client), timeout=10)
+        assert "[DONE]" not in client.text() and relay.closed_early == 1 and relay.completed == 0
+        assert_all_released(service, "499")
+
+    asyncio.run(main())
+
+
+def test_handler_cancelled_while_collecting_a_non_streamed_answer_releases():
+    async def main():
+        relay = ScriptedRelay(list(range(500)), pause_s=0.001)
+        service = make_service(relay)
+        req = await prepared(service, max_tokens=500)
+        task = asyncio.create_task(service.serve(req, "completions"))
+        while service.metrics.value("mooncake_generated_tokens_total") < 5:
+            await asyncio.sleep(0.001)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert relay.closed_early == 1
+        assert_all_released(service, "499")
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_stop_string_ends_the_request_aborts_the_workers_and_releases(stream):
+    async def main():
+        relay = ScriptedRelay(list(range(26)) * 4)
+        service = make_service(relay)
+        req = await prepared(service, max_tokens=104, stop=["fg"], stream=stream)
+        response = await service.serve(req, "completions")
+        if stream:
+            client = Client()
+            await drive(response, client)
+            body = client.text()
+        else:
+            body = response.body.decode()
+        assert '"finish_reason": "stop"' in body.replace('":"', '": "') and "fg" not in body
+        assert relay.closed_early == 1
+        assert_all_released(service, "200")
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_worker_failure_mid_request_releases_with_502(stream):
+    async def main():
+        relay = ScriptedRelay(list(range(20)), error_after=3)
+        service = make_service(relay)
+        req = await prepared(service, max_tokens=20, stream=stream)
+        if stream:
+            response = await service.serve(req, "completions")
+            client = Client()
+            await drive(response, client)
+            assert "worker_failed" in client.text()
+        else:
+            with pytest.raises(APIError) as info:
+                await service.serve(req, "completions")
+            assert info.value.status == 502
+        assert_all_released(service, "502")
+
+    asyncio.run(main())
+
+
+def test_refused_at_admission_holds_nothing_and_is_counted_once():
+    async def main():
+        service = make_service(ScriptedRelay([1]), specs=(("p1", "prefill"),))  # no decode worker
+        req = await prepared(service, max_tokens=1)
+        with pytest.raises(APIError) as info:
+            await service.serve(req, "completions")
+        assert info.value.status == 503
+        assert_all_released(service, "503", first_token=False)
+
+    asyncio.run(main())
