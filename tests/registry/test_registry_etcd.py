@@ -52,10 +52,11 @@ def test_register_watch_alive_deregister(etcd_server) -> None:
         f = Follower(conductor)
         await wait_until(lambda: f.ids() == {"p0"}, what="initial resync")
         assert f.kinds[0] == "resync"
-        await worker.register(info("d0", "decode"), cfg.ttl_s)
+        d0 = info("d0", "decode")
+        await worker.register(d0, cfg.ttl_s)
         await wait_until(lambda: f.ids() == {"p0", "d0"}, what="put d0")
         snap = await conductor.snapshot()
-        assert snap["d0"] == info("d0", "decode") and snap["p0"].role == "prefill"
+        assert snap["d0"] == d0 and snap["p0"].role == "prefill"
 
         # Key layout, as documented: both keys attached to one lease.
         keys = etcd_server.etcdctl("get", "--prefix", "/mooncake/v1/", "--keys-only").split()
