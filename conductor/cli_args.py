@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import argparse
 
-from conductor.config import DEFAULT_PROFILE
+from conductor.config import DEFAULT_PROFILE, live_scheduler_config
 from conductor.core.config import Admission, Policy, SchedulerConfig
+from mooncake import defaults
 
 
 def add_scheduler_arguments(parser: argparse.ArgumentParser) -> None:
@@ -14,21 +15,34 @@ def add_scheduler_arguments(parser: argparse.ArgumentParser) -> None:
                    help="how the (prefill, decode) pair is chosen (default: kvcache-centric)")
     g.add_argument("--admission", choices=[a.value for a in Admission], default=Admission.PREDICTION.value,
                    help="overload admission: refuse early with 429 + Retry-After (default: prediction)")
-    g.add_argument("--ttft-slo", type=float, default=30.0, help="time-to-first-token SLO (seconds)")
-    g.add_argument("--tbt-slo", type=float, default=0.5, help="time-between-tokens SLO (seconds)")
+    g.add_argument("--ttft-slo", type=float, default=defaults.TTFT_SLO_S, help="time-to-first-token SLO (seconds)")
+    g.add_argument("--tbt-slo", type=float, default=defaults.TBT_SLO_S, help="time-between-tokens SLO (seconds)")
     g.add_argument("--balancing-threshold", type=float, default=1.5,
                    help="kvcache_balancing_threshold of Algorithm 1 (ratio >= 1)")
     g.add_argument("--no-conditional-disaggregation", action="store_true",
                    help="never prefill on the decode instance itself")
     g.add_argument("--profile", default=DEFAULT_PROFILE,
                    help="estimator profile table: a bundled name or a JSON path (see `mooncake profile`)")
-    g.add_argument("--block-size", type=int, default=128,
-                   help="KV block size in tokens; must equal the workers' (default 128)")
+    g.add_argument("--block-size", type=int, default=defaults.KV_BLOCK_SIZE,
+                   help="KV block size in tokens; must equal the workers'")
+
+
+def check_scheduler_args(args: argparse.Namespace) -> list[str]:
+    """Options SchedulerConfig would refuse, as sentences, before anything starts."""
+    if args.block_size <= 0 or args.block_size % defaults.BLOCK_SIZE_MULTIPLE:
+        # Every worker would be refused: theirs is a multiple of 32 on vLLM-CPU.
+        return [f"--block-size must be a positive multiple of {defaults.BLOCK_SIZE_MULTIPLE} (the workers' "
+                f"KV block size on vLLM-CPU), got {args.block_size}"]
+    try:
+        scheduler_config(args)
+    except ValueError as exc:
+        return [str(exc)]
+    return []
 
 
 def scheduler_config(args: argparse.Namespace) -> SchedulerConfig:
-    return SchedulerConfig(
+    return live_scheduler_config(
         policy=args.policy, admission=args.admission, block_size=args.block_size, ttft_slo_s=args.ttft_slo,
         tbt_slo_s=args.tbt_slo, kvcache_balancing_threshold=args.balancing_threshold,
-        conditional_disaggregation=not args.no_conditional_disaggregation, default_decode_s=5.0,
+        conditional_disaggregation=not args.no_conditional_disaggregation,
     )

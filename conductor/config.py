@@ -5,8 +5,33 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from conductor.core.config import SchedulerConfig
+from mooncake import defaults
 
-DEFAULT_PROFILE = "smollm2-135m-cpu"
+DEFAULT_PROFILE = defaults.PROFILE
+
+
+def live_scheduler_config(**overrides) -> SchedulerConfig:
+    """The live cluster's scheduler config: SchedulerConfig's own defaults are paper-scale (the
+    simulator's), so the live values of mooncake.defaults are always passed explicitly here."""
+    knobs = dict(block_size=defaults.KV_BLOCK_SIZE, ttft_slo_s=defaults.TTFT_SLO_S, tbt_slo_s=defaults.TBT_SLO_S,
+                 default_decode_s=defaults.DEFAULT_DECODE_S)
+    return SchedulerConfig(**{**knobs, **overrides})
+
+
+def worker_block_size_error(worker_block_size: int, conductor_block_size: int) -> str | None:
+    """Why a worker registered with `worker_block_size` must not be routed to, or None.
+
+    The conductor refuses such a worker rather than following the workers' block size: prompt
+    hashes, the global prefix index, the scheduler's pricing (cached and fetched tokens) and the
+    KV transfer plans all count in blocks, and a cluster whose workers disagree has no single
+    block size to follow. One fixed size, given to the conductor and to every worker (serve does
+    both from one value), keeps them all in one unit; a mismatch is a configuration error the
+    user must see, not something to adapt to silently."""
+    if worker_block_size and worker_block_size != conductor_block_size:
+        return (f"its KV block size is {worker_block_size} tokens but the conductor's is {conductor_block_size}; "
+                f"start the worker with --block-size {conductor_block_size} (or the conductor with "
+                f"--block-size {worker_block_size})")
+    return None
 
 
 @dataclass(frozen=True)
@@ -15,11 +40,11 @@ class ConductorConfig:
     """Safetensors folder; the conductor loads only its tokenizer and chat template."""
     served_model_name: str
     host: str = "127.0.0.1"
-    port: int = 8000
+    port: int = defaults.CONDUCTOR_PORT
     prefill_urls: tuple[str, ...] = ()
     """Internal URLs of prefill-capable workers (embedded cluster; a registry adds more)."""
     decode_urls: tuple[str, ...] = ()
-    max_model_len: int = 8192
+    max_model_len: int = defaults.MAX_MODEL_LEN
     api_key: str | None = None
     """If set, every /v1 request must carry `Authorization: Bearer <api_key>` (else 401)."""
     max_body_bytes: int = 16 << 20
@@ -34,12 +59,12 @@ class ConductorConfig:
     registry_url: str | None = None
     """etcd://HOST:PORT to follow an etcd cluster; None hosts the embedded registry on this
     server (workers register with --registry embedded+http://THIS_HOST:PORT)."""
-    registry_ttl_s: float = 5.0
+    registry_ttl_s: float = defaults.REGISTRY_TTL_S
     kv_events_interval_s: float = 0.25
     """How often each worker's KV events are pulled into the global prefix index."""
-    scheduler: SchedulerConfig = field(default_factory=lambda: SchedulerConfig(
-        block_size=128, ttft_slo_s=30.0, tbt_slo_s=0.5, default_decode_s=5.0))
-    """The scheduling core's knobs (policy, admission, SLOs). block_size must equal the workers'."""
+    scheduler: SchedulerConfig = field(default_factory=live_scheduler_config)
+    """The scheduling core's knobs (policy, admission, SLOs). block_size must equal the workers'
+    (see worker_block_size_error)."""
     profile: str = DEFAULT_PROFILE
     """Profile table the estimators are fitted from: a bundled name or a JSON path."""
 

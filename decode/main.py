@@ -6,17 +6,23 @@ from __future__ import annotations
 
 import argparse
 
-from mooncake.engine.cli import add_worker_arguments, worker_config
+from mooncake import defaults
+from mooncake.defaults import WorkerRole
+from mooncake.engine.cli import add_worker_arguments, check_worker_args, worker_config
 
-DEFAULT_PORT = 8200
+DEFAULT_PORT = defaults.DECODE_PORT
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_worker_arguments(parser, DEFAULT_PORT)
 
 
+def check(args: argparse.Namespace) -> list[str]:
+    return check_worker_args(args)
+
+
 def run(args: argparse.Namespace, model_path: str) -> int:
     from mooncake.engine.runner import run_worker
 
-    run_worker(worker_config(args, "decode", model_path))
+    run_worker(worker_config(args, WorkerRole.DECODE, model_path))
     return 0

@@ -5,8 +5,9 @@ A frame is a fixed 20-byte prefix, a JSON header and a raw payload:
     magic "MCKV" | version u8 | 3 pad bytes | header length u32 | payload length u64
 
 Headers are small (ids, shapes, checksums); payloads are whole KV blocks copied as they lie in
-memory, so the data path never walks tokens in Python. Receivers read the payload straight into a
-preallocated buffer with recv_into.
+memory, so the data path never walks tokens in Python. Receivers allocate a new bytearray of the
+payload's length for each frame and fill it with recv_into (no intermediate copies, but one
+allocation per frame; MAX_PAYLOAD_BYTES bounds it).
 """
 
 from __future__ import annotations

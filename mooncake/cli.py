@@ -15,7 +15,9 @@ import argparse
 import sys
 from pathlib import Path
 
+from mooncake import defaults
 from mooncake.cli_help import DefaultsHelpFormatter
+from mooncake.defaults import Dtype, engine_option_errors
 from mooncake.logs import configure_logging, uvicorn_log_config
 
 
@@ -33,9 +35,27 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return serve(ClusterConfig(
         model_path=model, served_model_name=args.served_model_name or Path(model).name, host=args.host,
         port=args.port, num_prefill=args.prefill, num_decode=args.decode, first_worker_port=args.worker_port,
-        dtype=args.dtype, max_model_len=args.max_model_len, kv_cache_gib=args.kv_cache_gib,
+        dtype=args.dtype, max_model_len=args.max_model_len, kv_cache_gib=int(args.kv_cache_gib),
         chunk_size=args.chunk_size, api_key=args.api_key, scheduler=scheduler_config(args), profile=args.profile,
     ))
+
+
+def _check_serve(args: argparse.Namespace) -> list[str]:
+    from conductor.cli_args import check_scheduler_args
+
+    errors = engine_option_errors(args.kv_cache_gib, args.block_size, args.chunk_size)
+    errors += [e for e in check_scheduler_args(args) if e not in errors]
+    if args.max_model_len < 16:
+        errors.append(f"--max-model-len must be >= 16, got {args.max_model_len}")
+    if args.prefill < 0 or args.decode < 1:
+        errors.append("a cluster needs --decode >= 1 and --prefill >= 0")
+    return errors
+
+
+def _check_conductor(args: argparse.Namespace) -> list[str]:
+    from conductor.cli_args import check_scheduler_args
+
+    return check_scheduler_args(args)
 
 
 def _cmd_conductor(args: argparse.Namespace) -> int:
@@ -87,24 +107,28 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--model", default=None, help="safetensors model folder (default: SmolLM2-135M-Instruct)")
     serve.add_argument("--served-model-name", default=None, help="model name clients use")
     serve.add_argument("--host", default="127.0.0.1", help="conductor bind address")
-    serve.add_argument("--port", type=int, default=8000, help="conductor port (the public API)")
+    serve.add_argument("--port", type=int, default=defaults.CONDUCTOR_PORT, help="conductor port (the public API)")
     serve.add_argument("--prefill", type=int, default=1, help="prefill workers to start")
     serve.add_argument("--decode", type=int, default=1, help="decode workers to start")
-    serve.add_argument("--worker-port", type=int, default=8100, help="first internal port of the workers")
-    serve.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+    serve.add_argument("--worker-port", type=int, default=defaults.PREFILL_PORT,
+                       help="first internal port of the workers")
+    serve.add_argument("--dtype", default=str(defaults.DTYPE), choices=[str(d) for d in Dtype],
                        help="float32 keeps greedy output exact on CPU; bfloat16 is faster")
-    serve.add_argument("--max-model-len", type=int, default=8192, help="longest prompt+output (tokens)")
-    serve.add_argument("--kv-cache-gib", type=float, default=1.0, help="KV cache per worker (GiB)")
-    serve.add_argument("--chunk-size", type=int, default=2048, help="prefill chunk (tokens per step)")
+    serve.add_argument("--max-model-len", type=int, default=defaults.MAX_MODEL_LEN,
+                       help="longest prompt+output (tokens)")
+    # A float, so that 0.25 gets the clear "whole GiB" message of _check_serve.
+    serve.add_argument("--kv-cache-gib", type=float, default=defaults.KV_CACHE_GIB,
+                       help="KV cache per worker (whole GiB)")
+    serve.add_argument("--chunk-size", type=int, default=defaults.CHUNK_SIZE, help="prefill chunk (tokens per step)")
     serve.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1")
     add_scheduler_arguments(serve)
-    serve.set_defaults(func=_cmd_serve)
+    serve.set_defaults(func=_cmd_serve, check=_check_serve, subparser=serve)
 
     for name, module, text in (("prefill", prefill_main, "run one prefill worker"),
                                ("decode", decode_main, "run one decode worker")):
         p = sub.add_parser(name, help=text, description=module.__doc__, formatter_class=DefaultsHelpFormatter)
         module.add_arguments(p)
-        p.set_defaults(func=_cmd_worker(module))
+        p.set_defaults(func=_cmd_worker(module), check=module.check, subparser=p)
 
     cond = sub.add_parser("conductor", help="run the API server alone, pointed at workers",
                           formatter_class=DefaultsHelpFormatter,
@@ -112,10 +136,11 @@ def build_parser() -> argparse.ArgumentParser:
     cond.add_argument("--model", default=None, help="model folder (for the tokenizer and chat template)")
     cond.add_argument("--served-model-name", default=None, help="model name clients use")
     cond.add_argument("--host", default="127.0.0.1", help="bind address")
-    cond.add_argument("--port", type=int, default=8000, help="public port")
+    cond.add_argument("--port", type=int, default=defaults.CONDUCTOR_PORT, help="public port")
     cond.add_argument("--prefill-url", action="append", default=[], help="a prefill worker's URL (repeat)")
     cond.add_argument("--decode-url", action="append", default=[], help="a decode worker's URL (repeat)")
-    cond.add_argument("--max-model-len", type=int, default=8192, help="longest prompt+output (tokens)")
+    cond.add_argument("--max-model-len", type=int, default=defaults.MAX_MODEL_LEN,
+                      help="longest prompt+output (tokens)")
     cond.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1")
     cond.add_argument("--kv-wait-timeout", type=float, default=30.0,
                       help="seconds a decode worker waits for pushed KV before recomputing")
@@ -123,9 +148,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="follow an etcd cluster's registry (http://HOST:PORT or etcd://HOST:PORT); "
                            "default: host the embedded registry (workers use --registry embedded+http://...)")
     cond.add_argument("--registry", default=None, help="registry URL (etcd://HOST:PORT); same as --etcd")
-    cond.add_argument("--registry-ttl", type=float, default=5.0, help="seconds before a silent worker leaves routing")
+    cond.add_argument("--registry-ttl", type=float, default=defaults.REGISTRY_TTL_S,
+                      help="seconds before a silent worker leaves routing")
     add_scheduler_arguments(cond)
-    cond.set_defaults(func=_cmd_conductor)
+    cond.set_defaults(func=_cmd_conductor, check=_check_conductor, subparser=cond)
 
     prep = sub.add_parser("prepare-model", help="convert the default model once; prints its folder")
     prep.set_defaults(func=_cmd_prepare)
@@ -146,6 +172,11 @@ def main(argv: list[str] | None = None) -> int:
         target = {"sim": "conductor.sim.cli", "profile": "conductor.profile.cli"}[argv[0]]
         return importlib.import_module(target).main(argv[1:])
     args = build_parser().parse_args(argv)
+    # Options no engine can take are refused here, before a model is prepared or a process
+    # starts (usage message, exit code 2), rather than by every engine minutes later.
+    errors = args.check(args) if hasattr(args, "check") else []
+    if errors:
+        args.subparser.error("; ".join(errors))
     return args.func(args)
 
 

@@ -2,7 +2,9 @@
 
 Starts N prefill and M decode worker processes (each its own process group, so stopping them
 also stops vLLM's engine processes), then runs the conductor in this process. Ctrl-C or SIGTERM
-stops the conductor, then every worker it started.
+stops the conductor, then every worker it started. A worker that dies while starting (its
+process exits, or its /health says "failed") ends `serve` with that worker's error: no cluster
+that can never become ready keeps answering 503.
 """
 
 from __future__ import annotations
@@ -12,10 +14,15 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from conductor.config import live_scheduler_config
 from conductor.core.config import SchedulerConfig
+from mooncake import defaults
+from mooncake.defaults import Dtype, WorkerRole, engine_option_errors
 from mooncake.logs import uvicorn_log_config
 
 log = logging.getLogger(__name__)
@@ -26,22 +33,26 @@ class ClusterConfig:
     model_path: str
     served_model_name: str
     host: str = "127.0.0.1"
-    port: int = 8000
+    port: int = defaults.CONDUCTOR_PORT
     num_prefill: int = 1
     num_decode: int = 1
-    first_worker_port: int = 8100
-    dtype: str = "float32"
-    max_model_len: int = 8192
-    kv_cache_gib: float = 1.0
-    chunk_size: int = 2048
+    first_worker_port: int = defaults.PREFILL_PORT
+    dtype: Dtype = defaults.DTYPE
+    max_model_len: int = defaults.MAX_MODEL_LEN
+    kv_cache_gib: int = defaults.KV_CACHE_GIB
+    chunk_size: int = defaults.CHUNK_SIZE
     api_key: str | None = None
-    scheduler: SchedulerConfig = field(default_factory=lambda: SchedulerConfig(
-        block_size=128, ttft_slo_s=30.0, tbt_slo_s=0.5, default_decode_s=5.0))
-    profile: str = "smollm2-135m-cpu"
+    scheduler: SchedulerConfig = field(default_factory=live_scheduler_config)
+    """Its block_size is also every worker's, so they cannot disagree."""
+    profile: str = defaults.PROFILE
 
     def __post_init__(self) -> None:
         if self.num_prefill < 0 or self.num_decode < 1:
             raise ValueError("a cluster needs at least one decode worker (and zero or more prefill workers)")
+        # Checked here, before any worker starts: each would otherwise die inside vLLM.
+        errors = engine_option_errors(self.kv_cache_gib, self.scheduler.block_size, self.chunk_size)
+        if errors:
+            raise ValueError("; ".join(errors))
 
 
 def plan_cpu_binding(cores: list[int], count: int) -> list[str]:
@@ -64,9 +75,53 @@ def plan_cpu_binding(cores: list[int], count: int) -> list[str]:
 
 @dataclass
 class WorkerProcess:
-    role: str
+    role: WorkerRole
     url: str
     process: subprocess.Popen
+
+
+def startup_failure(worker: WorkerProcess, health: dict | None) -> str | None:
+    """The error that ends `serve` for this starting worker, or None (pure but for poll()).
+
+    `health` is the body of its /health (None: not answering yet)."""
+    code = worker.process.poll()
+    if code is not None:
+        return (f"{worker.role} worker {worker.url} (pid {worker.process.pid}) exited with code {code} "
+                f"while starting; its log is above")
+    if health and health.get("status") == "failed":
+        return f"{worker.role} worker {worker.url} failed to start: {health.get('error') or 'no error given'}"
+    return None
+
+
+def wait_until_ready(workers: list[WorkerProcess], fetch_health: Callable[[str], dict | None],
+                     stop: threading.Event, interval_s: float = 1.0) -> str | None:
+    """Watch starting workers until all are ready (None), one fails (its error), or `stop` is
+    set (None). A ready worker is no longer watched: later deaths are the conductor's to route
+    around, as in a multi-host cluster."""
+    starting = list(workers)
+    while starting and not stop.is_set():
+        still = []
+        for w in starting:
+            health = fetch_health(w.url)
+            failure = startup_failure(w, health)
+            if failure:
+                return failure
+            if not (health and health.get("status") == "ready"):
+                still.append(w)
+        starting = still
+        if starting:
+            stop.wait(interval_s)
+    return None
+
+
+def fetch_health(url: str) -> dict | None:
+    import httpx
+
+    try:
+        body = httpx.get(f"{url}/health", timeout=2.0).json()
+    except (httpx.HTTPError, ValueError):
+        return None
+    return body if isinstance(body, dict) else None
 
 
 class Cluster:
@@ -76,14 +131,14 @@ class Cluster:
 
     def start(self) -> None:
         c = self.config
-        roles = ["prefill"] * c.num_prefill + ["decode"] * c.num_decode
+        roles = [WorkerRole.PREFILL] * c.num_prefill + [WorkerRole.DECODE] * c.num_decode
         binding = plan_cpu_binding(list(os.sched_getaffinity(0)), len(roles))
         for i, (role, cores) in enumerate(zip(roles, binding)):
             port = c.first_worker_port + i
             cmd = [sys.executable, "-m", "mooncake.cli", role, "--model", c.model_path,
                    "--served-model-name", c.served_model_name, "--host", "127.0.0.1", "--port", str(port),
-                   "--dtype", c.dtype, "--max-model-len", str(c.max_model_len),
-                   "--kv-cache-gib", f"{c.kv_cache_gib:g}", "--chunk-size", str(c.chunk_size),
+                   "--dtype", str(c.dtype), "--max-model-len", str(c.max_model_len),
+                   "--kv-cache-gib", str(int(c.kv_cache_gib)), "--chunk-size", str(c.chunk_size),
                    "--cpu-bind", cores, "--instance-id", f"{role}-{i}",
                    "--block-size", str(c.scheduler.block_size),
                    # The conductor in this process hosts the embedded registry.
@@ -92,7 +147,7 @@ class Cluster:
             self.workers.append(WorkerProcess(role, f"http://127.0.0.1:{port}", proc))
             log.info("started %s worker on port %d (cores %s, pid %d)", role, port, cores, proc.pid)
 
-    def urls(self, role: str) -> tuple[str, ...]:
+    def urls(self, role: WorkerRole) -> tuple[str, ...]:
         return tuple(w.url for w in self.workers if w.role == role)
 
     def stop(self, grace_s: float = 10.0) -> None:
@@ -133,6 +188,7 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
 
 
 def serve(config: ClusterConfig) -> int:
+    """Run the cluster until Ctrl-C / SIGTERM (0) or until a worker dies while starting (1)."""
     import uvicorn
 
     from conductor.app import create_app
@@ -141,18 +197,33 @@ def serve(config: ClusterConfig) -> int:
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     cluster = Cluster(config)
     cluster.start()
+    stop = threading.Event()
+    failure: list[str] = []
     try:
         app = create_app(ConductorConfig(
             model_path=config.model_path, served_model_name=config.served_model_name, host=config.host,
-            port=config.port, prefill_urls=cluster.urls("prefill"), decode_urls=cluster.urls("decode"),
-            max_model_len=config.max_model_len, api_key=config.api_key, scheduler=config.scheduler,
-            profile=config.profile,
+            port=config.port, prefill_urls=cluster.urls(WorkerRole.PREFILL),
+            decode_urls=cluster.urls(WorkerRole.DECODE), max_model_len=config.max_model_len,
+            api_key=config.api_key, scheduler=config.scheduler, profile=config.profile,
         ))
+        server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="info",
+                                               timeout_graceful_shutdown=5, log_config=uvicorn_log_config()))
+
+        def watch() -> None:
+            error = wait_until_ready(cluster.workers, fetch_health, stop)
+            if error:
+                failure.append(error)
+                server.should_exit = True  # uvicorn polls this and shuts down; `finally` stops the rest
+
+        threading.Thread(target=watch, name="startup-watch", daemon=True).start()
         log.info("conductor on http://%s:%d/v1 (workers take ~30-60 s to load; /health says when ready)",
                  config.host, config.port)
-        uvicorn.run(app, host=config.host, port=config.port, log_level="info", timeout_graceful_shutdown=5,
-                    log_config=uvicorn_log_config())
+        server.run()
     finally:
+        stop.set()
         log.info("stopping workers")
         cluster.stop()
+    if failure:
+        print(f"mooncake serve: {failure[0]}; stopped the other workers", file=sys.stderr)
+        return 1
     return 0

@@ -10,6 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from mooncake import defaults
 from tests.processes import Proc, free_port, free_port_block, start, wait_http
 
 MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -66,9 +67,11 @@ def colocated_server(model_path, log_dir):
     """Stock vLLM OpenAI server (no connector, no disaggregation), same engine settings."""
     port = free_port()
     proc = start("colocated", ["-m", "vllm.entrypoints.openai.api_server", "--model", model_path,
-                               "--served-model-name", MODEL_NAME, "--port", str(port), "--dtype", "float32",
-                               "--max-model-len", "8192", "--enforce-eager", "--max-num-batched-tokens", "2048"],
-                 log_dir, env={"VLLM_CPU_KVCACHE_SPACE": "1"})
+                               "--served-model-name", MODEL_NAME, "--port", str(port), "--dtype", str(defaults.DTYPE),
+                               "--max-model-len", str(defaults.MAX_MODEL_LEN), "--enforce-eager",
+                               "--max-num-batched-tokens", str(defaults.CHUNK_SIZE),
+                               "--block-size", str(defaults.KV_BLOCK_SIZE)],
+                 log_dir, env={"VLLM_CPU_KVCACHE_SPACE": str(defaults.KV_CACHE_GIB)})
     try:
         wait_http(proc, f"http://127.0.0.1:{port}/health", 300)
     except BaseException:

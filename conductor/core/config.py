@@ -7,6 +7,16 @@ import math
 from dataclasses import dataclass
 
 
+# Paper-scale values (Mooncake's 512-token blocks and a 0.1 s TBT SLO for a 70B model on
+# GPUs): the defaults of this core and of the simulator, which replays paper-scale traces.
+# The live cluster's values are different on purpose (a 135M model on CPU) and are set, in
+# one place, in mooncake.defaults; the live conductor always passes them explicitly.
+PAPER_BLOCK_SIZE = 512
+PAPER_TTFT_SLO_S = 30.0
+PAPER_TBT_SLO_S = 0.1
+PAPER_DEFAULT_DECODE_S = 20.0
+
+
 class Policy(enum.StrEnum):
     RANDOM = "random"
     LOAD_BALANCE = "load-balance"
@@ -23,17 +33,18 @@ class Admission(enum.StrEnum):
 
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
-    """Knobs of the KVCache-centric scheduler (paper sections 4-6)."""
+    """Knobs of the KVCache-centric scheduler (paper sections 4-6). Defaults are paper-scale
+    (PAPER_*); the live conductor builds its config with conductor.config.live_scheduler_config."""
 
     policy: Policy = Policy.KVCACHE_CENTRIC
     """Prefill/decode selection policy."""
     admission: Admission = Admission.PREDICTION
     """Overload admission policy."""
-    block_size: int = 512
+    block_size: int = PAPER_BLOCK_SIZE
     """Tokens per prefix block, the unit of the prefix index and of KV transfers."""
-    ttft_slo_s: float = 30.0
+    ttft_slo_s: float = PAPER_TTFT_SLO_S
     """A request whose predicted time to first token exceeds this is refused."""
-    tbt_slo_s: float = 0.1
+    tbt_slo_s: float = PAPER_TBT_SLO_S
     """A decode instance whose predicted time between tokens would exceed this takes no more."""
     kvcache_balancing_threshold: float = 1.5
     """Algorithm 1: fetch the best holder's longer prefix when best_len / local_len reaches
@@ -42,7 +53,7 @@ class SchedulerConfig:
     """Let kvcache-centric prefill a short prompt on its decode instance (section 4)."""
     colocate_max_new_tokens: int = 2048
     """Largest uncached part that may be prefilled in one step on a decode instance."""
-    default_decode_s: float = 20.0
+    default_decode_s: float = PAPER_DEFAULT_DECODE_S
     """Uniform decode duration t_d assumed by prediction until the cluster has measured one."""
     decode_forecast: str = "fluid"
     """How prediction forecasts running sequences at t*: "fluid" (Little's law thinning) or

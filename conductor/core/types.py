@@ -11,14 +11,20 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from mooncake.defaults import WorkerRole
+
 if TYPE_CHECKING:
     from conductor.core.index import PendingPrefixes, PrefixIndex
     from mooncake.hashing import BlockHash
 
 
 class Role(enum.StrEnum):
-    PREFILL = "prefill"
-    DECODE = "decode"
+    """The scheduler's pool an instance is in. Values are mooncake.defaults.WorkerRole's (the
+    one source of role names); a WorkerRole.BOTH worker is scheduled in the DECODE pool, from
+    which it can also prefill colocated."""
+
+    PREFILL = WorkerRole.PREFILL.value
+    DECODE = WorkerRole.DECODE.value
 
 
 class RejectReason(enum.StrEnum):

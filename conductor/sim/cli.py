@@ -7,7 +7,8 @@ import json
 import pathlib
 import sys
 
-from conductor.core.config import Admission, Policy, SchedulerConfig
+from conductor.core.config import (PAPER_BLOCK_SIZE, PAPER_TBT_SLO_S, PAPER_TTFT_SLO_S, Admission, Policy,
+                                    SchedulerConfig)
 from conductor.core.estimators import Estimators
 from conductor.core.profile_table import ProfileTable, load_profile
 from conductor.core.scheduler import Scheduler
@@ -56,8 +57,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "prediction (refuse on the decode load forecast for when prefill ends)")
     ap.add_argument("--speedup", type=float, default=1.0, metavar="X",
                     help="replay X times faster than the trace's timestamps (2 = twice the load)")
-    ap.add_argument("--ttft-slo", type=float, default=30.0, metavar="S", help="time-to-first-token SLO, seconds")
-    ap.add_argument("--tbt-slo", type=float, default=0.1, metavar="S", help="time-between-tokens SLO, seconds")
+    ap.add_argument("--ttft-slo", type=float, default=PAPER_TTFT_SLO_S, metavar="S",
+                    help="time-to-first-token SLO, seconds")
+    ap.add_argument("--tbt-slo", type=float, default=PAPER_TBT_SLO_S, metavar="S",
+                    help="time-between-tokens SLO, seconds")
     ap.add_argument("--profile", default="paper-70b-8gpu", metavar="NAME|PATH",
                     help="profile table the estimators and cost models are fitted from: a bundled name "
                          "(paper-70b-8gpu) or a JSON path written by `mooncake profile`")
@@ -84,7 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--no-pending-prefixes", action="store_true",
                     help="price a request only with prefixes already stored, not with those that prefills already "
                          "queued on the same instance will store first (the live router counts those)")
-    ap.add_argument("--block-size", type=int, default=512, metavar="B", help="tokens per trace hash_id block")
+    ap.add_argument("--block-size", type=int, default=PAPER_BLOCK_SIZE, metavar="B",
+                    help="tokens per trace hash_id block")
     ap.add_argument("--prefill-cache-blocks", type=int, default=None, metavar="K",
                     help="KVCache pool per prefill instance, in blocks (default: from the profile)")
     ap.add_argument("--decode-cache-blocks", type=int, default=None, metavar="K",

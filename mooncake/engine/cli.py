@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 
-from mooncake.engine.config import DTYPES, WorkerConfig
+from mooncake import defaults
+from mooncake.defaults import Dtype, WorkerRole, engine_option_errors
+from mooncake.engine.config import WorkerConfig
 
 
 def add_worker_arguments(parser: argparse.ArgumentParser, default_port: int) -> None:
@@ -18,26 +20,38 @@ def add_worker_arguments(parser: argparse.ArgumentParser, default_port: int) -> 
                         help="port where this worker receives KV bytes (0: any free port)")
     parser.add_argument("--advertise-host", default=None,
                         help="address other hosts use to reach this worker (default: --host)")
-    parser.add_argument("--dtype", choices=DTYPES, default="float32",
+    parser.add_argument("--dtype", choices=[str(d) for d in Dtype], default=str(defaults.DTYPE),
                         help="weights and KV dtype; float32 keeps greedy output exact on CPU")
-    parser.add_argument("--max-model-len", type=int, default=8192, help="longest prompt+output (tokens)")
-    parser.add_argument("--kv-cache-gib", type=float, default=1.0, help="KV cache size (GiB)")
+    parser.add_argument("--max-model-len", type=int, default=defaults.MAX_MODEL_LEN,
+                        help="longest prompt+output (tokens)")
+    # Parsed as a float so that 0.25 gets the clear "whole GiB" message of check_worker_args.
+    parser.add_argument("--kv-cache-gib", type=float, default=defaults.KV_CACHE_GIB,
+                        help="KV cache size (whole GiB)")
     parser.add_argument("--cpu-bind", default=None,
                         help='cores for the engine threads, e.g. "0" or "0-3" (VLLM_CPU_OMP_THREADS_BIND)')
-    parser.add_argument("--chunk-size", type=int, default=2048,
+    parser.add_argument("--chunk-size", type=int, default=defaults.CHUNK_SIZE,
                         help="tokens per engine step; longer prompts prefill in chunks (tokens)")
-    parser.add_argument("--block-size", type=int, default=128,
-                        help="KV block size in tokens (a multiple of 32 on CPU); the conductor's must match")
+    parser.add_argument("--block-size", type=int, default=defaults.KV_BLOCK_SIZE,
+                        help=f"KV block size in tokens (a multiple of {defaults.BLOCK_SIZE_MULTIPLE} on CPU); "
+                             "the conductor's must match")
     parser.add_argument("--no-prefix-caching", action="store_true", help="disable the local prefix cache")
     parser.add_argument("--instance-id", default=None, help="stable name of this instance (default: random)")
     parser.add_argument("--registry", default=None,
                         help="register here when ready: etcd://HOST:PORT or embedded+http://CONDUCTOR:PORT")
     parser.add_argument("--etcd", default=None, help="shorthand for --registry etcd://HOST:PORT (accepts http://)")
-    parser.add_argument("--registry-ttl", type=float, default=5.0,
+    parser.add_argument("--registry-ttl", type=float, default=defaults.REGISTRY_TTL_S,
                         help="seconds after which a silent worker leaves routing")
 
 
-def worker_config(args: argparse.Namespace, role: str, model_path: str) -> WorkerConfig:
+def check_worker_args(args: argparse.Namespace) -> list[str]:
+    """Options the engine cannot take, found before the model is resolved or vLLM imported."""
+    errors = engine_option_errors(args.kv_cache_gib, args.block_size, args.chunk_size)
+    if args.max_model_len < 16:
+        errors.append(f"--max-model-len must be >= 16, got {args.max_model_len}")
+    return errors
+
+
+def worker_config(args: argparse.Namespace, role: WorkerRole, model_path: str) -> WorkerConfig:
     from pathlib import Path
 
     extra = {"instance_id": args.instance_id} if args.instance_id else {}

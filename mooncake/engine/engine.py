@@ -21,7 +21,8 @@ CONNECTOR_MODULE = "kv_connector.connector"
 
 def set_engine_environment(config: WorkerConfig) -> None:
     """vLLM-CPU reads these at engine start; set them before the engine is built."""
-    os.environ["VLLM_CPU_KVCACHE_SPACE"] = f"{config.kv_cache_gib:g}"
+    # vLLM-CPU parses this with int(); WorkerConfig has already refused a fractional size.
+    os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(int(config.kv_cache_gib))
     if config.cpu_bind:
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = config.cpu_bind
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO")

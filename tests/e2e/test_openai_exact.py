@@ -1,5 +1,13 @@
 """Disaggregated greedy output equals the same vLLM engine run colocated, token for token,
-through the official openai client, streamed and not."""
+through the official openai client, streamed and not.
+
+The disaggregated side is a conductor without conditional disaggregation in front of the spine
+cluster's workers, and every compared answer's headers must name two different workers: the
+serve conductor would prefill short prompts on the decode worker itself, and an exactness test
+that silently compares colocated with colocated proves nothing about KV transfer.
+"""
+
+import time
 
 import httpx
 import openai
@@ -7,37 +15,69 @@ import pytest
 
 from tests.conftest import MODEL_NAME
 from tests.e2e.prompts import CHAT_CONVERSATIONS, COMPLETION_PROMPTS
+from tests.processes import free_port, start, wait_http
 
 pytestmark = pytest.mark.vllm
 MAX_TOKENS = 32
+CHUNK_TOKENS = 2048  # the workers' prefill chunk (mooncake.defaults.CHUNK_SIZE, and the reference's)
 
 
-def completion_texts(base_url: str, stream: bool) -> list[str]:
+@pytest.fixture(scope="module")
+def disaggregated_api(spine_cluster, model_path, log_dir):
+    """A conductor that always prefills on the prefill worker (never colocated)."""
+    port = free_port()
+    proc = start("conductor-always-disaggregated",
+                 ["-m", "mooncake.cli", "conductor", "--port", str(port), "--model", model_path,
+                  "--served-model-name", MODEL_NAME, "--no-conditional-disaggregation",
+                  "--prefill-url", spine_cluster.worker_urls["prefill"],
+                  "--decode-url", spine_cluster.worker_urls["decode"]], log_dir)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        wait_http(proc, base + "/health", 120)
+        deadline = time.monotonic() + 120  # until its health poll has seen both workers ready
+        while min(httpx.get(base + "/health").json()["ready"].values()) < 1:
+            assert time.monotonic() < deadline, "the conductor never saw both workers ready"
+            time.sleep(0.5)
+    except BaseException:
+        proc.stop()
+        raise
+    yield base + "/v1"
+    proc.stop()
+
+
+def assert_disaggregated(headers, what: str) -> None:
+    prefill, decode = headers.get("x-mooncake-prefill"), headers.get("x-mooncake-decode")
+    assert prefill and decode and prefill != decode, f"{what} was not disaggregated: {prefill} / {decode}"
+
+
+def completion_texts(base_url: str, stream: bool, disaggregated: bool = False) -> list[str]:
+    """Greedy texts of COMPLETION_PROMPTS; `disaggregated`: also check each answer's route."""
     client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=300)
     texts = []
-    for prompt in COMPLETION_PROMPTS:
+    for i, prompt in enumerate(COMPLETION_PROMPTS):
+        raw = client.completions.with_raw_response.create(model=MODEL_NAME, prompt=prompt, max_tokens=MAX_TOKENS,
+                                                          temperature=0, stream=stream)
+        if disaggregated:
+            assert_disaggregated(raw.headers, f"completion prompt {i}")
         if stream:
-            parts = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=MAX_TOKENS,
-                                              temperature=0, stream=True)
-            texts.append("".join(p.choices[0].text for p in parts if p.choices))
+            texts.append("".join(p.choices[0].text for p in raw.parse() if p.choices))
         else:
-            r = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
-            texts.append(r.choices[0].text)
+            texts.append(raw.parse().choices[0].text)
     return texts
 
 
-def chat_texts(base_url: str, stream: bool) -> list[str]:
+def chat_texts(base_url: str, stream: bool, disaggregated: bool = False) -> list[str]:
     client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=300)
     texts = []
-    for messages in CHAT_CONVERSATIONS:
+    for i, messages in enumerate(CHAT_CONVERSATIONS):
+        raw = client.chat.completions.with_raw_response.create(model=MODEL_NAME, messages=messages,
+                                                               max_tokens=MAX_TOKENS, temperature=0, stream=stream)
+        if disaggregated:
+            assert_disaggregated(raw.headers, f"chat conversation {i}")
         if stream:
-            parts = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=MAX_TOKENS,
-                                                   temperature=0, stream=True)
-            texts.append("".join((p.choices[0].delta.content or "") for p in parts if p.choices))
+            texts.append("".join((p.choices[0].delta.content or "") for p in raw.parse() if p.choices))
         else:
-            r = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=MAX_TOKENS,
-                                               temperature=0)
-            texts.append(r.choices[0].message.content)
+            texts.append(raw.parse().choices[0].message.content)
     return texts
 
 
@@ -46,23 +86,25 @@ def reference(colocated_server):
     return {"completions": completion_texts(colocated_server, False), "chat": chat_texts(colocated_server, False)}
 
 
-def test_prompt_lengths_cover_short_to_over_1000_tokens(model_path):
+def test_prompt_lengths_cover_short_to_longer_than_a_prefill_chunk(model_path):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_path)
     lengths = [len(tok.encode(p)) for p in COMPLETION_PROMPTS]
-    assert min(lengths) < 10 and max(lengths) > 1000, lengths
-    assert len(set(lengths)) == len(lengths) >= 5
+    assert min(lengths) < 10 and any(1000 < n < CHUNK_TOKENS for n in lengths), lengths
+    # One prompt is prefilled in more than one chunk, and still fits max_model_len (8,192).
+    assert CHUNK_TOKENS < max(lengths) < 8192 - MAX_TOKENS, lengths
+    assert len(set(lengths)) == len(lengths) >= 6
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
-def test_completions_identical_to_colocated(reference, spine_cluster, stream):
-    assert completion_texts(spine_cluster.api, stream) == reference["completions"]
+def test_completions_identical_to_colocated(reference, disaggregated_api, stream):
+    assert completion_texts(disaggregated_api, stream, disaggregated=True) == reference["completions"]
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
-def test_chat_identical_to_colocated(reference, spine_cluster, stream):
-    assert chat_texts(spine_cluster.api, stream) == reference["chat"]
+def test_chat_identical_to_colocated(reference, disaggregated_api, stream):
+    assert chat_texts(disaggregated_api, stream, disaggregated=True) == reference["chat"]
 
 
 def test_decode_loaded_prompt_kv_and_computed_only_new_tokens(spine_cluster):

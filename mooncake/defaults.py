@@ -1,0 +1,92 @@
+"""The one place each live-cluster default and shared enum is defined.
+
+Every command-line option, config dataclass and launcher of the live cluster refers here, so a
+default cannot drift between `mooncake serve`, `mooncake conductor` and the workers. The
+simulator's paper-scale values (512-token blocks, a 0.1 s TBT SLO) are deliberately different
+and live, named as such, in conductor.core.config (PAPER_*).
+
+Also here: the limits vLLM-CPU puts on the engine options, checked before anything starts
+(an engine that dies on a bad value deep inside vLLM leaves `serve` waiting for nothing).
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class WorkerRole(enum.StrEnum):
+    """What a worker process does. BOTH can prefill and decode (colocated)."""
+
+    PREFILL = "prefill"
+    DECODE = "decode"
+    BOTH = "both"
+
+
+class Dtype(enum.StrEnum):
+    """Weights and KV dtype of the engine. FLOAT32 keeps greedy output identical across prefix-
+    cached, colocated and disaggregated runs on vLLM-CPU; BFLOAT16 is faster but its rounding
+    depends on the compute path."""
+
+    FLOAT32 = "float32"
+    BFLOAT16 = "bfloat16"
+    FLOAT16 = "float16"
+
+
+DTYPE = Dtype.FLOAT32
+
+# --- the engine (one worker) ---------------------------------------------------------------
+KV_BLOCK_SIZE = 128
+"""Tokens per KV block: the unit of prefix caching, KV events, hashing and transfers. The
+workers and the conductor must use the same one."""
+MAX_MODEL_LEN = 8192
+"""Longest prompt + output, tokens."""
+CHUNK_SIZE = 2048
+"""Tokens per engine step (vLLM's max_num_batched_tokens); longer prompts prefill in chunks."""
+KV_CACHE_GIB = 1
+"""KV cache per worker, whole GiB (VLLM_CPU_KVCACHE_SPACE)."""
+REGISTRY_TTL_S = 5.0
+"""A worker that stops refreshing its registration leaves routing after this."""
+
+# --- ports ---------------------------------------------------------------------------------
+CONDUCTOR_PORT = 8000
+PREFILL_PORT = 8100
+"""First internal port of `mooncake serve`'s workers, and `mooncake prefill`'s port."""
+DECODE_PORT = 8200
+
+# --- the live conductor's scheduling -------------------------------------------------------
+TTFT_SLO_S = 30.0
+"""A request whose predicted time to first token exceeds this is refused (429)."""
+TBT_SLO_S = 0.5
+"""A decode worker whose predicted time between tokens would exceed this takes no more.
+(SmolLM2-135M on a few CPU cores steps in tens of ms; 0.5 s leaves room for a loaded host.)"""
+DEFAULT_DECODE_S = 5.0
+"""Decode duration assumed by the prediction gate until the cluster has measured one."""
+PROFILE = "smollm2-135m-cpu"
+"""Bundled profile table the live estimators are fitted from."""
+
+# --- limits of vLLM-CPU (checked up front) -------------------------------------------------
+BLOCK_SIZE_MULTIPLE = 32
+"""vLLM-CPU's attention kernel supports block sizes that are multiples of 32 only
+(CPUAttentionBackend.get_supported_kernel_block_sizes: MultipleOf(32))."""
+ENGINE_MAX_NUM_SEQS = 128
+"""vLLM's max_num_seqs for an AsyncLLM built from engine args (SchedulerConfig
+.DEFAULT_MAX_NUM_SEQS); vLLM refuses a max_num_batched_tokens (our chunk size) below it."""
+
+
+def engine_option_errors(kv_cache_gib: float, block_size: int, chunk_size: int) -> list[str]:
+    """What vLLM-CPU would refuse (or crash on) among these options, as sentences for a user.
+
+    An empty list means the engine can take them. Checked by the worker's config and by
+    `mooncake serve` before any process starts."""
+    errors = []
+    if not (kv_cache_gib >= 1 and float(kv_cache_gib).is_integer()):
+        # vLLM-CPU reads VLLM_CPU_KVCACHE_SPACE with int(): "0.25" kills the engine at start.
+        errors.append(f"--kv-cache-gib must be a whole number of GiB >= 1 (vLLM-CPU sizes its KV cache "
+                      f"in whole GiB), got {kv_cache_gib:g}")
+    if block_size <= 0 or block_size % BLOCK_SIZE_MULTIPLE:
+        errors.append(f"--block-size must be a positive multiple of {BLOCK_SIZE_MULTIPLE} "
+                      f"(vLLM-CPU's attention kernel), got {block_size}")
+    if chunk_size < ENGINE_MAX_NUM_SEQS:
+        errors.append(f"--chunk-size must be >= {ENGINE_MAX_NUM_SEQS} (vLLM needs at least one token "
+                      f"per batched sequence, max_num_seqs={ENGINE_MAX_NUM_SEQS}), got {chunk_size}")
+    return errors

@@ -1,0 +1,119 @@
+"""Options are checked up front, and each default has one source (mooncake.defaults).
+
+Nothing here starts vLLM: a refused option must end the command before any engine exists.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conductor.cli_args import scheduler_config
+from conductor.config import ConductorConfig, live_scheduler_config, worker_block_size_error
+from conductor.core.config import PAPER_BLOCK_SIZE, PAPER_TBT_SLO_S, SchedulerConfig
+from mooncake import defaults
+from mooncake.cli import build_parser, main
+from mooncake.defaults import Dtype, WorkerRole, engine_option_errors
+from mooncake.engine.cli import worker_config
+from mooncake.engine.config import WorkerConfig
+from mooncake.launcher import ClusterConfig
+
+from tests.processes import ROOT
+
+
+def parse(*argv: str):
+    return build_parser().parse_args(list(argv))
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["serve", "--kv-cache-gib", "0.25"], "whole number of GiB"),
+    (["serve", "--kv-cache-gib", "0"], "whole number of GiB"),
+    (["serve", "--block-size", "48"], "multiple of 32"),
+    (["serve", "--chunk-size", "64"], "--chunk-size must be >= 128"),
+    (["serve", "--decode", "0"], "--decode >= 1"),
+    (["serve", "--tbt-slo", "0"], "tbt_slo_s"),
+    (["prefill", "--kv-cache-gib", "1.5"], "whole number of GiB"),
+    (["decode", "--block-size", "16"], "multiple of 32"),
+    (["decode", "--max-model-len", "8"], "--max-model-len"),
+    (["conductor", "--block-size", "100"], "multiple of 32"),
+])
+def test_cli_refuses_what_the_engine_cannot_take(argv, needle, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)  # would resolve the model and start processes if the check did not stop it
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert needle in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("argv", [["serve"], ["prefill"], ["decode"], ["conductor"],
+                                  ["serve", "--kv-cache-gib", "2", "--block-size", "64", "--chunk-size", "128"]])
+def test_default_and_valid_options_pass_the_check(argv):
+    args = parse(*argv)
+    assert args.check(args) == []
+
+
+def test_serve_with_a_fractional_kv_cache_exits_at_once_without_starting_anything():
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "mooncake.cli", "serve", "--kv-cache-gib", "0.25",
+                           "--port", "1", "--worker-port", "2"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "--kv-cache-gib must be a whole number of GiB" in proc.stderr
+    assert "Traceback" not in proc.stderr and "started" not in proc.stderr
+    # Generous: the point is minutes (engines dying one by one) versus an interpreter start.
+    assert time.monotonic() - start < 60
+
+
+def test_configs_refuse_bad_engine_options_too():
+    """The dataclasses are the second line, for callers that do not go through the CLI."""
+    with pytest.raises(ValueError, match="whole number of GiB"):
+        WorkerConfig(role="prefill", model="m", served_model_name="m", kv_cache_gib=0.25)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        WorkerConfig(role="decode", model="m", served_model_name="m", block_size=100)
+    with pytest.raises(ValueError, match="role must be one of"):
+        WorkerConfig(role="router", model="m", served_model_name="m")
+    with pytest.raises(ValueError, match="whole number of GiB"):
+        ClusterConfig(model_path="m", served_model_name="m", kv_cache_gib=0.5)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        ClusterConfig(model_path="m", served_model_name="m", scheduler=live_scheduler_config(block_size=500))
+
+
+def test_engine_option_errors_accepts_whole_gib_given_as_float():
+    assert engine_option_errors(2.0, 128, 2048) == []
+    assert WorkerConfig(role="decode", model="m", served_model_name="m", kv_cache_gib=2.0).kv_cache_gib == 2
+
+
+def test_live_defaults_have_one_source():
+    """Every live entry point gets the same values, from mooncake.defaults."""
+    cluster = ClusterConfig(model_path="m", served_model_name="m")
+    conductor = ConductorConfig(model_path="m", served_model_name="m")
+    from_cli = [scheduler_config(parse(cmd)) for cmd in ("serve", "conductor")]
+    for sched in (cluster.scheduler, conductor.scheduler, *from_cli):
+        assert (sched.block_size, sched.ttft_slo_s, sched.tbt_slo_s, sched.default_decode_s) == (
+            defaults.KV_BLOCK_SIZE, defaults.TTFT_SLO_S, defaults.TBT_SLO_S, defaults.DEFAULT_DECODE_S)
+    worker_args = parse("decode")
+    worker = worker_config(worker_args, WorkerRole.DECODE, "/models/m")
+    assert (worker.block_size, worker.kv_cache_gib, worker.max_num_batched_tokens, worker.dtype) == (
+        defaults.KV_BLOCK_SIZE, defaults.KV_CACHE_GIB, defaults.CHUNK_SIZE, Dtype.FLOAT32)
+    assert worker.role is WorkerRole.DECODE and worker.port == defaults.DECODE_PORT
+    assert parse("prefill").port == defaults.PREFILL_PORT
+    serve = parse("serve")
+    assert (serve.kv_cache_gib, serve.chunk_size, serve.max_model_len, serve.dtype) == (
+        defaults.KV_CACHE_GIB, defaults.CHUNK_SIZE, defaults.MAX_MODEL_LEN, defaults.DTYPE)
+    # The values users saw before this module existed.
+    assert (defaults.KV_BLOCK_SIZE, defaults.TTFT_SLO_S, defaults.TBT_SLO_S, defaults.DEFAULT_DECODE_S) == (
+        128, 30.0, 0.5, 5.0)
+
+
+def test_the_core_defaults_are_the_papers_and_named_so():
+    core = SchedulerConfig()
+    assert (core.block_size, core.tbt_slo_s) == (PAPER_BLOCK_SIZE, PAPER_TBT_SLO_S) == (512, 0.1)
+
+
+def test_a_worker_with_another_block_size_is_refused_with_the_fix():
+    assert worker_block_size_error(128, 128) is None
+    assert worker_block_size_error(0, 128) is None  # not known yet
+    message = worker_block_size_error(64, 128)
+    assert message and "--block-size 128" in message and "64" in message
