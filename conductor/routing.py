@@ -22,10 +22,12 @@ from dataclasses import dataclass, field
 from conductor.core.index import PendingPrefixes, PrefixIndex
 from conductor.core.scheduler import Scheduler
 from conductor.core.types import ClusterState, Decision, InstanceState, Rejection, RejectReason, Request, Role
+from conductor.config import worker_block_size_error
 from conductor.errors import APIError
 from conductor.ledger import predicted_prefill_s
 from conductor.metrics import ConductorMetrics
 from conductor.workers import WorkerHandle, WorkerPool
+from mooncake.defaults import WorkerRole
 from mooncake.hashing import hash_prompt_blocks
 
 log = logging.getLogger(__name__)
@@ -57,14 +59,21 @@ class Router:
         # on the same worker finds them cached (vLLM's prefix cache), before any KV event says so.
         self.pending = PendingPrefixes()
         self.mean_decode_s: float | None = None
+        self._refused: set[str] = set()  # workers already reported for a block-size mismatch
 
-    def block_size(self) -> int:
-        sizes = [h.block_size for h in self.pool.all() if h.block_size]
-        return sizes[0] if sizes else 0
+    def _compatible(self, handle: WorkerHandle) -> bool:
+        """A worker whose KV block size differs from the conductor's is never routed to (see
+        worker_block_size_error); said once per worker, as an error, since it is a misconfiguration."""
+        error = worker_block_size_error(handle.block_size, self.scheduler.config.block_size)
+        if error is not None and handle.name not in self._refused:
+            self._refused.add(handle.name)
+            log.error("not routing to %s: %s", handle.name, error)
+        return error is None
 
     def pick(self, request_id: str, prompt: list[int], max_tokens: int, now: float,
              exclude: frozenset[str] | set[str] = frozenset(), allow_none: bool = False) -> Route | None:
-        handles = {h.name: h for h in self.pool.all() if h.ready and h.name not in exclude}
+        handles = {h.name: h for h in self.pool.all()
+                   if h.ready and h.name not in exclude and self._compatible(h)}
         decodes = [h for h in handles.values() if h.serves("decode")]
         if not decodes:
             if allow_none:
@@ -73,8 +82,8 @@ class Router:
             self.metrics.rejections.labels(reason="no_instance").inc()
             raise APIError(503, f"no decode worker is ready (workers: {states})", code="workers_unavailable",
                            headers={"Retry-After": "5"})
-        block = self.block_size()
-        hashes = tuple(hash_prompt_blocks(prompt, block)) if block else ()
+        # Hashed in the unit the scheduler prices in, which every routed worker shares.
+        hashes = tuple(hash_prompt_blocks(prompt, self.scheduler.config.block_size))
         state = ClusterState(instances=tuple(self._instance(h) for h in handles.values()), index=self.index,
                              mean_decode_s=self.mean_decode_s, pending=self.pending)
         result = self.scheduler.schedule(Request(request_id, len(prompt), hashes, now), state, now)
@@ -121,7 +130,7 @@ class Router:
             self.mean_decode_s = decode_seconds if m is None else 0.9 * m + 0.1 * decode_seconds
 
     def _instance(self, h: WorkerHandle) -> InstanceState:
-        role = Role.PREFILL if h.role == "prefill" else Role.DECODE
+        role = Role.PREFILL if h.role == WorkerRole.PREFILL else Role.DECODE
         return h.ledger.state(h.name, role, h.kv_capacity_tokens,
                               h.push_bandwidth.estimate_Bps or DEFAULT_BANDWIDTH_BPS)
 

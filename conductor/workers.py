@@ -19,6 +19,7 @@ import msgspec
 
 from conductor.bandwidth import PushBandwidthMeter
 from conductor.ledger import Ledger
+from mooncake.defaults import WorkerRole
 from mooncake.protocol import CHUNK_DECODER, ENCODER, HEALTH_DECODER, GenerateChunk, GenerateRequest
 
 log = logging.getLogger(__name__)
@@ -56,7 +57,7 @@ class WorkerHandle:
         return self.instance_id or self.http_url
 
     def serves(self, role: str) -> bool:
-        return self.role in (role, "both")
+        return self.role in (role, WorkerRole.BOTH)
 
 
 @dataclass

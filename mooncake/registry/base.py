@@ -19,8 +19,8 @@ from typing import Literal
 
 import msgspec
 
-Role = Literal["prefill", "decode", "both"]
-ROLES: tuple[str, ...] = ("prefill", "decode", "both")
+from mooncake.defaults import WorkerRole
+
 WIRE_VERSION = 1
 
 
@@ -32,7 +32,7 @@ class InstanceInfo(msgspec.Struct, frozen=True, tag_field="v", tag=WIRE_VERSION)
     """What a worker instance is; written once at registration, immutable afterwards."""
 
     instance_id: str
-    role: Role
+    role: WorkerRole
     http_url: str  # the worker's internal HTTP API (generate, abort, health)
     kv_address: str  # "host:port" where the worker receives KV bytes
     model: str
@@ -44,14 +44,14 @@ class InstanceInfo(msgspec.Struct, frozen=True, tag_field="v", tag=WIRE_VERSION)
         # Runs on construction and on decoding (msgspec turns the error into a ValidationError).
         if not self.instance_id or "/" in self.instance_id:
             raise ValueError(f"instance_id must be non-empty without '/': {self.instance_id!r}")
-        if self.role not in ROLES:  # msgspec checks the Literal on decode, not in __init__
-            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+        if self.role not in set(WorkerRole):  # msgspec checks the enum on decode, not in __init__
+            raise ValueError(f"role must be one of {[str(r) for r in WorkerRole]}, got {self.role!r}")
         if self.block_size <= 0 or self.kv_capacity_tokens < 0:
             raise ValueError("block_size must be > 0 and kv_capacity_tokens >= 0")
 
     def serves(self, role: str) -> bool:
         """True if this instance can take work of `role` ("both" serves either)."""
-        return self.role == role or self.role == "both"
+        return self.role == role or self.role == WorkerRole.BOTH
 
 
 _INFO_DECODER = msgspec.json.Decoder(InstanceInfo)

@@ -125,3 +125,16 @@ def test_a_prefill_in_flight_counts_as_cache_for_the_next_request_on_that_worker
     assert len(r.pending) == 0
     r.finished(first, 1.0)
     assert len(r.pending) == 0
+
+
+def test_a_worker_with_another_block_size_is_never_routed_to(caplog):
+    pool = pool_of(("p1", "prefill"), ("p2", "prefill"), ("d1", "decode"))
+    pool.handles["http://p2"].block_size = BLOCK * 2  # registered with --block-size 256
+    prompt = list(range(1000, 3000))
+    index = PrefixIndex()
+    index.apply_stored("p2", hash_prompt_blocks(prompt, BLOCK)[:12])  # would win on its prefix
+    r = router(pool, index)
+    for i in range(3):
+        assert r.pick(f"r{i}", prompt, 8, now=0.0).prefill.name == "p1"
+    refusals = [rec for rec in caplog.records if "not routing to p2" in rec.getMessage()]
+    assert len(refusals) == 1 and "--block-size 128" in refusals[0].getMessage()  # said once, with the fix
