@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import logging
 import time
+from collections.abc import Awaitable
 from contextlib import asynccontextmanager
 
 from fastapi import Depends, FastAPI, Request
@@ -99,12 +101,12 @@ def create_app(config: ConductorConfig) -> FastAPI:
     @app.post("/v1/completions", dependencies=[Depends(authorize)])
     async def completions(body: CompletionRequest, request: Request):
         service: CompletionService = request.app.state.service
-        return await _serve(service, body, "completions")
+        return await _serve(service, body, "completions", request)
 
     @app.post("/v1/chat/completions", dependencies=[Depends(authorize)])
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         service: CompletionService = request.app.state.service
-        return await _serve(service, body, "chat")
+        return await _serve(service, body, "chat", request)
 
     @app.get("/health")
     async def health(request: Request):
@@ -131,13 +133,43 @@ def create_app(config: ConductorConfig) -> FastAPI:
     return app
 
 
-async def _serve(service: CompletionService, body, endpoint: str):
+async def _serve(service: CompletionService, body, endpoint: str, request: Request):
     try:
         prepared = await service.prepare(body)
     except APIError as exc:
         service.metrics.requests.labels(endpoint=endpoint, status=str(exc.status)).inc()
         raise
-    return await service.serve(prepared, endpoint)  # counts its own answer, refusals included
+    serving = service.serve(prepared, endpoint)  # counts its own answer, refusals included
+    if prepared.stream:
+        return await serving  # a streamed answer notices the client leaving by itself
+    return await _unless_client_leaves(request, serving)
+
+
+async def _unless_client_leaves(request: Request, work: Awaitable[Response]) -> Response:
+    """uvicorn does not cancel a handler whose client disconnected, so a non-streamed answer
+    would keep its workers generating for nobody until the end. Race it against the client's
+    disconnect and cancel it then (its RequestLife releases everything and aborts the workers)."""
+    task = asyncio.ensure_future(work)
+
+    async def client_left() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(client_left())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        task.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    log.info("client left before the answer to a non-streamed request; its work was cancelled")
+    return Response(status_code=499)  # nobody reads it
 
 
 def _model_card(config: ConductorConfig, created: int) -> dict:
