@@ -12,6 +12,7 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from mooncake.hashing import blocks_for
 from mooncake.protocol import BadTransferParams, PullParams, parse_pull
 
 if TYPE_CHECKING:
@@ -20,10 +21,6 @@ if TYPE_CHECKING:
 
 
 log = logging.getLogger(__name__)
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def pull_of(request: "Request") -> PullParams | None:
@@ -73,7 +70,7 @@ class LoadPlanner:
         available = min(pull.num_tokens, len(request.prompt_token_ids or ()))
         local_tokens = available - num_external_tokens  # block-aligned local prefix-cache hit
         first = local_tokens // self._block_size
-        last = cdiv(available, self._block_size)
+        last = blocks_for(available, self._block_size)
         block_ids = blocks.get_block_ids()[0]
         self._loads.append(LoadSpec(
             request_id=request.request_id, transfer_id=pull.transfer_id,

@@ -110,3 +110,8 @@ def hash_prompt_blocks(
         digests.append(parent)
     from_bytes = int.from_bytes
     return [BlockHash(from_bytes(d, "big")) for d in digests]
+
+
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    """How many blocks hold `num_tokens` tokens (the last one may be partial)."""
+    return -(-num_tokens // block_size)

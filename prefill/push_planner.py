@@ -11,6 +11,7 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from mooncake.hashing import blocks_for
 from mooncake.protocol import BadTransferParams, PushParams, parse_push
 
 if TYPE_CHECKING:
@@ -20,10 +21,6 @@ if TYPE_CHECKING:
 
 
 log = logging.getLogger(__name__)
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def push_of(request: "Request") -> PushParams | None:
@@ -81,7 +78,7 @@ class PushPlanner:
                 continue
             saves.append(SaveSpec(
                 request_id=req_id, transfer_id=push.transfer_id, dest=push.dest,
-                block_ids=tuple(self._block_ids(req_id)[: cdiv(push.num_tokens, self._block_size)]),
+                block_ids=tuple(self._block_ids(req_id)[: blocks_for(push.num_tokens, self._block_size)]),
                 num_tokens=push.num_tokens,
             ))
             del self._pushes[req_id]
