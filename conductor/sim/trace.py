@@ -1,8 +1,7 @@
-"""Mooncake-format traces: strict loading, and a synthetic generator with stated parameters.
+"""Mooncake-format traces: a synthetic generator with stated parameters.
 
-Format: one JSON object per line: timestamp (ms), input_length, output_length, hash_ids
-(one id per 512-token block; equal ids = equal prefix blocks). A malformed line raises
-TraceError naming the file and line; nothing is skipped silently (blank lines excepted).
+The format itself (TraceError, TraceRecord, load_trace) lives in the base, mooncake/trace.py,
+because `mooncake bench` reads it too; it is re-exported here for the simulator's callers.
 """
 
 from __future__ import annotations
@@ -14,75 +13,8 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-
-class TraceError(ValueError):
-    def __init__(self, path: str, line: int, message: str) -> None:
-        # line 0: the file as a whole (an empty trace), not one of its lines
-        super().__init__(f"{path}:{line}: {message}" if line else f"{path}: {message}")
-        self.path, self.line = path, line
-
-
-@dataclass(frozen=True, slots=True)
-class TraceRecord:
-    line: int
-    timestamp_ms: float
-    input_length: int
-    output_length: int
-    hash_ids: tuple[int, ...]
-
-
-def _int_field(obj: dict, key: str, minimum: int, path: str, line: int) -> int:
-    v = obj.get(key)
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise TraceError(path, line, f"'{key}' must be an integer, got {v!r}")
-    if v < minimum:
-        raise TraceError(path, line, f"'{key}' must be >= {minimum}, got {v}")
-    return v
-
-
-def parse_line(text: str, line: int, path: str = "<trace>") -> TraceRecord:
-    try:
-        obj = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise TraceError(path, line, f"not valid JSON ({exc.msg} at column {exc.colno})") from None
-    if not isinstance(obj, dict):
-        raise TraceError(path, line, f"expected a JSON object, got {type(obj).__name__}")
-    ts = obj.get("timestamp")
-    if isinstance(ts, bool) or not isinstance(ts, int | float) or not math.isfinite(ts) or ts < 0:
-        raise TraceError(path, line, f"'timestamp' must be a non-negative number of ms, got {ts!r}")
-    ids = obj.get("hash_ids", [])
-    if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
-        raise TraceError(path, line, "'hash_ids' must be a list of integers")
-    return TraceRecord(line, float(ts), _int_field(obj, "input_length", 1, path, line),
-                       _int_field(obj, "output_length", 0, path, line), tuple(ids))
-
-
-def load_trace(path: str | pathlib.Path) -> list[TraceRecord]:
-    """All records, sorted by timestamp (stable). Raises TraceError on the first bad line."""
-    records: list[TraceRecord] = []
-    with open(path, "rb") as f:  # bytes, so an undecodable line is reported by its number too
-        for n, raw in enumerate(f, start=1):
-            try:
-                text = raw.decode("utf-8-sig" if n == 1 else "utf-8")  # tolerate a byte-order mark
-            except UnicodeDecodeError:
-                raise TraceError(str(path), n, "not UTF-8 text") from None
-            if text.strip():
-                records.append(parse_line(text, n, str(path)))
-    if not records:
-        raise TraceError(str(path), 0, "trace has no records")
-    records.sort(key=lambda r: r.timestamp_ms)
-    return records
-
-
-def block_count_mismatches(records: list[TraceRecord], block_size: int) -> list[TraceRecord]:
-    """Records whose hash_ids do not number ceil(input_length / block_size): a sign that the
-    trace was written with another block size (hash_ids then name the wrong token spans)."""
-    return [r for r in records if r.hash_ids and len(r.hash_ids) != -(-r.input_length // block_size)]
-
-
-def fitting_block_sizes(records: list[TraceRecord], candidates=(16, 32, 64, 128, 256, 512, 1024, 2048)) -> list[int]:
-    """The candidate block sizes that every record's hash_ids count agrees with."""
-    return [b for b in candidates if not block_count_mismatches(records, b)]
+from mooncake.trace import (TraceError, TraceRecord, block_count_mismatches, fitting_block_sizes,  # noqa: F401
+                            load_trace, parse_line)
 
 
 # -- generator --------------------------------------------------------------------------------
