@@ -7,6 +7,7 @@
   mooncake prepare-model  convert the default model to safetensors (done by serve when needed)
   mooncake sim            replay a trace through the scheduler in a simulated cluster
   mooncake profile        measure the real engine and write the scheduler's profile table
+  mooncake bench          load-test any OpenAI-compatible endpoint: latency, SLO attainment, goodput
 """
 
 from __future__ import annotations
@@ -156,7 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
     prep = sub.add_parser("prepare-model", help="convert the default model once; prints its folder")
     prep.set_defaults(func=_cmd_prepare)
     for name, target, text in (("sim", "conductor.sim.cli", "simulate the scheduler on a trace"),
-                               ("profile", "conductor.profile.cli", "profile the engine for the scheduler")):
+                               ("profile", "conductor.profile.cli", "profile the engine for the scheduler"),
+                               ("bench", "mooncake.bench.cli", "load-test an OpenAI-compatible endpoint")):
         p = sub.add_parser(name, help=text, add_help=False)
         p.set_defaults(forward=target)
     return parser
@@ -165,11 +167,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     configure_logging()
-    if argv and argv[0] in ("sim", "profile"):
-        # These have their own parsers (owned by the scheduler package); forward the rest.
+    forwarded = {"sim": "conductor.sim.cli", "profile": "conductor.profile.cli", "bench": "mooncake.bench.cli"}
+    if argv and argv[0] in forwarded:
+        # These have their own parsers (sim and profile owned by the scheduler package); forward the rest.
         import importlib
 
-        target = {"sim": "conductor.sim.cli", "profile": "conductor.profile.cli"}[argv[0]]
+        target = forwarded[argv[0]]
         return importlib.import_module(target).main(argv[1:])
     args = build_parser().parse_args(argv)
     # Options no engine can take are refused here, before a model is prepared or a process

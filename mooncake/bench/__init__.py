@@ -1,0 +1,1 @@
+"""`mooncake bench`: a load generator for OpenAI-compatible endpoints. Base code: HTTP only."""

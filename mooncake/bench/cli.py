@@ -1,0 +1,208 @@
+"""mooncake bench: a load generator for any OpenAI-compatible endpoint (ours, stock vLLM, ...).
+
+Sends a workload (a Mooncake-format trace with real prefix sharing, generated prompts, or a
+prompts file) on a Poisson or trace schedule at one rate or a sweep, streams every answer, and
+reports TTFT, time between tokens, end-to-end latency, SLO attainment, goodput and SLO capacity.
+
+  mooncake bench --url http://127.0.0.1:8000/v1 --num-requests 60 --input-len 1000-3000 \\
+      --output-len 64 --rates 0.25,0.5,1 --out results.json --plot plots/
+  mooncake bench --trace trace.jsonl --max-input-len 1900 --arrival trace --time-scale 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import math
+import sys
+
+from mooncake import defaults
+from mooncake.bench import report, workload
+from mooncake.bench.runner import ClientOptions, EndpointError, make_client, preflight, run_schedule
+from mooncake.bench.stats import RequestRecord, slo_capacity, summarize
+from mooncake.cli_help import DefaultsHelpFormatter
+from mooncake.trace import TraceError, load_trace
+
+WARMUP_SALT = -1  # warm-up prompts share no tokens with any measured run's
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--url", default=f"http://127.0.0.1:{defaults.CONDUCTOR_PORT}/v1",
+                   help="the endpoint's OpenAI base URL (ending in /v1)")
+    p.add_argument("--model", default=None, help="model name to ask for (default: the first the endpoint lists)")
+    p.add_argument("--api-key", default="EMPTY", help="sent as `Authorization: Bearer KEY`")
+    w = p.add_argument_group("workload (one of --trace, --prompts-file, or generated prompts)")
+    w.add_argument("--trace", default=None, help="Mooncake-format JSONL trace (timestamp, input_length, "
+                                                 "output_length, hash_ids)")
+    w.add_argument("--trace-block-size", type=int, default=512,
+                   help="tokens per trace hash id (512 in the released Mooncake trace)")
+    w.add_argument("--max-input-len", type=int, default=None, help="truncate prompts to this many tokens")
+    w.add_argument("--max-output-len", type=int, default=None, help="cap each request's output tokens")
+    w.add_argument("--prompts-file", default=None, help='JSONL of {"prompt": str | [int], "max_tokens": int}')
+    w.add_argument("--num-requests", type=int, default=None,
+                   help="requests per rate (default: 100 generated; all lines of a trace or prompts file)")
+    w.add_argument("--input-len", default="128-512", help="generated prompt length in tokens, MIN-MAX or N")
+    w.add_argument("--output-len", type=int, default=64, help="generated requests' output tokens")
+    w.add_argument("--shared-prefix", type=int, default=0,
+                   help="tokens at the start of every generated prompt that all share (0: none)")
+    w.add_argument("--vocab-size", type=int, default=49152,
+                   help=f"token ids are drawn from [{workload.LOW_TOKEN_ID}, this); 49152 is SmolLM2's")
+    w.add_argument("--seed", type=int, default=0, help="seeds prompt lengths, tokens and Poisson arrivals")
+    w.add_argument("--reuse-prompts", action="store_true",
+                   help="send the very same token ids at every rate (default: same shapes, fresh ids per "
+                        "rate, so no rate is served from the cache an earlier rate warmed)")
+    a = p.add_argument_group("arrivals")
+    a.add_argument("--arrival", choices=("poisson", "trace"), default="poisson",
+                   help="Poisson at --rate, or the trace's own timestamps")
+    a.add_argument("--rate", type=float, default=1.0, help="offered rate in requests per second")
+    a.add_argument("--rates", default=None, help="a sweep, e.g. 0.25,0.5,1.0 (each rate on the same workload)")
+    a.add_argument("--time-scale", type=float, default=1.0,
+                   help="with --arrival trace: multiply trace times by this (0.5 = twice as fast)")
+    a.add_argument("--warmup", type=int, default=0, help="requests sent (at the first rate) before measuring")
+    c = p.add_argument_group("client")
+    c.add_argument("--temperature", type=float, default=0.0, help="sampling temperature")
+    c.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
+                   help="let generation stop at EOS (default: ignore_eos, so output lengths are exact)")
+    c.add_argument("--retry-after", action="store_true",
+                   help="retry a 429 after its Retry-After (latency still counts from the first attempt); "
+                        "without it a 429 is a refusal")
+    c.add_argument("--max-retry-wait", type=float, default=30.0, help="seconds a request may wait for retries in all")
+    c.add_argument("--request-timeout", type=float, default=600.0, help="seconds before a request is an error")
+    s = p.add_argument_group("SLO and output")
+    s.add_argument("--ttft-slo", type=float, default=defaults.TTFT_SLO_S, help="TTFT SLO in seconds")
+    s.add_argument("--tbt-slo", type=float, default=defaults.TBT_SLO_S,
+                   help="SLO on a request's mean time between tokens, seconds")
+    s.add_argument("--attainment-target", type=float, default=0.9,
+                   help="SLO capacity is the highest offered rate with at least this attainment")
+    s.add_argument("--out", default=None, help="write every request's record and the summaries to this JSON file")
+    s.add_argument("--plot", default=None, help="write PNG plots (TTFT CDF, attainment and goodput vs rate) here")
+
+
+def parse_input_len(text: str) -> tuple[int, int]:
+    lo, _, hi = text.partition("-")
+    lo_n, hi_n = int(lo), int(hi or lo)
+    if lo_n < 1 or hi_n < lo_n:
+        raise ValueError
+    return lo_n, hi_n
+
+
+def parse_rates(args: argparse.Namespace) -> list[float]:
+    return [float(r) for r in args.rates.split(",")] if args.rates else [args.rate]
+
+
+def check(args: argparse.Namespace) -> list[str]:
+    errors = []
+    if args.trace and args.prompts_file:
+        errors.append("give --trace or --prompts-file, not both")
+    if args.arrival == "trace" and not args.trace:
+        errors.append("--arrival trace needs --trace")
+    if args.arrival == "trace" and args.rates:
+        errors.append("--rates sweeps Poisson rates; with --arrival trace use --time-scale")
+    try:
+        parse_input_len(args.input_len)
+    except ValueError:
+        errors.append(f"--input-len must be N or MIN-MAX with 1 <= MIN <= MAX, got {args.input_len!r}")
+    try:
+        rates = parse_rates(args)
+        if not rates or any(not (r > 0 and math.isfinite(r)) for r in rates):
+            raise ValueError
+    except ValueError:
+        errors.append(f"rates must be positive numbers, got {args.rates or args.rate!r}")
+    for name in ("num_requests", "max_input_len", "max_output_len"):
+        v = getattr(args, name)
+        if v is not None and v < 1:
+            errors.append(f"--{name.replace('_', '-')} must be >= 1, got {v}")
+    if args.output_len < 1 or args.trace_block_size < 1 or args.warmup < 0 or args.shared_prefix < 0:
+        errors.append("--output-len and --trace-block-size must be >= 1, --warmup and --shared-prefix >= 0")
+    if args.vocab_size <= workload.LOW_TOKEN_ID:
+        errors.append(f"--vocab-size must exceed {workload.LOW_TOKEN_ID}")
+    if args.time_scale <= 0 or args.ttft_slo <= 0 or args.tbt_slo <= 0 or args.max_retry_wait < 0:
+        errors.append("--time-scale, --ttft-slo and --tbt-slo must be > 0, --max-retry-wait >= 0")
+    if not 0 < args.attainment_target <= 1:
+        errors.append("--attainment-target must be in (0, 1]")
+    return errors
+
+
+def build_specs(args: argparse.Namespace) -> list[workload.RequestSpec]:
+    """The workload; raises TraceError (or PromptsFileError) naming file:line on bad input."""
+    if args.trace:
+        specs = workload.trace_specs(load_trace(args.trace), max_input_len=args.max_input_len,
+                                     max_output_len=args.max_output_len)
+    elif args.prompts_file:
+        specs = workload.load_prompts_file(args.prompts_file)
+    else:
+        specs = workload.generated_specs(args.num_requests or 100, parse_input_len(args.input_len),
+                                         args.output_len, args.seed, args.shared_prefix)
+    return specs[:args.num_requests] if args.num_requests else specs
+
+
+def _prompts(args, specs, salt: int) -> list:
+    return [workload.prompt_of(s, block_size=args.trace_block_size, vocab_size=args.vocab_size,
+                               seed=args.seed, salt=salt) for s in specs]
+
+
+def _records(specs, offsets, warmup: bool = False) -> list[RequestRecord]:
+    return [RequestRecord(s.index, s.input_length, s.max_tokens, off, warmup=warmup) for s, off in zip(specs, offsets)]
+
+
+async def sweep(args: argparse.Namespace, specs: list[workload.RequestSpec]):
+    """Preflight, warm-up, then one run per rate. Returns (warm-up records, [(summary, records)])."""
+    opts = ClientOptions(args.url, args.model or "", args.api_key, args.temperature, args.ignore_eos,
+                         args.retry_after, args.max_retry_wait, args.request_timeout)
+    client = make_client(opts)
+    try:
+        model = await preflight(client, args.model)
+        opts = dataclasses.replace(opts, model=model)
+        rates = parse_rates(args)
+        warm: list[RequestRecord] = []
+        if args.warmup:
+            w_specs = specs[:args.warmup]
+            warm = _records(w_specs, workload.poisson_offsets(len(w_specs), rates[0], args.seed + 1), warmup=True)
+            await run_schedule(client, opts, _prompts(args, w_specs, WARMUP_SALT), warm, "warm-up")
+        runs = []
+        for i, rate in enumerate(rates):
+            if args.arrival == "trace":
+                offsets = workload.trace_offsets(specs, args.time_scale)
+                offered = workload.offered_rate(offsets)
+            else:
+                offsets, offered = workload.poisson_offsets(len(specs), rate, args.seed), rate
+            recs = _records(specs, offsets)
+            await run_schedule(client, opts, _prompts(args, specs, 0 if args.reuse_prompts else i), recs,
+                               f"{offered:.3g} req/s")
+            runs.append((summarize(recs, offered, args.ttft_slo, args.tbt_slo), recs))
+        return model, warm, runs
+    finally:
+        await client.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="mooncake bench", description=__doc__, formatter_class=DefaultsHelpFormatter)
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    errors = check(args)
+    if errors:
+        parser.error("; ".join(errors))
+    try:
+        specs = build_specs(args)
+    except (TraceError, OSError) as exc:
+        print(f"mooncake bench: {exc}", file=sys.stderr)
+        return 2
+    try:
+        model, warm, runs = asyncio.run(sweep(args, specs))
+    except EndpointError as exc:
+        print(f"mooncake bench: {exc}", file=sys.stderr)
+        return 1
+    summaries = [s for s, _ in runs]
+    capacity = slo_capacity(summaries, args.attainment_target)
+    print(f"model {model} at {args.url}; SLO: TTFT <= {args.ttft_slo} s, mean TBT <= {args.tbt_slo} s; "
+          f"{len(specs)} requests per rate")
+    print(report.table(summaries, capacity, args.attainment_target))
+    if args.out:
+        config = {k: v for k, v in vars(args).items() if k != "api_key"} | {"model": model}
+        report.write_json(args.out, config, runs, warm, capacity)
+    if args.plot:
+        for path in report.write_plots(args.plot, runs, args.ttft_slo, args.attainment_target):
+            print(f"wrote {path}")
+    # Refusals and slow answers are results; only a sweep in which every request failed is not.
+    return 3 if all(s.errors == s.requests for s in summaries) else 0

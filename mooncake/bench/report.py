@@ -1,0 +1,90 @@
+"""What `mooncake bench` shows: a table per sweep, a JSON file of every request, PNG plots."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from dataclasses import asdict
+
+from mooncake.bench.stats import RateSummary, RequestRecord
+
+
+def _f(v: float | None, digits: int = 3) -> str:
+    return "-" if v is None else f"{v:.{digits}f}"
+
+
+def table(summaries: list[RateSummary], capacity: float | None, target: float) -> str:
+    head = ("rate req/s", "dur s", "ok", "429", "err", "TTFT p50", "p90", "p99", "TBT p50", "p90", "p99",
+            "e2e p50", "p90", "attain", "goodput")
+    rows = [head]
+    for s in summaries:
+        rows.append((f"{s.offered_rate:.3g}", f"{s.duration_s:.1f}", str(s.completed), str(s.refused), str(s.errors),
+                     _f(s.ttft_s["p50"]), _f(s.ttft_s["p90"]), _f(s.ttft_s["p99"]),
+                     _f(s.tbt_s["p50"], 4), _f(s.tbt_s["p90"], 4), _f(s.tbt_s["p99"], 4),
+                     _f(s.e2e_s["p50"]), _f(s.e2e_s["p90"]), f"{s.attainment:.0%}", f"{s.goodput:.3f}"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
+    cap = "none" if capacity is None else f"{capacity:.3g} req/s"
+    lines.append(f"SLO capacity (highest offered rate with attainment >= {target:.0%}): {cap}")
+    for s in summaries:
+        if s.short_outputs:
+            lines.append(f"note: at {s.offered_rate:.3g} req/s {s.short_outputs} outputs were shorter than max_tokens")
+        if s.max_send_lag_s > 0.1:
+            lines.append(f"note: at {s.offered_rate:.3g} req/s a send left {s.max_send_lag_s:.2f} s late "
+                         "(the client could not keep the schedule)")
+    return "\n".join(lines)
+
+
+def write_json(path: str | pathlib.Path, config: dict, runs: list[tuple[RateSummary, list[RequestRecord]]],
+               warmup: list[RequestRecord], capacity: float | None) -> None:
+    doc = {"config": config, "slo_capacity": capacity,
+           "warmup": [r.to_json() for r in warmup],
+           "runs": [{"summary": asdict(s), "requests": [r.to_json() for r in recs]} for s, recs in runs]}
+    pathlib.Path(path).write_text(json.dumps(doc, indent=1) + "\n")
+
+
+def write_plots(out_dir: str | pathlib.Path, runs: list[tuple[RateSummary, list[RequestRecord]]],
+                ttft_slo_s: float, target: float) -> list[pathlib.Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only; never open a window
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    out = pathlib.Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(5.5, 3.6), dpi=90)
+    for s, recs in runs:
+        t = np.sort([r.ttft_s for r in recs if r.ttft_s is not None])
+        if t.size:
+            # y counts all requests sent: refused and failed ones never reach 1.0
+            ax.step(t, np.arange(1, t.size + 1) / len(recs), where="post", label=f"{s.offered_rate:.3g} req/s")
+    ax.axvline(ttft_slo_s, color="grey", ls=":", lw=1, label="TTFT SLO")
+    ax.set_xlabel("TTFT (s)")
+    ax.set_ylabel("fraction of requests sent")
+    ax.set_title("TTFT CDF per offered rate", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    cdf = out / "ttft_cdf.png"
+    fig.savefig(cdf)
+    plt.close(fig)
+
+    rates = [s.offered_rate for s, _ in runs]
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(9, 3.6), dpi=90)
+    a1.plot(rates, [s.attainment for s, _ in runs], "o-")
+    a1.axhline(target, color="grey", ls=":", lw=1, label=f"target {target:.0%}")
+    a1.set_ylim(0, 1.05)
+    a1.set_xlabel("offered rate (req/s)")
+    a1.set_ylabel("SLO attainment")
+    a1.legend(fontsize=7)
+    a2.plot(rates, [s.goodput for s, _ in runs], "o-")
+    a2.set_xlabel("offered rate (req/s)")
+    a2.set_ylabel("goodput (attaining req/s)")
+    for a in (a1, a2):
+        a.grid(alpha=0.3)
+    fig.tight_layout()
+    att = out / "attainment_goodput.png"
+    fig.savefig(att)
+    plt.close(fig)
+    return [cdf, att]

@@ -1,0 +1,145 @@
+"""The shell of `mooncake bench`: sends a run's requests on schedule and records what came back.
+
+Open loop: each request is sent at its scheduled time whatever the server is doing, as real
+users would (a closed loop would slow down with the server and hide its queueing). Everything
+measured is client-side, with one monotonic clock, from the first attempt's send.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import email.utils
+import time
+from dataclasses import dataclass
+
+import openai
+from openai import AsyncOpenAI
+from tqdm import tqdm
+
+from mooncake.bench.stats import ERROR, OK, REFUSED, RequestRecord
+
+
+class EndpointError(RuntimeError):
+    """The endpoint is down, refuses, or does not serve the model: nothing was measured."""
+
+
+@dataclass(frozen=True, slots=True)
+class ClientOptions:
+    base_url: str
+    """The /v1 URL."""
+    model: str
+    api_key: str = "EMPTY"
+    temperature: float = 0.0
+    ignore_eos: bool = True
+    """Ask the server to ignore EOS (vLLM's extra field) so every output is max_tokens long."""
+    retry_after: bool = False
+    """Honour a 429's Retry-After; otherwise a 429 is a refusal."""
+    max_retry_wait_s: float = 30.0
+    """The most a request waits for Retry-After in all (longer asks are refusals)."""
+    request_timeout_s: float = 600.0
+
+
+def make_client(opts: ClientOptions) -> AsyncOpenAI:
+    # max_retries=0: the library's own retries would hide refusals and errors from the figures.
+    return AsyncOpenAI(base_url=opts.base_url, api_key=opts.api_key, max_retries=0, timeout=opts.request_timeout_s)
+
+
+async def preflight(client: AsyncOpenAI, model: str | None) -> str:
+    """GET /v1/models once: the endpoint answers, and serves `model` (None: its first model).
+    Raises EndpointError with what to fix."""
+    try:
+        models = [m.id async for m in client.models.list()]
+    except openai.APIConnectionError as exc:
+        raise EndpointError(f"cannot reach {client.base_url}: {exc.__cause__ or exc}; is the server running?") from None
+    except openai.APIStatusError as exc:
+        raise EndpointError(f"{client.base_url}models answered HTTP {exc.status_code}: {exc.message}") from None
+    if not models:
+        raise EndpointError(f"{client.base_url}models lists no model")
+    if model is None:
+        return models[0]
+    if model not in models:
+        raise EndpointError(f"the endpoint does not serve model {model!r}; it serves {', '.join(models)}")
+    return model
+
+
+def retry_after_s(headers) -> float | None:
+    """Seconds a Retry-After header asks for (delta-seconds or an HTTP date); None if absent or bad."""
+    value = headers.get("retry-after") if headers is not None else None
+    if not value:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+    try:
+        return max(0.0, email.utils.parsedate_to_datetime(value).timestamp() - time.time())
+    except (TypeError, ValueError):
+        return None
+
+
+async def send_one(client: AsyncOpenAI, opts: ClientOptions, prompt: str | list[int], rec: RequestRecord,
+                   t0: float) -> None:
+    """Send one request (retrying after 429 if asked) and fill `rec`; never raises."""
+    now = lambda: time.perf_counter() - t0  # noqa: E731
+    rec.sent_s = now()
+    waited = 0.0
+    extra = {"ignore_eos": True} if opts.ignore_eos else None
+    while True:
+        rec.attempts += 1
+        try:
+            stream = await client.completions.create(
+                model=opts.model, prompt=prompt, max_tokens=rec.max_tokens, temperature=opts.temperature,
+                stream=True, stream_options={"include_usage": True}, extra_body=extra)
+            text_chunks, usage_tokens = 0, None
+            async for chunk in stream:
+                if chunk.choices and chunk.choices[0].text:
+                    t = now()
+                    if rec.first_token_s is None:
+                        rec.first_token_s = t
+                    rec.chunk_s.append(t)
+                    text_chunks += 1
+                if chunk.usage is not None:
+                    usage_tokens = chunk.usage.completion_tokens
+            rec.end_s = now()
+            rec.tokens = usage_tokens if usage_tokens is not None else text_chunks
+            if rec.first_token_s is None:
+                rec.status, rec.error = ERROR, "the stream ended without any text"
+            else:
+                rec.status = OK
+            return
+        except openai.RateLimitError as exc:
+            wait = retry_after_s(exc.response.headers)
+            if opts.retry_after and wait is not None and waited + wait <= opts.max_retry_wait_s:
+                waited += wait
+                await asyncio.sleep(wait)
+                continue
+            rec.status, rec.error, rec.end_s = REFUSED, f"429: {exc.message}", now()
+            return
+        except openai.APIStatusError as exc:
+            rec.status, rec.error = ERROR, f"HTTP {exc.status_code}: {exc.message}"
+        except openai.APIConnectionError as exc:
+            rec.status, rec.error = ERROR, f"{type(exc).__name__}: {exc.__cause__ or exc}"
+        except Exception as exc:  # noqa: BLE001  a broken stream mid-run is that request's error
+            rec.status, rec.error = ERROR, f"{type(exc).__name__}: {exc}"
+        rec.end_s = now()
+        rec.first_token_s = None  # a request that failed has no latency, whatever it got first
+        return
+
+
+async def run_schedule(client: AsyncOpenAI, opts: ClientOptions, prompts: list[str | list[int]],
+                       records: list[RequestRecord], desc: str) -> None:
+    """Send prompts[i] at records[i].scheduled_s (seconds from now); returns when all are done."""
+    t0 = time.perf_counter()
+    bar = tqdm(total=len(records), desc=desc, unit="req", leave=True)
+
+    async def one(prompt, rec):
+        delay = rec.scheduled_s - (time.perf_counter() - t0)
+        if delay > 0:
+            await asyncio.sleep(delay)
+        await send_one(client, opts, prompt, rec, t0)
+        bar.update(1)
+
+    try:
+        await asyncio.gather(*(one(p, r) for p, r in zip(prompts, records)))
+    finally:
+        bar.close()
