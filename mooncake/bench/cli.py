@@ -24,7 +24,7 @@ from mooncake.bench.stats import RequestRecord, slo_capacity, summarize
 from mooncake.cli_help import DefaultsHelpFormatter
 from mooncake.trace import TraceError, load_trace
 
-WARMUP_SALT = -1  # warm-up prompts share no tokens with any measured run's
+WARMUP_SALT = 1_000_000  # run i uses salt i: warm-up prompts share no tokens with any measured run
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -1,0 +1,145 @@
+"""The bench's shell against a fake OpenAI server (FastAPI + uvicorn in a thread, real sockets):
+timing capture, Retry-After, errors mid-run, and a down endpoint."""
+
+import asyncio
+import json
+import threading
+import time
+
+import pytest
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from mooncake.bench.cli import main
+from tests.processes import free_port
+
+FIRST_TOKEN_S, GAP_S, TOKENS, RETRY_AFTER_S = 0.3, 0.1, 4, 1
+
+
+def fake_app() -> FastAPI:
+    app = FastAPI()
+    app.state.bodies, app.state.refused = [], set()
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": "fake", "object": "model", "created": 0, "owned_by": "t"}]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = await request.json()
+        app.state.bodies.append(body)
+        if body["prompt"] == "limit" and "limit" not in app.state.refused:  # refused once, then served
+            app.state.refused.add("limit")
+            return JSONResponse({"error": {"message": "busy"}}, status_code=429,
+                                headers={"Retry-After": str(RETRY_AFTER_S)})
+        if body["prompt"] == "fail":
+            return JSONResponse({"error": {"message": "boom"}}, status_code=500)
+
+        async def stream():
+            def event(obj):
+                return f"data: {json.dumps(obj)}\n\n"
+            base = {"id": "c", "object": "text_completion", "created": 0, "model": "fake"}
+            await asyncio.sleep(FIRST_TOKEN_S)
+            for k in range(TOKENS):
+                if k:
+                    await asyncio.sleep(GAP_S)
+                yield event(base | {"choices": [{"index": 0, "text": "x", "finish_reason": None, "logprobs": None}]})
+            yield event(base | {"choices": [], "usage": {"prompt_tokens": 1, "completion_tokens": TOKENS,
+                                                           "total_tokens": TOKENS + 1}})
+            yield "data: [DONE]\n\n"
+        return StreamingResponse(stream(), media_type="text/event-stream")
+
+    return app
+
+
+@pytest.fixture
+def server():
+    app, port = fake_app(), free_port()
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not srv.started and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert srv.started
+    yield app, f"http://127.0.0.1:{port}/v1"
+    srv.should_exit = True
+    thread.join(5)
+
+
+def run(tmp_path, url, *extra):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p, "max_tokens": TOKENS}) + "\n"
+                               for p in ("ok", "limit", "fail")))
+    out = tmp_path / "r.json"
+    rc = main(["--url", url, "--prompts-file", str(prompts), "--rate", "100", "--out", str(out), *extra])
+    return rc, json.loads(out.read_text()) if out.exists() else None
+
+
+def by_index(doc):
+    return {r["index"]: r for r in doc["runs"][0]["requests"]}
+
+
+def test_timings_retry_after_and_errors_are_captured(server, tmp_path):
+    app, url = server
+    rc, doc = run(tmp_path, url, "--retry-after", "--ttft-slo", "1.0", "--tbt-slo", "0.2")
+    assert rc == 0
+    ok, limited, failed = (by_index(doc)[i] for i in range(3))
+    assert ok["status"] == "ok" and ok["tokens"] == TOKENS and ok["attempts"] == 1
+    # lower bounds are the server's sleeps; upper ones leave room for a busy 2-core machine
+    assert FIRST_TOKEN_S <= ok["ttft_s"] < FIRST_TOKEN_S + 0.5
+    assert GAP_S <= ok["mean_tbt_s"] < GAP_S + 0.1
+    assert len(ok["chunk_s"]) == TOKENS and ok["first_token_s"] == ok["chunk_s"][0]
+    # served after waiting Retry-After; its latency counts from the first attempt
+    assert limited["status"] == "ok" and limited["attempts"] == 2
+    assert limited["ttft_s"] >= RETRY_AFTER_S + FIRST_TOKEN_S
+    # a failure is an error with its message, never a zero latency
+    assert failed["status"] == "error" and "500" in failed["error"] and failed["ttft_s"] is None
+    s = doc["runs"][0]["summary"]
+    assert (s["completed"], s["refused"], s["errors"]) == (2, 0, 1)
+    assert s["attainment"] == pytest.approx(1 / 3)  # the retried request misses the 1 s TTFT SLO
+    assert s["ttft_s"]["p50"] >= FIRST_TOKEN_S
+    # what went on the wire: streaming with usage, greedy, exact lengths
+    body = app.state.bodies[0]
+    assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
+    assert body["temperature"] == 0 and body["ignore_eos"] is True and body["max_tokens"] == TOKENS
+
+
+def test_without_retry_after_a_429_is_a_refusal_and_a_miss(server, tmp_path):
+    _, url = server
+    rc, doc = run(tmp_path, url, "--no-ignore-eos")
+    limited = by_index(doc)[1]
+    assert rc == 0 and limited["status"] == "refused" and limited["attempts"] == 1 and limited["ttft_s"] is None
+    s = doc["runs"][0]["summary"]
+    assert (s["completed"], s["refused"], s["errors"]) == (1, 1, 1) and s["attainment"] == pytest.approx(1 / 3)
+
+
+def test_generated_prompts_go_as_token_ids_and_a_sweep_reports_each_rate(server, tmp_path, capsys):
+    app, url = server
+    out = tmp_path / "r.json"
+    rc = main(["--url", url, "--num-requests", "3", "--input-len", "5-8", "--output-len", str(TOKENS),
+               "--rates", "50,100", "--warmup", "1", "--out", str(out), "--plot", str(tmp_path / "plots")])
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    assert [r["summary"]["offered_rate"] for r in doc["runs"]] == [50, 100]
+    assert all(r["summary"]["attainment"] == 1.0 for r in doc["runs"]) and doc["slo_capacity"] == 100
+    assert len(app.state.bodies) == 1 + 3 + 3
+    prompts = [b["prompt"] for b in app.state.bodies]
+    assert all(isinstance(p, list) and 5 <= len(p) <= 8 and all(isinstance(t, int) for t in p) for p in prompts)
+    assert prompts[1:4] != prompts[4:7]  # fresh ids per rate: no run served from another's cache
+    assert [len(p) for p in prompts[1:4]] == [len(p) for p in prompts[4:7]]
+    assert (tmp_path / "plots" / "ttft_cdf.png").stat().st_size > 0
+    assert (tmp_path / "plots" / "attainment_goodput.png").stat().st_size > 0
+    assert "SLO capacity" in capsys.readouterr().out
+
+
+def test_a_down_endpoint_or_unknown_model_stops_the_run_with_a_clear_message(server, tmp_path, capsys):
+    _, url = server
+    dead = f"http://127.0.0.1:{free_port()}/v1"
+    assert main(["--url", dead, "--num-requests", "1", "--out", str(tmp_path / "r.json")]) == 1
+    err = capsys.readouterr().err
+    assert "cannot reach" in err and dead in err and "Traceback" not in err
+    assert not (tmp_path / "r.json").exists()
+    assert main(["--url", url, "--model", "other", "--num-requests", "1"]) == 1
+    assert "does not serve model 'other'" in capsys.readouterr().err
