@@ -13,7 +13,7 @@ from contextlib import asynccontextmanager
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from conductor.config import ConductorConfig
+from conductor.config import ConductorConfig, resolve_profile
 from conductor.core.estimators import Estimators
 from conductor.core.index import PrefixIndex
 from conductor.core.profile_table import load_profile
@@ -42,7 +42,10 @@ def create_app(config: ConductorConfig) -> FastAPI:
         for url in (*config.prefill_urls, *config.decode_urls):
             pool.add(url, static=True)
         client = WorkerClient(token_timeout_s=config.token_timeout_s)
-        scheduler = Scheduler(config.scheduler, Estimators.from_profile(load_profile(config.profile)))
+        profile = resolve_profile(config.profile, config.dtype)
+        log.info("pricing with profile table %s", profile)
+        app.state.profile = profile
+        scheduler = Scheduler(config.scheduler, Estimators.from_profile(load_profile(profile)))
         router = Router(pool, index, scheduler, app.state.metrics)
         relay = Relay(client, config.kv_wait_timeout_s,
                       pick_fallback=lambda tried: next(
@@ -53,7 +56,8 @@ def create_app(config: ConductorConfig) -> FastAPI:
             in_flight=service.in_flight,
             ready_workers={"prefill": len(pool.ready("prefill")), "decode": len(pool.ready("decode"))},
             push_bandwidth_Bps={h.name: h.push_bandwidth.estimate_Bps for h in pool.all()
-                                if h.push_bandwidth.estimate_Bps}))
+                                if h.push_bandwidth.estimate_Bps},
+            estimators=estimators_report(router)))
         registry = app.state.registry if config.registry_url is None else open_registry(
             RegistryConfig(url=config.registry_url, ttl_s=config.registry_ttl_s))
         view = ClusterView(ViewConfig(expire_after_s=2 * config.registry_ttl_s))
@@ -130,7 +134,20 @@ def create_app(config: ConductorConfig) -> FastAPI:
     async def metrics(request: Request):
         return Response(request.app.state.metrics.render(), media_type=CONTENT_TYPE)
 
+    @app.get("/internal/debug/estimators")
+    async def debug_estimators(request: Request):
+        """Each instance's prior and calibrated estimator coefficients, scales, samples, errors."""
+        router: Router = request.app.state.router
+        return {"profile": request.app.state.profile, "instances": estimators_report(router)}
+
     return app
+
+
+def estimators_report(router: Router) -> dict:
+    """Calibration.describe() of the instances still in the pool."""
+    router.forget_departed()
+    return router.calibration.describe()
+
 
 
 async def _serve(service: CompletionService, body, endpoint: str, request: Request):

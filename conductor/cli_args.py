@@ -21,8 +21,10 @@ def add_scheduler_arguments(parser: argparse.ArgumentParser) -> None:
                    help="kvcache_balancing_threshold of Algorithm 1 (ratio >= 1)")
     g.add_argument("--no-conditional-disaggregation", action="store_true",
                    help="never prefill on the decode instance itself")
-    g.add_argument("--profile", default=DEFAULT_PROFILE,
-                   help="estimator profile table: a bundled name or a JSON path (see `mooncake profile`)")
+    g.add_argument("--profile", default=None,
+                   help=f"estimator profile table: a bundled name or a JSON path (see `mooncake profile`); "
+                        f"default: the bundled one measured in the workers' --dtype ({DEFAULT_PROFILE} for "
+                        f"float32)")
     g.add_argument("--block-size", type=int, default=defaults.KV_BLOCK_SIZE,
                    help="KV block size in tokens; must equal the workers'")
 

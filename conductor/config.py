@@ -2,12 +2,32 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 from conductor.core.config import SchedulerConfig
+from conductor.core.profile_table import bundled_profile_exists
 from mooncake import defaults
+from mooncake.defaults import Dtype
+
+log = logging.getLogger(__name__)
 
 DEFAULT_PROFILE = defaults.PROFILE
+
+
+def resolve_profile(profile: str | None, dtype: Dtype) -> str:
+    """The profile table to price with: `profile` if given, else the bundled table measured in the
+    workers' dtype; if none is bundled for that dtype, the float32 one, with a warning (its times
+    are those of another dtype; the calibration corrects them as measurements come in)."""
+    if profile is not None:
+        return profile
+    name = defaults.profile_name(DEFAULT_PROFILE, dtype)
+    if bundled_profile_exists(name):
+        return name
+    log.warning("no bundled profile table %s for dtype %s; pricing with %s (measured in float32) until "
+                "calibration learns this cluster's speed. Measure one: mooncake profile --dtype %s",
+                name, dtype, DEFAULT_PROFILE, dtype)
+    return DEFAULT_PROFILE
 
 
 def live_scheduler_config(**overrides) -> SchedulerConfig:
@@ -65,8 +85,11 @@ class ConductorConfig:
     scheduler: SchedulerConfig = field(default_factory=live_scheduler_config)
     """The scheduling core's knobs (policy, admission, SLOs). block_size must equal the workers'
     (see worker_block_size_error)."""
-    profile: str = DEFAULT_PROFILE
-    """Profile table the estimators are fitted from: a bundled name or a JSON path."""
+    profile: str | None = None
+    """Profile table the estimators are fitted from: a bundled name or a JSON path; None, the
+    bundled one measured in `dtype` (resolve_profile)."""
+    dtype: Dtype = defaults.DTYPE
+    """The workers' dtype: chooses the bundled profile table."""
 
     def __post_init__(self) -> None:
         if not self.served_model_name:

@@ -37,13 +37,22 @@ class Ledger:
         self.incoming.pop(request_id, None)
         self.running.pop(request_id, None)
 
-    def state(self, instance_id: str, role: Role, kv_capacity_tokens: int, bandwidth_Bps: float) -> InstanceState:
+    def running_load(self) -> tuple[int, int]:
+        """(sequences, KV tokens) decoding here now, as the scheduler prices a decode step."""
+        return len(self.running), sum(s.kv_tokens for s in self.running.values())
+
+    def state(self, instance_id: str, role: Role, kv_capacity_tokens: int, bandwidth_Bps: float,
+              scales: tuple[float, float] = (1.0, 1.0)) -> InstanceState:
+        """scales: the instance's calibrated (prefill, decode-step) speed (Calibration.scales)."""
         return InstanceState(
             instance_id=instance_id, role=role, queued_prefill_s=sum(self.prefill_jobs.values()),
             running=tuple(self.running.values()), incoming=tuple(self.incoming.values()),
             kv_capacity_tokens=kv_capacity_tokens or (1 << 62), bandwidth_Bps=bandwidth_Bps,
+            prefill_scale=scales[0], decode_scale=scales[1],
         )
 
 
-def predicted_prefill_s(estimators: Estimators, prompt_tokens: int, cached_tokens: int) -> float:
-    return estimators.prefill_s(prompt_tokens, min(cached_tokens, prompt_tokens))
+def predicted_prefill_s(estimators: Estimators, prompt_tokens: int, cached_tokens: int,
+                        prefill_scale: float = 1.0) -> float:
+    """What the prefill instance's queue grows by: its calibrated prediction (prefill_scale)."""
+    return estimators.prefill_s(prompt_tokens, min(cached_tokens, prompt_tokens), prefill_scale)

@@ -22,6 +22,7 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from conductor.metrics import ConductorMetrics
+from conductor.relay import RelayStats
 from conductor.routing import Route, Router
 from mooncake.protocol import GenerateChunk
 
@@ -40,6 +41,7 @@ class RequestLife:
         self.status: str | None = None  # the HTTP status answered, once known; None: the client left
         self.first_token_at: float | None = None
         self.chunks: AsyncIterator[GenerateChunk] | None = None  # the workers' stream, once started
+        self.stats: RelayStats | None = None  # what the relay saw, measured times included
         self.released = False
         self._router = router
         self._metrics = metrics
@@ -77,6 +79,10 @@ class RequestLife:
         now = self._clock()
         self._live.pop(self.request_id, None)
         started = self.first_token_at is not None
+        stats = self.stats
+        if stats is not None:  # before `finished`: the decode load it measured in includes itself
+            self._router.measured(stats.prompt_tokens, stats.prefill_instance, stats.computed_cached_tokens,
+                                  stats.prefill_s, stats.decode_instance, stats.decode_step_s)
         self._router.finished(self.route, now - self.first_token_at if started else None)
         if started:
             self._metrics.e2e.observe(now - self.arrived)

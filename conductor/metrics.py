@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
@@ -27,6 +28,8 @@ class LiveState:
     in_flight: int = 0
     ready_workers: dict[str, int] = field(default_factory=dict)  # by role
     push_bandwidth_Bps: dict[str, float] = field(default_factory=dict)  # by instance (measured ones only)
+    estimators: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """By instance: Calibration.describe() (conductor/core/calibration.py)."""
 
 
 class _LiveCollector:
@@ -48,6 +51,36 @@ class _LiveCollector:
         for instance, bps in sorted(state.push_bandwidth_Bps.items()):
             bandwidth.add_metric([instance], bps)
         yield bandwidth
+        yield from _estimator_gauges(state.estimators)
+
+
+def _estimator_gauges(estimators: dict[str, dict[str, Any]]):
+    """Each instance's calibrated estimators (conductor/core/calibration.py)."""
+    families = {
+        ("prefill", "scale"): GaugeMetricFamily(
+            "mooncake_estimator_prefill_scale", "Measured prefill time / the profile's prediction, as fitted "
+            "for each instance and used to price it (ratio; 1: the profile is right).", labels=["instance"]),
+        ("decode_step", "scale"): GaugeMetricFamily(
+            "mooncake_estimator_decode_step_scale", "Measured decode step time / the profile's prediction, as "
+            "fitted for each instance and used to price it (ratio).", labels=["instance"]),
+        ("prefill", "relative_error"): GaugeMetricFamily(
+            "mooncake_estimator_prefill_relative_error", "Median |measured - calibrated prediction| / measured "
+            "prefill time over the recent samples (ratio).", labels=["instance"]),
+        ("decode_step", "relative_error"): GaugeMetricFamily(
+            "mooncake_estimator_decode_step_relative_error", "Median |measured - calibrated prediction| / "
+            "measured decode step time over the recent samples (ratio).", labels=["instance"]),
+    }
+    samples = GaugeMetricFamily("mooncake_estimator_samples", "Measurements each instance's calibration has "
+                                "seen, by kind (prefill, decode_step).", labels=["instance", "kind"])
+    for instance, fits in sorted(estimators.items()):
+        for (kind, key), family in families.items():
+            value = fits[kind][key]
+            if value is not None:  # no error before the first sample
+                family.add_metric([instance], value)
+        for kind in ("prefill", "decode_step"):
+            samples.add_metric([instance, kind], fits[kind]["samples"])
+    yield from families.values()
+    yield samples
 
 
 class _WithoutCreated:

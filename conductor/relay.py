@@ -29,6 +29,12 @@ class RelayStats:
     decode_cached_tokens: int | None = None  # prompt tokens D did not compute (loaded KV)
     decode_instance: str = ""
     retried: bool = False
+    # What the workers measured (their last chunk), for the conductor's calibration:
+    prompt_tokens: int = 0
+    prefill_instance: str = ""  # where the prompt was computed
+    computed_cached_tokens: int = 0  # prompt tokens prefill_instance did not compute
+    prefill_s: float | None = None  # prefill_instance's time for the prompt (None: not measured)
+    decode_step_s: float | None = None  # decode_instance's mean step (None: fewer than 2 tokens there)
 
 
 class Relay:
@@ -41,7 +47,8 @@ class Relay:
     async def run(self, request_id: str, prompt: list[int], sampling: Sampling, route: Route,
                   stats: RelayStats) -> AsyncIterator[GenerateChunk]:
         """Yield chunks of generated tokens; the last one has a finish_reason."""
-        stats.decode_instance = route.decode.name
+        stats.decode_instance, stats.prefill_instance = route.decode.name, route.prefill.name
+        stats.prompt_tokens = len(prompt)
         if route.colocated:
             async for chunk in self._whole(route.decode, request_id, prompt, sampling, stats, None):
                 yield chunk
@@ -55,7 +62,9 @@ class Relay:
             route.prefill, GenerateRequest(f"{request_id}-p", prompt, first_sampling, push.to_params())
         ):
             if chunk.num_cached_tokens is not None:
-                stats.prefill_cached_tokens = chunk.num_cached_tokens
+                stats.prefill_cached_tokens = stats.computed_cached_tokens = chunk.num_cached_tokens
+            if chunk.prefill_s is not None:
+                stats.prefill_s = chunk.prefill_s
             first += chunk.token_ids
             finish = chunk.finish_reason or finish
         if finish == "stop" or sampling.max_tokens <= len(first):
@@ -82,6 +91,13 @@ class Relay:
                 ):
                     if chunk.num_cached_tokens is not None and stats.decode_cached_tokens is None:
                         stats.decode_cached_tokens = chunk.num_cached_tokens
+                    if chunk.decode_step_s is not None:
+                        stats.decode_step_s = chunk.decode_step_s
+                    if pull is None and not stats.retried and chunk.prefill_s is not None:
+                        # Colocated: this worker computed the prompt too. (A retry's prompt ran
+                        # elsewhere than prefill_instance, so it is not counted.)
+                        stats.computed_cached_tokens = stats.decode_cached_tokens or 0
+                        stats.prefill_s = chunk.prefill_s
                     yield chunk
                 return
             except WorkerError as exc:

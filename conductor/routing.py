@@ -11,6 +11,10 @@ hot instance, but the cluster cannot move blocks between instances yet (that nee
 store), so the prefill instance recomputes what it does not hold. The predicted TTFT of such a
 decision (the x-mooncake-predicted-ttft-ms header, the TTFT prediction ratio) assumes a fetch
 that does not happen, and is optimistic by the difference.
+
+Each instance is priced with its own calibrated estimators: the router feeds the prefill and
+decode-step times the workers measured (`measured`) to that instance's calibration
+(conductor/core/calibration.py), and puts its scales on the instance's InstanceState.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import logging
 import math
 from dataclasses import dataclass, field
 
+from conductor.core.calibration import Calibration
 from conductor.core.index import PendingPrefixes, PrefixIndex
 from conductor.core.scheduler import Scheduler
 from conductor.core.types import ClusterState, Decision, InstanceState, Rejection, RejectReason, Request, Role
@@ -50,11 +55,13 @@ class Route:
 
 
 class Router:
-    def __init__(self, pool: WorkerPool, index: PrefixIndex, scheduler: Scheduler, metrics: ConductorMetrics):
+    def __init__(self, pool: WorkerPool, index: PrefixIndex, scheduler: Scheduler, metrics: ConductorMetrics,
+                 calibration: Calibration | None = None):
         self.pool = pool
         self.index = index
         self.scheduler = scheduler
         self.metrics = metrics
+        self.calibration = calibration or Calibration(scheduler.estimators)
         # Blocks the prefills routed but not finished will store: a request routed behind one
         # on the same worker finds them cached (vLLM's prefix cache), before any KV event says so.
         self.pending = PendingPrefixes()
@@ -72,6 +79,7 @@ class Router:
 
     def pick(self, request_id: str, prompt: list[int], max_tokens: int, now: float,
              exclude: frozenset[str] | set[str] = frozenset(), allow_none: bool = False) -> Route | None:
+        self.forget_departed()
         handles = {h.name: h for h in self.pool.all()
                    if h.ready and h.name not in exclude and self._compatible(h)}
         decodes = [h for h in handles.values() if h.serves("decode")]
@@ -103,7 +111,8 @@ class Router:
 
     def _commit(self, route: Route, prompt: list[int], max_tokens: int, now: float, cached: int) -> Route:
         route.kv_tokens = len(prompt) + max_tokens
-        seconds = predicted_prefill_s(self.scheduler.estimators, len(prompt), cached)
+        seconds = predicted_prefill_s(self.scheduler.estimators, len(prompt), cached,
+                                      self.calibration.scales(route.prefill.name)[0])
         route.decode.ledger.assign(route.request_id, route.prefill.ledger, seconds, now, route.kv_tokens)
         self.pending.add(route.prefill.name, route.blocks)
         self.metrics.routes.labels(kind="colocated" if route.colocated else "disaggregated").inc()
@@ -129,10 +138,27 @@ class Router:
             m = self.mean_decode_s
             self.mean_decode_s = decode_seconds if m is None else 0.9 * m + 0.1 * decode_seconds
 
+    def measured(self, prompt_tokens: int, prefill_instance: str, cached_tokens: int, prefill_s: float | None,
+                 decode_instance: str, decode_step_s: float | None) -> None:
+        """What the workers measured for one request, fed to the instances' calibrations: the
+        prefill time where the prompt was computed, and the mean decode step at the load the
+        ledger says that decode instance carries (call before `finished` removes this request
+        from it: the load it decoded in includes itself)."""
+        handles = {h.name: h for h in self.pool.all()}
+        if prefill_s is not None and prefill_instance in handles:
+            self.calibration.instance(prefill_instance).observe_prefill(prompt_tokens, cached_tokens, prefill_s)
+        if decode_step_s is not None and decode_instance in handles:
+            batch, kv = handles[decode_instance].ledger.running_load()
+            self.calibration.instance(decode_instance).observe_decode_step(batch, kv, decode_step_s)
+
+    def forget_departed(self) -> None:
+        """Drop the calibrations of instances that left the pool."""
+        self.calibration.retain({h.name for h in self.pool.all()})
+
     def _instance(self, h: WorkerHandle) -> InstanceState:
         role = Role.PREFILL if h.role == WorkerRole.PREFILL else Role.DECODE
         return h.ledger.state(h.name, role, h.kv_capacity_tokens,
-                              h.push_bandwidth.estimate_Bps or DEFAULT_BANDWIDTH_BPS)
+                              h.push_bandwidth.estimate_Bps or DEFAULT_BANDWIDTH_BPS, self.calibration.scales(h.name))
 
 
 def _rejection_message(r: Rejection) -> str:

@@ -159,7 +159,7 @@ class CompletionService:
         life = self.admit(req, endpoint)
         handed_on = False
         try:
-            stats = RelayStats()
+            stats = life.stats = RelayStats()
             first = await self._start(req, life, stats)
             first_at = life.first_token()
             route = life.route

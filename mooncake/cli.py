@@ -74,7 +74,7 @@ def _cmd_conductor(args: argparse.Namespace) -> int:
         port=args.port, prefill_urls=tuple(args.prefill_url), decode_urls=tuple(args.decode_url),
         max_model_len=args.max_model_len, api_key=args.api_key, kv_wait_timeout_s=args.kv_wait_timeout,
         registry_url=registry_url(args), registry_ttl_s=args.registry_ttl, scheduler=scheduler_config(args),
-        profile=args.profile,
+        profile=args.profile, dtype=Dtype(args.dtype),
     )
     uvicorn.run(create_app(config), host=args.host, port=args.port, log_level="info",
                 log_config=uvicorn_log_config())
@@ -151,6 +151,8 @@ def build_parser() -> argparse.ArgumentParser:
     cond.add_argument("--registry", default=None, help="registry URL (etcd://HOST:PORT); same as --etcd")
     cond.add_argument("--registry-ttl", type=float, default=defaults.REGISTRY_TTL_S,
                       help="seconds before a silent worker leaves routing")
+    cond.add_argument("--dtype", default=str(defaults.DTYPE), choices=[str(d) for d in Dtype],
+                      help="the workers' dtype: picks the bundled profile table measured in it")
     add_scheduler_arguments(cond)
     cond.set_defaults(func=_cmd_conductor, check=_check_conductor, subparser=cond)
 

@@ -62,7 +62,16 @@ TBT_SLO_S = 0.5
 DEFAULT_DECODE_S = 5.0
 """Decode duration assumed by the prediction gate until the cluster has measured one."""
 PROFILE = "smollm2-135m-cpu"
-"""Bundled profile table the live estimators are fitted from."""
+"""Bundled profile table the live estimators are fitted from, measured in float32. A table
+measured in another dtype carries that dtype's suffix (profile_name)."""
+DTYPE_SUFFIX = {Dtype.FLOAT32: "", Dtype.BFLOAT16: "-bf16", Dtype.FLOAT16: "-fp16"}
+"""What a profile table's name adds for the dtype it was measured in."""
+
+
+def profile_name(base: str, dtype: Dtype) -> str:
+    """The name of `base`'s table measured in `dtype` (`mooncake profile` writes it; the conductor
+    looks it up): e.g. smollm2-135m-cpu-bf16."""
+    return base + DTYPE_SUFFIX[Dtype(dtype)]
 
 # --- limits of vLLM-CPU (checked up front) -------------------------------------------------
 BLOCK_SIZE_MULTIPLE = 32

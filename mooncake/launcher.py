@@ -44,7 +44,8 @@ class ClusterConfig:
     api_key: str | None = None
     scheduler: SchedulerConfig = field(default_factory=live_scheduler_config)
     """Its block_size is also every worker's, so they cannot disagree."""
-    profile: str = defaults.PROFILE
+    profile: str | None = None
+    """None: the bundled table measured in `dtype` (conductor.config.resolve_profile)."""
 
     def __post_init__(self) -> None:
         if self.num_prefill < 0 or self.num_decode < 1:
@@ -205,6 +206,7 @@ def serve(config: ClusterConfig) -> int:
             port=config.port, prefill_urls=cluster.urls(WorkerRole.PREFILL),
             decode_urls=cluster.urls(WorkerRole.DECODE), max_model_len=config.max_model_len,
             api_key=config.api_key, scheduler=config.scheduler, profile=config.profile,
+            dtype=config.dtype,
         ))
         server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="info",
                                                timeout_graceful_shutdown=5, log_config=uvicorn_log_config()))

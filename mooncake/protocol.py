@@ -48,6 +48,11 @@ class GenerateChunk(msgspec.Struct, frozen=True, omit_defaults=True):
     finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
     num_cached_tokens: int | None = None  # prompt tokens vLLM did not compute (local or loaded)
     error: str | None = None
+    # Measured by the engine, on the last line only (the conductor calibrates its estimators
+    # with them; see conductor/core/calibration.py). Seconds.
+    queued_s: float | None = None  # waiting before first scheduled
+    prefill_s: float | None = None  # first scheduled to first token: the prompt, all its chunks
+    decode_step_s: float | None = None  # mean time per generated token after the first
 
 
 class AbortRequest(msgspec.Struct, frozen=True):

@@ -72,7 +72,7 @@ def decode_load(inst: InstanceState, view: LoadView, h: Horizon, est: Estimators
     if view is LoadView.COMMITTED:
         return len(inst.running) + len(inst.incoming), inst.kv_tokens + inst.incoming_kv_tokens
     dt = max(h.t_star - h.now, 0.0)
-    step = est.tbt_s(max(len(inst.running), 1), inst.kv_tokens)
+    step = est.tbt_s(max(len(inst.running), 1), inst.kv_tokens, inst.decode_scale)
     if inst.lengths_known:
         return _request_level(inst, h, dt, step)
     batch = kv = 0.0
@@ -125,7 +125,7 @@ def judge_decode(inst: InstanceState, kv_need: int, view: LoadView, h: Horizon, 
 def _judge(inst: InstanceState, kv_need: int, view: LoadView, h: Horizon, est: Estimators,
            cfg: SchedulerConfig, headroom: float) -> tuple[float, RejectReason | None]:
     batch, kv = decode_load(inst, view, h, est)
-    tbt = est.tbt_s(batch + 1, kv + kv_need)
+    tbt = est.tbt_s(batch + 1, kv + kv_need, inst.decode_scale)
     if kv + kv_need > inst.kv_capacity_tokens * (1.0 - headroom):
         return tbt, RejectReason.NO_CAPACITY
     if tbt > cfg.tbt_slo_s:
@@ -193,7 +193,8 @@ def decode_drain_s(pool: Sequence[InstanceState], kv_need: int, now: float, t_d:
         for s in [None, *seqs]:
             if s is not None:
                 batch, kv = batch - 1, kv - s.kv_tokens
-            if kv + kv_need <= inst.kv_capacity_tokens and est.tbt_s(batch + 1, kv + kv_need) <= cfg.tbt_slo_s:
+            tbt = est.tbt_s(batch + 1, kv + kv_need, inst.decode_scale)
+            if kv + kv_need <= inst.kv_capacity_tokens and tbt <= cfg.tbt_slo_s:
                 best = min(best, 0.0 if s is None else max(s.start_s + t_d - now, 0.0))
                 break
     return best

@@ -101,8 +101,9 @@ class Estimators:
     def from_profile(cls, table: ProfileTable, transfer_latency_s: float = 0.001) -> Estimators:
         return cls(PrefillModel.fit(table), DecodeModel.fit(table), table.kv_bytes_per_token, transfer_latency_s)
 
-    def prefill_s(self, prompt_tokens: int, cached_tokens: int) -> float:
-        return self.prefill.seconds(prompt_tokens, cached_tokens)
+    def prefill_s(self, prompt_tokens: int, cached_tokens: int, scale: float = 1.0) -> float:
+        """scale: the instance's calibrated speed (InstanceState.prefill_scale); 1 is the prior."""
+        return self.prefill.seconds(prompt_tokens, cached_tokens) * scale
 
     @staticmethod
     def queue_s(instance: InstanceState) -> float:
@@ -115,8 +116,9 @@ class Estimators:
         nbytes = n_tokens * self.kv_bytes_per_token
         return self.transfer_latency_s + (sender.pending_send_bytes + nbytes) / sender.bandwidth_Bps
 
-    def tbt_s(self, batch_size: int, kv_tokens: int) -> float:
-        return self.decode.step_seconds(batch_size, kv_tokens)
+    def tbt_s(self, batch_size: int, kv_tokens: int, scale: float = 1.0) -> float:
+        """scale: the instance's calibrated speed (InstanceState.decode_scale); 1 is the prior."""
+        return self.decode.step_seconds(batch_size, kv_tokens) * scale
 
 
 class DecodeTimeMeter:

@@ -68,7 +68,8 @@ def prefix_tokens(blocks: int, prompt_tokens: int, block_size: int) -> int:
 def _local(inst: InstanceState, prompt: int, matches: PrefixMatches, est: Estimators,
            cfg: SchedulerConfig) -> PrefillChoice:
     cached = prefix_tokens(matches.local.get(inst.instance_id, 0), prompt, cfg.block_size)
-    return PrefillChoice(inst.instance_id, cached, None, 0, est.queue_s(inst), est.prefill_s(prompt, cached), 0.0)
+    return PrefillChoice(inst.instance_id, cached, None, 0, est.queue_s(inst),
+                        est.prefill_s(prompt, cached, inst.prefill_scale), 0.0)
 
 
 def best_holder(matches: Mapping[str, int], instances: Sequence[InstanceState]) -> tuple[InstanceState | None, int]:
@@ -98,17 +99,19 @@ def kvcache_centric(prompt: int, pool: Sequence[InstanceState], all_instances: S
         if price is None:
             price = priced[local_blocks] = _price(prompt, local_blocks, holder, best_blocks, best_tokens, est, cfg)
         queue = est.queue_s(inst)
-        ttft = price.transfer_s + queue + price.prefill_s  # summed as PrefillChoice.ttft_s sums it
+        # price.prefill_s is the prior's; each instance scales it by its calibrated speed.
+        ttft = price.transfer_s + queue + price.prefill_s * inst.prefill_scale  # as PrefillChoice.ttft_s sums it
         if best is None or ttft < best[0]:
             best = (ttft, inst, queue, price)
     assert best is not None
     _, inst, queue, price = best
-    return replace(price, instance_id=inst.instance_id, queue_s=queue)
+    return replace(price, instance_id=inst.instance_id, queue_s=queue, prefill_s=price.prefill_s * inst.prefill_scale)
 
 
 def _price(prompt: int, local_blocks: int, holder: InstanceState | None, best_blocks: int, best_tokens: int,
            est: Estimators, cfg: SchedulerConfig) -> PrefillChoice:
-    """The choice for an instance holding local_blocks, before its own id and queue are filled in:
+    """The choice for an instance holding local_blocks, before its own id, queue and prefill scale
+    are applied (prefill_s is the prior's):
     fetch the best holder's longer prefix if best/local reaches the threshold (or it holds
     none), else recompute beyond its own prefix."""
     fetch = holder is not None and best_blocks > local_blocks and (

@@ -83,6 +83,10 @@ class ProfileTable:
         return cls(**d)
 
 
+def bundled_profile_exists(name: str) -> bool:
+    return (PROFILES_DIR / f"{name}.json").exists()
+
+
 def load_profile(path_or_name: str | pathlib.Path) -> ProfileTable:
     """Load a table by path, or by the name of a bundled one (e.g. "paper-70b-8gpu")."""
     path = pathlib.Path(path_or_name)

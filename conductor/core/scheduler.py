@@ -114,10 +114,10 @@ class Scheduler:
             cached = prefix_tokens(matches.local.get(inst.instance_id, 0), prompt, cfg.block_size)
             if not forced and prompt - cached > cfg.colocate_max_new_tokens:
                 continue
-            prefill = est.prefill_s(prompt, cached)
+            prefill = est.prefill_s(prompt, cached, inst.prefill_scale)
             # The step that carries this prefill also carries the running batch: its length
             # is every running request's TBT for that step, so it must meet the SLO itself.
-            step = prefill + (est.tbt_s(inst.batch_size, inst.kv_tokens) if inst.running else 0.0)
+            step = prefill + (est.tbt_s(inst.batch_size, inst.kv_tokens, inst.decode_scale) if inst.running else 0.0)
             if not forced and step > cfg.tbt_slo_s:
                 continue
             queue = est.queue_s(inst)

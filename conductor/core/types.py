@@ -77,6 +77,9 @@ class InstanceState:
     kv_capacity_tokens: KV room of the decode batch (or of the prefill pool's cache).
     bandwidth_Bps: measured outgoing transfer bandwidth in bytes per second.
     pending_send_bytes: bytes already queued on its outgoing link (sender congestion).
+    prefill_scale, decode_scale: this instance's measured speed relative to the scheduler's
+      prior estimators (conductor.core.calibration): its prefill and decode-step times are the
+      prior's times these. 1.0, the default, prices it with the prior (the simulator's case).
     """
 
     instance_id: str
@@ -87,6 +90,8 @@ class InstanceState:
     kv_capacity_tokens: int = 1 << 62
     bandwidth_Bps: float = 1e10
     pending_send_bytes: float = 0.0
+    prefill_scale: float = 1.0
+    decode_scale: float = 1.0
     kv_tokens: int = field(init=False)
     """KV tokens of the running sequences (derived; summed once here, read per decision)."""
     incoming_kv_tokens: int = field(init=False)

@@ -20,7 +20,11 @@ import time
 from collections.abc import Callable
 
 from conductor.core.profile_table import DecodeRow, PrefillRow, ProfileTable, save_profile
+from mooncake import defaults
 from mooncake.cli_help import DefaultsHelpFormatter
+from mooncake.defaults import Dtype
+
+DTYPE_BYTES = {Dtype.FLOAT32: 4, Dtype.BFLOAT16: 2, Dtype.FLOAT16: 2}  # of one KV element
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -28,7 +32,11 @@ def build_parser() -> argparse.ArgumentParser:
                                  formatter_class=DefaultsHelpFormatter)
     ap.add_argument("--model", required=True, type=pathlib.Path, help="model folder (safetensors + config.json)")
     ap.add_argument("--out", type=pathlib.Path, default=pathlib.Path("profile.json"), help="profile table to write")
-    ap.add_argument("--name", default=None, help="table name (default: model folder name + '-cpu')")
+    ap.add_argument("--name", default=None,
+                    help="table name (default: model folder name + '-cpu' + the dtype's suffix, e.g. -bf16)")
+    ap.add_argument("--dtype", default=str(defaults.DTYPE), choices=[str(d) for d in Dtype],
+                    help="weights and KV dtype of the engine; measure in the dtype the cluster will run "
+                         "(`mooncake serve --dtype`), whose conductor picks the table of that name")
     ap.add_argument("--prompt-lengths", type=_list_of(int), default="256,512,1024,2048",
                     help="comma-separated prompt lengths")
     ap.add_argument("--cached-shares", type=_list_of(float), default="0,0.5,0.75",
@@ -58,6 +66,12 @@ def _list_of(kind: type) -> Callable[[str], list]:
     return parse
 
 
+def table_name(model: pathlib.Path, dtype: Dtype) -> str:
+    """The default table name: the one the conductor looks up for a cluster of this dtype
+    (mooncake.defaults.profile_name), e.g. smollm2-135m-cpu-bf16."""
+    return defaults.profile_name(f"{model.name.lower()}-cpu", dtype)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
@@ -72,12 +86,13 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--model must be a Hugging Face model folder with a config.json: {exc}")
     heads = cfg["num_attention_heads"]
     head_dim = cfg.get("head_dim", cfg["hidden_size"] // heads)
-    kv_bpt = 2 * cfg["num_hidden_layers"] * cfg.get("num_key_value_heads", heads) * head_dim * 4  # float32
+    dtype = Dtype(args.dtype)
+    kv_bpt = 2 * cfg["num_hidden_layers"] * cfg.get("num_key_value_heads", heads) * head_dim * DTYPE_BYTES[dtype]
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(args.kv_cache_gib))  # before vllm is imported
     from vllm import LLM, SamplingParams
 
     max_len = max(max(args.prompt_lengths), max(args.contexts) + args.decode_tokens) + args.block_size
-    llm = LLM(model=str(args.model), enforce_eager=True, dtype="float32", enable_prefix_caching=True,
+    llm = LLM(model=str(args.model), enforce_eager=True, dtype=str(dtype), enable_prefix_caching=True,
               max_model_len=max_len, block_size=args.block_size, max_num_seqs=max(args.batch_sizes))
     rng = random.Random(0)
     vocab = cfg["vocab_size"]
@@ -115,12 +130,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"decode b={b} ctx={ctx}: {step * 1e3:.2f} ms/step", file=sys.stderr, flush=True)
     capacity = int(args.kv_cache_gib * 2**30 / kv_bpt)
     table = ProfileTable(
-        name=args.name or f"{args.model.name.lower()}-cpu", model=args.model.name,
-        hardware=f"vLLM-CPU, {os.cpu_count()} cores, float32, enforce_eager", source="measured",
+        name=args.name or table_name(args.model, dtype), model=args.model.name,
+        hardware=f"vLLM-CPU, {os.cpu_count()} cores, {dtype}, enforce_eager", source="measured",
         block_size=args.block_size, kv_bytes_per_token=kv_bpt, decode_kv_capacity_tokens=capacity,
         prefill_cache_blocks=capacity // args.block_size, bandwidth_Bps=args.bandwidth,
         prefill=tuple(prefill), decode=tuple(decode),
-        assumptions={"kv_cache_gib": args.kv_cache_gib, "decode_tokens": n, "repeats": args.repeats,
+        assumptions={"dtype": str(dtype), "kv_cache_gib": args.kv_cache_gib, "decode_tokens": n,
+                     "repeats": args.repeats,
                      "timing": "wall clock of LLM.generate, minimum of repeats"})
     save_profile(table, args.out)
     print(f"wrote {args.out}", file=sys.stderr)

@@ -45,6 +45,9 @@ def build_engine(config: WorkerConfig, kv_port: int, events_port: int, control: 
         enable_prefix_caching=config.enable_prefix_caching,
         enforce_eager=config.enforce_eager,
         enable_log_requests=False,
+        # Per-request timestamps (RequestOutput.metrics) exist only with stats on; run_request
+        # reports the measured prefill and decode-step times from them.
+        disable_log_stats=False,
         kv_transfer_config=KVTransferConfig(
             kv_connector=CONNECTOR_CLASS,
             kv_connector_module_path=CONNECTOR_MODULE,
@@ -80,18 +83,40 @@ def sampling_params(request: GenerateRequest):
 
 
 async def run_request(engine: "AsyncLLM", request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
-    """Yields token deltas. Closing the iterator early aborts the request inside vLLM."""
+    """Yields token deltas. Closing the iterator early aborts the request inside vLLM. The last
+    chunk carries the engine's measured times (see measured_times)."""
     first = True
     async for output in engine.generate(
         {"prompt_token_ids": request.prompt_token_ids}, sampling_params(request), request.request_id
     ):
         completion = output.outputs[0]
+        times = measured_times(output.metrics) if output.finished else {}
         yield GenerateChunk(
             token_ids=list(completion.token_ids),
             finish_reason=completion.finish_reason if output.finished else None,
             num_cached_tokens=output.num_cached_tokens if first else None,
+            **times,
         )
         first = False
+
+
+def measured_times(stats) -> dict[str, float]:
+    """queued_s, prefill_s and decode_step_s of a finished request, from vLLM's RequestStateStats
+    (engine-core monotonic timestamps; 0.0 means not recorded). A time that was not recorded, or
+    that does not apply (decode_step_s needs two generated tokens), is left out."""
+    queued = getattr(stats, "queued_ts", 0.0)
+    scheduled = getattr(stats, "scheduled_ts", 0.0)
+    first = getattr(stats, "first_token_ts", 0.0)
+    last = getattr(stats, "last_token_ts", 0.0)
+    n = getattr(stats, "num_generation_tokens", 0)
+    times: dict[str, float] = {}
+    if queued > 0 and scheduled >= queued:
+        times["queued_s"] = scheduled - queued
+    if scheduled > 0 and first > scheduled:
+        times["prefill_s"] = first - scheduled
+    if n >= 2 and first > 0 and last > first:
+        times["decode_step_s"] = (last - first) / (n - 1)
+    return times
 
 
 def kv_capacity_tokens(engine: "AsyncLLM") -> tuple[int, int]:

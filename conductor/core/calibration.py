@@ -1,0 +1,139 @@
+"""Self-calibrating estimators: each instance's prior, scaled to what it is measured doing.
+
+The profile table gives the shape of the cost (how prefill grows with prompt and prefix, how a
+decode step grows with batch and KV); the hardware actually running may be uniformly faster or
+slower (another dtype, another core count, a loaded host). So the fit keeps the prior's shape
+and learns one multiplicative scale per instance for prefill and one for the decode step:
+
+  scale = exp(shrink * median(log(measured / prior prediction)) over the last `window` samples)
+  shrink = n / (n + prior_weight)       (few samples: stay near the prior)
+  clamped to [min_scale, max_scale]
+
+A median, not a mean: one sample 10x off (a GC pause, a preempted step) moves it by one rank.
+A scaled model is still a PrefillModel / DecodeModel (every coefficient times the scale), so the
+calibrated model is concrete and printable. Pure: no clock is needed (the window is by count),
+no I/O.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from conductor.core.estimators import DecodeModel, Estimators, PrefillModel
+
+
+@dataclass(frozen=True, slots=True)
+class CalibrationConfig:
+    window: int = 64
+    """Samples the fit looks at (the most recent ones)."""
+    prior_weight: float = 4.0
+    """n0: with n samples the measured log-scale counts n / (n + n0), the prior the rest."""
+    min_scale: float = 0.1
+    max_scale: float = 10.0
+
+    def __post_init__(self) -> None:
+        if self.window < 1 or self.prior_weight < 0 or not 0 < self.min_scale <= 1 <= self.max_scale:
+            raise ValueError(f"bad calibration config: {self}")
+
+
+class ScaleFit:
+    """A robust multiplicative fit of measured seconds to a prior's predicted seconds."""
+
+    __slots__ = ("config", "_log_ratios", "_pairs", "samples", "scale", "relative_error")
+
+    def __init__(self, config: CalibrationConfig) -> None:
+        self.config = config
+        self._log_ratios: deque[float] = deque(maxlen=config.window)
+        self._pairs: deque[tuple[float, float]] = deque(maxlen=config.window)  # (measured, prior predicted)
+        self.samples = 0
+        """Samples seen in all (the window holds at most config.window of them)."""
+        self.scale = 1.0
+        self.relative_error: float | None = None
+        """Median |measured - calibrated| / measured over the window; None before any sample."""
+
+    def add(self, measured_s: float, predicted_s: float) -> bool:
+        """One measurement against the prior's prediction for the same work. Returns False (and
+        ignores it) when either is not a positive finite number of seconds."""
+        if not (0 < measured_s < math.inf and 0 < predicted_s < math.inf):
+            return False
+        self._log_ratios.append(math.log(measured_s / predicted_s))
+        self._pairs.append((measured_s, predicted_s))
+        self.samples += 1
+        # Refitted here, once per sample, so pricing reads a plain float.
+        cfg = self.config
+        n = len(self._log_ratios)
+        shrink = n / (n + cfg.prior_weight)
+        scale = math.exp(shrink * statistics.median(self._log_ratios))
+        self.scale = min(max(scale, cfg.min_scale), cfg.max_scale)
+        self.relative_error = statistics.median(abs(m - self.scale * p) / m for m, p in self._pairs)
+        return True
+
+
+class InstanceCalibration:
+    """One instance's prefill and decode-step fits against the scheduler's prior."""
+
+    __slots__ = ("prior", "prefill", "decode_step")
+
+    def __init__(self, prior: Estimators, config: CalibrationConfig) -> None:
+        self.prior = prior
+        self.prefill = ScaleFit(config)
+        self.decode_step = ScaleFit(config)
+
+    def observe_prefill(self, prompt_tokens: int, cached_tokens: int, measured_s: float) -> bool:
+        cached = min(max(cached_tokens, 0), prompt_tokens)
+        return self.prefill.add(measured_s, self.prior.prefill_s(prompt_tokens, cached))
+
+    def observe_decode_step(self, batch_size: int, kv_tokens: int, measured_s: float) -> bool:
+        return self.decode_step.add(measured_s, self.prior.tbt_s(max(batch_size, 1), max(kv_tokens, 0)))
+
+    def prefill_model(self) -> PrefillModel:
+        m, s = self.prior.prefill, self.prefill.scale
+        return PrefillModel(m.c0 * s, m.c1 * s, m.c2 * s, m.c3 * s)
+
+    def decode_model(self) -> DecodeModel:
+        m, s = self.prior.decode, self.decode_step.scale
+        return DecodeModel(m.d0 * s, m.d1 * s, m.d2 * s)
+
+    def describe(self) -> dict[str, Any]:
+        """JSON-ready: prior and calibrated coefficients, scales, sample counts and errors."""
+        def fit(f: ScaleFit, prior: Any, calibrated: Any) -> dict[str, Any]:
+            return {"scale": f.scale, "samples": f.samples, "relative_error": f.relative_error,
+                    "prior": asdict(prior), "calibrated": asdict(calibrated)}
+        return {"prefill": fit(self.prefill, self.prior.prefill, self.prefill_model()),
+                "decode_step": fit(self.decode_step, self.prior.decode, self.decode_model())}
+
+
+class Calibration:
+    """Every instance's calibration, created on first sight and dropped when it leaves."""
+
+    def __init__(self, prior: Estimators, config: CalibrationConfig | None = None) -> None:
+        self.prior = prior
+        self.config = config or CalibrationConfig()
+        self._instances: dict[str, InstanceCalibration] = {}
+
+    def instance(self, instance_id: str) -> InstanceCalibration:
+        cal = self._instances.get(instance_id)
+        if cal is None:
+            cal = self._instances[instance_id] = InstanceCalibration(self.prior, self.config)
+        return cal
+
+    def scales(self, instance_id: str) -> tuple[float, float]:
+        """(prefill scale, decode-step scale); (1, 1), the prior, for an instance not seen yet."""
+        cal = self._instances.get(instance_id)
+        return (1.0, 1.0) if cal is None else (cal.prefill.scale, cal.decode_step.scale)
+
+    def retain(self, instance_ids: set[str] | frozenset[str]) -> None:
+        """Forget the instances not in instance_ids (they left the pool)."""
+        for gone in self._instances.keys() - instance_ids:
+            del self._instances[gone]
+
+    def items(self) -> list[tuple[str, InstanceCalibration]]:
+        return sorted(self._instances.items())
+
+    def describe(self) -> dict[str, Any]:
+        return {name: cal.describe() for name, cal in self.items()}
+

@@ -1,0 +1,101 @@
+"""The calibration core: a per-instance multiplicative fit of the prior to measured times."""
+
+import math
+import random
+from dataclasses import replace
+
+import pytest
+
+from conductor.core.calibration import Calibration, CalibrationConfig, ScaleFit
+from conductor.core.estimators import DecodeModel, PrefillModel
+from tests.core.core_helpers import EST, decode, prefill, request, scheduler, state
+
+
+def test_converges_to_the_true_scale_from_noisy_samples():
+    rng = random.Random(7)
+    cal = Calibration(EST).instance("p1")
+    for _ in range(200):
+        prompt = rng.randrange(100, 4000)
+        true = 0.4 * EST.prefill_s(prompt, 0)
+        cal.observe_prefill(prompt, 0, true * math.exp(rng.gauss(0, 0.15)))  # ~15% noise
+    assert cal.prefill.scale == pytest.approx(0.4, rel=0.08)
+    assert cal.prefill.samples == 200 and cal.decode_step.samples == 0
+    assert cal.prefill.relative_error < 0.2
+    model = cal.prefill_model()  # still a PrefillModel: the prior's coefficients times the scale
+    assert isinstance(model, PrefillModel)
+    assert model.seconds(1000, 0) == pytest.approx(cal.prefill.scale * EST.prefill_s(1000, 0))
+
+
+def test_outliers_barely_move_it():
+    fit = ScaleFit(CalibrationConfig(prior_weight=0))
+    for _ in range(40):
+        fit.add(2.0, 1.0)
+    for _ in range(8):  # a fifth of the window 10x off
+        fit.add(200.0, 1.0)
+    assert fit.scale == pytest.approx(2.0)
+
+
+def test_few_samples_stay_near_the_prior_and_many_reach_the_measurement():
+    fit = ScaleFit(CalibrationConfig(prior_weight=4))
+    fit.add(3.0, 1.0)  # one sample: log-scale weighted 1/5
+    assert fit.scale == pytest.approx(3.0 ** 0.2)
+    for _ in range(63):
+        fit.add(3.0, 1.0)
+    assert fit.scale == pytest.approx(3.0 ** (64 / 68))  # the window holds 64
+    assert fit.relative_error == pytest.approx(abs(3.0 - fit.scale) / 3.0)
+
+
+def test_scale_is_clamped_and_bad_samples_ignored():
+    fit = ScaleFit(CalibrationConfig(prior_weight=0, max_scale=10.0))
+    assert not fit.add(0.0, 1.0) and not fit.add(1.0, float("nan")) and fit.samples == 0
+    assert fit.relative_error is None and fit.scale == 1.0
+    fit.add(1000.0, 1.0)
+    assert fit.scale == 10.0
+
+
+def test_instances_are_isolated_and_dropped_when_they_leave():
+    cal = Calibration(EST, CalibrationConfig(prior_weight=0))
+    cal.instance("slow").observe_decode_step(4, 400, 3 * EST.tbt_s(4, 400))
+    assert cal.scales("slow") == (1.0, pytest.approx(3.0))
+    assert cal.scales("other") == (1.0, 1.0)
+    assert isinstance(cal.instance("slow").decode_model(), DecodeModel)
+    assert set(cal.describe()) == {"slow"}  # scales() of an unseen instance creates nothing
+    cal.instance("other")  # first sight
+    assert set(cal.describe()) == {"slow", "other"}
+    cal.retain({"other"})
+    assert set(cal.describe()) == {"other"} and cal.scales("slow") == (1.0, 1.0)
+
+
+def test_a_slow_instance_is_priced_slower_and_loses_the_request():
+    sched = scheduler(ttft_slo_s=100.0)
+    fast, slow = prefill("p1"), replace(prefill("p2"), prefill_scale=3.0)
+    d = scheduler(ttft_slo_s=100.0).schedule(request(1000), state(fast, slow, decode("d1")), 0.0)
+    assert d.prefill_instance == "p1" and d.predicted_prefill_s == pytest.approx(EST.prefill_s(1000, 0))
+    alone = sched.schedule(request(1000), state(slow, decode("d1")), 0.0)
+    assert alone.predicted_prefill_s == pytest.approx(3.0 * EST.prefill_s(1000, 0))
+    assert alone.predicted_ttft_s == pytest.approx(3.0 * EST.prefill_s(1000, 0))
+
+
+def test_a_request_the_prior_refuses_for_ttft_is_admitted_once_the_instance_measures_3x_faster():
+    sched = scheduler(ttft_slo_s=1.5)  # prior: 2,000 tokens take 2 s
+    cal = Calibration(EST, CalibrationConfig(prior_weight=0))
+
+    def snapshot():
+        return state(replace(prefill("p1"), prefill_scale=cal.scales("p1")[0]), decode("d1"))
+
+    refused = sched.schedule(request(2000), snapshot(), 0.0)
+    assert refused.reason == "ttft_slo"
+    for prompt in (500, 1000, 1500, 2500, 3000):
+        cal.instance("p1").observe_prefill(prompt, 0, EST.prefill_s(prompt, 0) / 3)
+    admitted = sched.schedule(request(2000), snapshot(), 0.0)
+    assert admitted.prefill_instance == "p1" and admitted.predicted_ttft_s == pytest.approx(2.0 / 3)
+
+
+def test_decode_steps_are_priced_with_the_instance_scale():
+    sched = scheduler(tbt_slo_s=0.05)  # prior step at batch 31: 0.01 + 0.031 = 41 ms
+    busy = decode("d1", batch=30)
+    admitted = sched.schedule(request(100), state(prefill("p1"), busy), 0.0)
+    assert admitted.decode_instance == "d1"
+    slow = replace(busy, decode_scale=2.0)
+    refused = sched.schedule(request(100), state(prefill("p1"), slow), 0.0)
+    assert refused.reason == "tbt_slo" and refused.predicted_tbt_s == pytest.approx(2 * admitted.predicted_tbt_s)
