@@ -64,6 +64,8 @@ def colocated_vllm(model: str, log_dir: Path, dtype: str = "float32"):
     args = ["-m", "vllm.entrypoints.openai.api_server", "--model", model, "--served-model-name", MODEL_NAME,
             "--port", str(port), "--dtype", dtype, "--max-model-len", "8192", "--enforce-eager",
             "--max-num-batched-tokens", "2048"]
+    # Every core this process may use, bound explicitly: the peer gets the same cores we do.
+    cores = sorted(os.sched_getaffinity(0))
     with running("colocated-vllm", args, f"http://127.0.0.1:{port}/health", log_dir,
-                 env={"VLLM_CPU_KVCACHE_SPACE": "1"}):
+                 env={"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": f"{cores[0]}-{cores[-1]}"}):
         yield f"http://127.0.0.1:{port}/v1"
