@@ -49,7 +49,9 @@ def create_app(config: ConductorConfig) -> FastAPI:
         router = Router(pool, index, scheduler, app.state.metrics)
         relay = Relay(client, config.kv_wait_timeout_s,
                       pick_fallback=lambda tried: next(
-                          (h for h in pool.ready("decode") if h.name not in tried), None))
+                          (h for h in pool.all() if h.ready and h.name not in tried
+                           # with flexible roles any worker may decode
+                           and (config.scheduler.flexible_roles or h.serves("decode"))), None))
         app.state.pool, app.state.index, app.state.router = pool, index, router
         service = app.state.service = CompletionService(config, tokenizer, router, relay, app.state.metrics)
         app.state.metrics.watch(lambda: LiveState(

@@ -21,6 +21,10 @@ def add_scheduler_arguments(parser: argparse.ArgumentParser) -> None:
                    help="kvcache_balancing_threshold of Algorithm 1 (ratio >= 1)")
     g.add_argument("--no-conditional-disaggregation", action="store_true",
                    help="never prefill on the decode instance itself")
+    g.add_argument("--no-flexible-roles", action="store_true",
+                   help="keep the workers' labels as fixed roles (prefill workers only prefill, decode workers "
+                        "only decode); by default any worker may prefill or decode a request, its label only "
+                        f"costs {defaults.ROLE_COST_S:g} s of predicted TTFT when broken (kvcache-centric only)")
     g.add_argument("--profile", default=None,
                    help=f"estimator profile table: a bundled name or a JSON path (see `mooncake profile`); "
                         f"default: the bundled one measured in the workers' --dtype ({DEFAULT_PROFILE} for "
@@ -47,4 +51,8 @@ def scheduler_config(args: argparse.Namespace) -> SchedulerConfig:
         policy=args.policy, admission=args.admission, block_size=args.block_size, ttft_slo_s=args.ttft_slo,
         tbt_slo_s=args.tbt_slo, kvcache_balancing_threshold=args.balancing_threshold,
         conditional_disaggregation=not args.no_conditional_disaggregation,
+        # Flexible roles price every instance by TTFT, which only kvcache-centric does.
+        flexible_roles=not args.no_flexible_roles and args.policy == Policy.KVCACHE_CENTRIC.value,
+        # `serve` starts the workers with --chunk-size; a standalone conductor assumes their default.
+        chunk_tokens=getattr(args, "chunk_size", defaults.CHUNK_SIZE),
     )

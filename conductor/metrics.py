@@ -108,7 +108,8 @@ class ConductorMetrics:
                                   ["reason"], registry=r)
         self.routes = Counter(
             "mooncake_routes", "Requests routed, by kind: disaggregated (prefill worker, then decode worker) "
-            "or colocated (prefilled on the decode worker itself).", ["kind"], registry=r)
+            "colocated (prefilled on the decode worker itself) or flexible (a pair that breaks a worker's role label: "
+            "flexible roles).", ["kind"], registry=r)
         self.retries = Counter("mooncake_retries", "Requests moved to another worker after a failure, by stage.",
                                ["stage"], registry=r)
         self.prompt_tokens = Counter("mooncake_prompt_tokens", "Prompt tokens received (tokens).", registry=r)

@@ -82,13 +82,16 @@ class Router:
         self.forget_departed()
         handles = {h.name: h for h in self.pool.all()
                    if h.ready and h.name not in exclude and self._compatible(h)}
-        decodes = [h for h in handles.values() if h.serves("decode")]
+        # With flexible roles any worker may decode (labels are only a cost to the core).
+        flexible = self.scheduler.config.flexible_roles
+        decodes = [h for h in handles.values() if flexible or h.serves("decode")]
         if not decodes:
             if allow_none:
                 return None
             states = ", ".join(f"{h.http_url} {h.status}" for h in self.pool.all()) or "none configured"
             self.metrics.rejections.labels(reason="no_instance").inc()
-            raise APIError(503, f"no decode worker is ready (workers: {states})", code="workers_unavailable",
+            what = "worker" if flexible else "decode worker"
+            raise APIError(503, f"no {what} is ready (workers: {states})", code="workers_unavailable",
                            headers={"Retry-After": "5"})
         # Hashed in the unit the scheduler prices in, which every routed worker shares.
         hashes = tuple(hash_prompt_blocks(prompt, self.scheduler.config.block_size))
@@ -115,7 +118,7 @@ class Router:
                                       self.calibration.scales(route.prefill.name)[0])
         route.decode.ledger.assign(route.request_id, route.prefill.ledger, seconds, now, route.kv_tokens)
         self.pending.add(route.prefill.name, route.blocks)
-        self.metrics.routes.labels(kind="colocated" if route.colocated else "disaggregated").inc()
+        self.metrics.routes.labels(kind=_route_kind(route)).inc()
         return route
 
     def first_token(self, route: Route, now: float) -> None:
@@ -159,6 +162,16 @@ class Router:
         role = Role.PREFILL if h.role == WorkerRole.PREFILL else Role.DECODE
         return h.ledger.state(h.name, role, h.kv_capacity_tokens,
                               h.push_bandwidth.estimate_Bps or DEFAULT_BANDWIDTH_BPS, self.calibration.scales(h.name))
+
+
+def _route_kind(route: Route) -> str:
+    """colocated: P = D; disaggregated: a prefill-labelled P, a decode-labelled D; flexible: a
+    pair that breaks a label (flexible roles), e.g. P and D both prefill-labelled."""
+    if route.colocated:
+        return "colocated"
+    if route.prefill.role == WorkerRole.DECODE or route.decode.role == WorkerRole.PREFILL:
+        return "flexible"
+    return "disaggregated"
 
 
 def _rejection_message(r: Rejection) -> str:

@@ -61,6 +61,15 @@ TBT_SLO_S = 0.5
 (SmolLM2-135M on a few CPU cores steps in tens of ms; 0.5 s leaves room for a loaded host.)"""
 DEFAULT_DECODE_S = 5.0
 """Decode duration assumed by the prediction gate until the cluster has measured one."""
+FLEXIBLE_ROLES = True
+"""Any worker may prefill or decode any request (P = D included); its label is only a cost.
+Every engine runs the KV connector as kv_both, so a fixed split would strand compute: on 2 cores
+with 1P+1D one core prefills while the other idles between tokens."""
+ROLE_COST_S = 0.01 * TTFT_SLO_S
+"""Seconds of predicted TTFT a candidate pays per role it plays against its label, when ranking
+(0.3 s at the 30 s TTFT SLO). A small fraction of the SLO: below the error of a single
+prediction (calibrated prefill predictions are off by 10-20 % of prefills of 1-3 s), so labels
+decide near-ties, while a real imbalance (a prefill queue of seconds) moves work across roles."""
 PROFILE = "smollm2-135m-cpu"
 """Bundled profile table the live estimators are fitted from, measured in float32. A table
 measured in another dtype carries that dtype's suffix (profile_name)."""

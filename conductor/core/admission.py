@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 from conductor.core.config import Admission, SchedulerConfig
 from conductor.core.estimators import Estimators
-from conductor.core.types import InstanceState, RejectReason
+from conductor.core.types import InstanceState, RejectReason, Role
 
 
 class LoadView(enum.Enum):
@@ -174,6 +174,27 @@ def choose_decode(pool: Sequence[InstanceState], kv_need: int, views: tuple[Load
         return DecodeChoice(best_ok[1].instance_id, best_ok[0], None)
     assert best_any is not None
     return DecodeChoice(best_any[2].instance_id, best_any[1], best_any[3])
+
+
+def choose_decode_flexible(pool: Sequence[InstanceState], kv_need: int, views: tuple[LoadView, LoadView], h: Horizon,
+                           est: Estimators, cfg: SchedulerConfig, exclude: str) -> tuple[DecodeChoice, float] | None:
+    """Flexible roles: the decode instance for a prefill done on `exclude`, among every other
+    instance, and its role cost (cfg.role_cost_s for a prefill-labelled one). Order: passes
+    the gate, then (among misfits) over the TBT SLO before over KV capacity, then the lower
+    role cost (it adds to the pair's TTFT + cost), then the lower TBT. None if no other instance."""
+    best: tuple[tuple[bool, bool, float, float], InstanceState, RejectReason | None] | None = None
+    for inst in pool:
+        if inst.instance_id == exclude:
+            continue
+        tbt, problem = _rank_and_gate(inst, kv_need, views, h, est, cfg)
+        key = (problem is not None, problem is RejectReason.NO_CAPACITY,
+               cfg.role_cost_s if inst.role is Role.PREFILL else 0.0, tbt)
+        if best is None or key < best[0]:
+            best = (key, inst, problem)
+    if best is None:
+        return None
+    key, inst, problem = best
+    return DecodeChoice(inst.instance_id, key[3], problem), key[2]
 
 
 def decode_admits(inst: InstanceState, kv_need: int, est: Estimators, cfg: SchedulerConfig) -> RejectReason | None:

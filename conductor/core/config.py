@@ -53,6 +53,18 @@ class SchedulerConfig:
     """Let kvcache-centric prefill a short prompt on its decode instance (section 4)."""
     colocate_max_new_tokens: int = 2048
     """Largest uncached part that may be prefilled in one step on a decode instance."""
+    flexible_roles: bool = False
+    """Let any instance prefill and any instance decode a request, P = D included, whatever its
+    label (kvcache-centric only). Labels then only add role_cost_s. Off by default: the paper's
+    fixed roles, which the simulator models; the live cluster turns it on (mooncake.defaults)."""
+    role_cost_s: float = 0.3
+    """With flexible_roles: seconds added to a candidate's predicted TTFT, when ranking, per role
+    it plays against its label (a prefill-labelled instance decoding; a decode-labelled one
+    prefilling beyond conditional disaggregation's one-step budget). Never used for admission."""
+    chunk_tokens: int = 2048
+    """The engine's token budget per step (vLLM's max_num_batched_tokens, the workers'
+    --chunk-size): with flexible_roles, a prompt prefilled on an instance with a running batch
+    runs in steps of this many tokens, each one also stepping the batch."""
     default_decode_s: float = PAPER_DEFAULT_DECODE_S
     """Uniform decode duration t_d assumed by prediction until the cluster has measured one."""
     decode_forecast: str = "fluid"
@@ -93,6 +105,13 @@ class SchedulerConfig:
             raise ValueError(f"gate_kv_headroom must be in [0, 1), got {self.gate_kv_headroom}")
         if not (self.decode_hold_s >= 0 and math.isfinite(self.decode_hold_s)):
             raise ValueError(f"decode_hold_s must be a finite number of seconds >= 0, got {self.decode_hold_s}")
+        if self.flexible_roles and self.policy is not Policy.KVCACHE_CENTRIC:
+            raise ValueError(f"flexible_roles needs the kvcache-centric policy (it prices every instance in both "
+                             f"roles by predicted TTFT), got {self.policy}")
+        if not (self.role_cost_s >= 0 and math.isfinite(self.role_cost_s)):
+            raise ValueError(f"role_cost_s must be a finite number of seconds >= 0, got {self.role_cost_s}")
+        if self.chunk_tokens <= 0:
+            raise ValueError(f"chunk_tokens must be positive, got {self.chunk_tokens}")
         if self.colocate_max_new_tokens < 0:
             raise ValueError("colocate_max_new_tokens must be >= 0")
         if not 0 <= self.min_retry_after_s <= self.max_retry_after_s:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 
 from conductor.core.config import Policy, SchedulerConfig
 from conductor.core.estimators import Estimators
-from conductor.core.types import InstanceState
+from conductor.core.types import InstanceState, Role
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,3 +136,57 @@ def choose_prefill(policy: Policy, prompt: int, pool: Sequence[InstanceState],
     if policy is Policy.CACHE_AWARE:
         return min((_local(i, prompt, matches, est, cfg) for i in pool), key=lambda c: c.ttft_s)
     return kvcache_centric(prompt, pool, all_instances, matches, est, cfg)
+
+
+def chunked_prefill_s(inst: InstanceState, prompt: int, cached: int, est: Estimators,
+                      cfg: SchedulerConfig) -> tuple[float, float]:
+    """(seconds to its first token, longest step) of prefilling prompt[cached:] on `inst` as
+    vLLM runs it beside a running batch: steps of cfg.chunk_tokens new tokens, each one also
+    stepping the batch, so each step is a gap between the running requests' tokens. Without
+    a running batch, the whole prefill and no gap (nobody waits between tokens there)."""
+    if not inst.running:
+        return est.prefill_s(prompt, cached, inst.prefill_scale), 0.0
+    decode = est.tbt_s(inst.batch_size, inst.kv_tokens, inst.decode_scale)
+    total = longest = 0.0
+    done = cached
+    while done < prompt:
+        end = min(done + cfg.chunk_tokens, prompt)
+        step = est.prefill_s(end, done, inst.prefill_scale) + decode
+        total += step
+        longest = max(longest, step)
+        done = end
+    return total, longest
+
+
+def flexible_prefill(prompt: int, pool: Sequence[InstanceState], matches: PrefixMatches, est: Estimators,
+                     cfg: SchedulerConfig) -> tuple[PrefillChoice, float] | None:
+    """Flexible roles: Algorithm 1 over every instance, whatever its label, for a prefill whose
+    KV goes to another instance. A decode-labelled instance pays cfg.role_cost_s; one with a
+    running batch prefills in chunks (chunked_prefill_s) and is a candidate only if each chunk
+    step keeps that batch within the TBT SLO. Returns (choice, its role cost), the lowest
+    TTFT + role cost, or None when no instance may take it."""
+    holder, best_blocks = best_holder(matches.stored, pool)
+    best_tokens = prefix_tokens(best_blocks, prompt, cfg.block_size)
+    priced: dict[int, PrefillChoice] = {}
+    best: tuple[float, InstanceState, float, float, PrefillChoice] | None = None
+    for inst in pool:
+        local_blocks = matches.local.get(inst.instance_id, 0)
+        price = priced.get(local_blocks)
+        if price is None:
+            price = priced[local_blocks] = _price(prompt, local_blocks, holder, best_blocks, best_tokens, est, cfg)
+        if inst.running:
+            prefill, longest = chunked_prefill_s(inst, prompt, price.cached_tokens, est, cfg)
+            if longest > cfg.tbt_slo_s:
+                continue
+        else:
+            prefill = price.prefill_s * inst.prefill_scale
+        cost = cfg.role_cost_s if inst.role is Role.DECODE else 0.0
+        queue = est.queue_s(inst)
+        score = price.transfer_s + queue + prefill + cost
+        if best is None or score < best[0]:
+            best = (score, inst, queue, prefill, price)
+    if best is None:
+        return None
+    _, inst, queue, prefill, price = best
+    cost = cfg.role_cost_s if inst.role is Role.DECODE else 0.0
+    return replace(price, instance_id=inst.instance_id, queue_s=queue, prefill_s=prefill), cost

@@ -12,6 +12,10 @@ Algorithm (paper Algorithm 1 plus sections 4 and 6):
      batch within the TBT SLO and gives a lower TTFT than the disaggregated pair. With no
      prefill pool at all (a colocated cluster) every request is prefilled on a decode
      instance, whatever its size, under every policy and the same admission.
+  Flexible roles (flexible_roles, kvcache-centric): labels are only a cost. The candidates
+     are the labelled pair of 2-3, the best prefill on any instance (a busy one in TBT-safe
+     chunks) with the best other decode instance, and prefill-and-decode on any one instance;
+     the lowest TTFT + role costs among those that pass admission wins.
   5. Admission: refuse when the predicted TTFT breaks the SLO (all but "none"), or when the
      decode side does not fit (early, prediction), with a Retry-After from predicted drain.
 
@@ -24,12 +28,13 @@ from __future__ import annotations
 import math
 import random
 
-from conductor.core.admission import DecodeChoice, Horizon, LoadView, choose_decode, decode_admits, decode_drain_s, \
-    rank_and_gate, views_for
+from conductor.core.admission import DecodeChoice, Horizon, LoadView, choose_decode, choose_decode_flexible, \
+    decode_admits, decode_drain_s, rank_and_gate, views_for
 from conductor.core.config import Admission, Policy, SchedulerConfig
 from conductor.core.estimators import Estimators
-from conductor.core.policies import PrefillChoice, PrefixMatches, choose_prefill, prefix_tokens
-from conductor.core.types import ClusterState, Decision, InstanceState, RejectReason, Rejection, Request
+from conductor.core.policies import PrefillChoice, PrefixMatches, choose_prefill, chunked_prefill_s, flexible_prefill, \
+    prefix_tokens
+from conductor.core.types import ClusterState, Decision, InstanceState, RejectReason, Rejection, Request, Role
 
 __all__ = ["Scheduler", "decode_admits"]
 
@@ -47,7 +52,11 @@ class Scheduler:
         prompt = request.prompt_tokens
         if prompt <= 0:
             raise ValueError(f"request {request.request_id}: prompt_tokens must be positive")
-        if not state.decode:
+        flexible = cfg.flexible_roles
+        # With flexible roles every instance may prefill and decode.
+        prefill_pool = state.instances if flexible else state.prefill
+        decode_pool = state.instances if flexible else state.decode
+        if not decode_pool:
             return Rejection(request.request_id, RejectReason.NO_INSTANCE, cfg.max_retry_after_s)
         blocks = request.block_hashes
         matches = PrefixMatches.of(state.index.match(blocks) if blocks else {},
@@ -58,11 +67,14 @@ class Scheduler:
 
         pchoice: PrefillChoice | None = None
         dchoice: DecodeChoice | None = None
-        if state.prefill:
+        if flexible:
+            pchoice, dchoice = self._flexible(prompt, state, matches, views, now, t_d)
+        elif state.prefill:
             pchoice = choose_prefill(cfg.policy, prompt, state.prefill, state.instances, matches, est, cfg,
                                      self._rng)
             dchoice = choose_decode(state.decode, prompt, views, self._horizon(now, pchoice.ttft_s, t_d), est, cfg, rng)
-        if not state.prefill or (cfg.policy is Policy.KVCACHE_CENTRIC and cfg.conditional_disaggregation):
+        if not flexible and (not state.prefill
+                             or (cfg.policy is Policy.KVCACHE_CENTRIC and cfg.conditional_disaggregation)):
             coloc = self._colocated(prompt, state.decode, matches, views, now, t_d, rng, forced=not state.prefill)
             if coloc is not None and (pchoice is None or coloc[0].ttft_s < pchoice.ttft_s):
                 pchoice, dchoice = coloc
@@ -71,10 +83,10 @@ class Scheduler:
 
         ttft = pchoice.ttft_s
         if cfg.admission is not Admission.NONE and ttft > cfg.ttft_slo_s:
-            retry, helps = self._ttft_retry(pchoice, state)
+            retry, helps = self._ttft_retry(pchoice, prefill_pool)
             return Rejection(request.request_id, RejectReason.TTFT_SLO, retry, ttft, dchoice.tbt_s, helps)
         if cfg.admission in (Admission.EARLY, Admission.PREDICTION) and dchoice.problem is not None:
-            drain = decode_drain_s(state.decode, prompt, now, t_d, est, cfg)
+            drain = decode_drain_s(decode_pool, prompt, now, t_d, est, cfg)
             return Rejection(request.request_id, dchoice.problem, self._clip_retry(drain - ttft), ttft, dchoice.tbt_s,
                              math.isfinite(drain))
         return Decision(
@@ -134,17 +146,70 @@ class Scheduler:
             return min(fitting, key=lambda c: c[0].queue_s)
         return min(fitting, key=lambda c: c[0].ttft_s)
 
+    def _flexible(self, prompt: int, state: ClusterState, matches: PrefixMatches, views: tuple[LoadView, LoadView],
+                  now: float, t_d: float) -> tuple[PrefillChoice | None, DecodeChoice | None]:
+        """Flexible roles: the best of three kinds of candidate, by (fails the decode gate, breaks
+        the TTFT SLO, predicted TTFT + role costs). Role costs only rank: admission judges the
+        plain predicted TTFT. Exact ties keep the first candidate, so labels win them.
+          1. the labelled pair: the fixed-roles choice (prefill-labelled P, decode-labelled D);
+          2. a pair on any instances: the best P of any label (flexible_prefill), then the best
+             other instance to decode (choose_decode_flexible);
+          3. prefill and decode on one instance of any label, chunked beside its running batch
+             if it has one, and only if each chunk step keeps that batch within the TBT SLO.
+             A prefill-labelled instance pays a role cost for decoding; a decode-labelled one
+             pays it for a prefill beyond conditional disaggregation's one-step budget."""
+        cfg, est = self.config, self.estimators
+        check_ttft = cfg.admission is not Admission.NONE
+        best: tuple[tuple[bool, bool, float], PrefillChoice, DecodeChoice] | None = None
+
+        def offer(p: PrefillChoice, d: DecodeChoice, cost: float) -> None:
+            nonlocal best
+            ttft = p.ttft_s
+            key = (d.problem is not None, check_ttft and ttft > cfg.ttft_slo_s, ttft + cost)
+            if best is None or key < best[0]:
+                best = (key, p, d)
+
+        if state.prefill and state.decode:
+            p = choose_prefill(Policy.KVCACHE_CENTRIC, prompt, state.prefill, state.instances, matches, est, cfg,
+                               self._rng)
+            offer(p, choose_decode(state.decode, prompt, views, self._horizon(now, p.ttft_s, t_d), est, cfg), 0.0)
+        flex = flexible_prefill(prompt, state.instances, matches, est, cfg)
+        if flex is not None:
+            p, pcost = flex
+            d = choose_decode_flexible(state.instances, prompt, views, self._horizon(now, p.ttft_s, t_d), est, cfg,
+                                       exclude=p.instance_id)
+            if d is not None:
+                offer(p, d[0], pcost + d[1])
+        budget = cfg.colocate_max_new_tokens if cfg.conditional_disaggregation else -1
+        for inst in state.instances:
+            cached = prefix_tokens(matches.local.get(inst.instance_id, 0), prompt, cfg.block_size)
+            prefill, longest = chunked_prefill_s(inst, prompt, cached, est, cfg)
+            if inst.role is Role.PREFILL:
+                cost = cfg.role_cost_s  # decoding against its label
+            else:
+                cost = cfg.role_cost_s if prompt - cached > budget else 0.0
+            queue = est.queue_s(inst)
+            d = rank_and_gate(inst, prompt, views, self._horizon(now, queue + prefill, t_d), est, cfg)
+            if longest > cfg.tbt_slo_s:
+                # A chunk step would break the running batch's TBT: kept as a misfit so that,
+                # if nothing else fits, admission refuses it for the TBT SLO, as in fixed roles.
+                d = DecodeChoice(inst.instance_id, longest, RejectReason.TBT_SLO)
+            offer(PrefillChoice(inst.instance_id, cached, None, 0, queue, prefill, 0.0), d, cost)
+        if best is None:
+            return None, None
+        return best[1], best[2]
+
     def _horizon(self, now: float, ttft: float, t_d: float) -> Horizon:
         return Horizon(now, now + ttft, t_d, self.config.decode_forecast == "fluid")
 
-    def _ttft_retry(self, choice: PrefillChoice, state: ClusterState) -> tuple[float, bool]:
+    def _ttft_retry(self, choice: PrefillChoice, pool: tuple[InstanceState, ...]) -> tuple[float, bool]:
         """(Retry-After seconds, whether a retry can succeed at all)."""
         # Queues drain at one second per second; the non-queue part of the best choice is a
         # floor no wait can remove. If that floor alone breaks the SLO, waiting cannot help.
         floor = choice.ttft_s - choice.queue_s
         if floor > self.config.ttft_slo_s:
             return self.config.max_retry_after_s, False
-        shortest = min((self.estimators.queue_s(i) for i in state.prefill), default=choice.queue_s)
+        shortest = min((self.estimators.queue_s(i) for i in pool), default=choice.queue_s)
         return self._clip_retry(min(shortest, choice.queue_s) + floor - self.config.ttft_slo_s), True
 
     def _clip_retry(self, seconds: float) -> float:

@@ -13,7 +13,7 @@ from conductor.core.estimators import Estimators
 from conductor.core.profile_table import ProfileTable, load_profile
 from conductor.core.scheduler import Scheduler
 from conductor.sim.cost_model import CostModel, CostModelConfig
-from conductor.sim.engine import SimConfig, Simulation
+from conductor.sim.engine import FLEXIBLE_ROLES_UNSUPPORTED, SimConfig, Simulation
 from conductor.sim.report import SimResult, summarize
 from conductor.sim.trace import TraceError, TraceRecord, block_count_mismatches, fitting_block_sizes, load_trace
 from mooncake.cli_help import DefaultsHelpFormatter
@@ -68,6 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="kvcache_balancing_threshold: fetch a remote prefix when best_len/local_len >= R")
     ap.add_argument("--no-colocate", action="store_true",
                     help="disable conditional disaggregation (prefill on the decode instance)")
+    ap.add_argument("--flexible-roles", action="store_true",
+                    help="refused: the simulator models fixed roles only (the live conductor's default is "
+                         "flexible roles; see docs/SCHEDULER.md)")
     ap.add_argument("--colocate-max-tokens", type=int, default=SchedulerConfig().colocate_max_new_tokens,
                     metavar="T", help="largest uncached prompt part prefilled in one step on a decode instance")
     ap.add_argument("--gate-headroom", type=float, default=0.0, metavar="F",
@@ -118,6 +121,9 @@ def warn_block_size(trace: list[TraceRecord], block_size: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.flexible_roles:
+        print(f"mooncake sim: error: --flexible-roles: {FLEXIBLE_ROLES_UNSUPPORTED}", file=sys.stderr)
+        return 2
     try:
         trace = load_trace(args.trace)
         profile = load_profile(args.profile)

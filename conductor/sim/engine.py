@@ -94,10 +94,17 @@ class SimConfig:
             raise ValueError(f"decode_time must be 'little' or 'mean', got {self.decode_time!r}")
 
 
+FLEXIBLE_ROLES_UNSUPPORTED = (
+    "the simulator cannot model flexible roles: its prefill nodes never decode and its decode nodes run a "
+    "colocated prefill whole in one step, not in chunks beside the batch (see docs/SCHEDULER.md)")
+
+
 class Simulation:
     def __init__(self, trace: list[TraceRecord], scheduler: Scheduler, cost: CostModel, config: SimConfig) -> None:
         from conductor.core.index import PendingPrefixes, PrefixIndex
 
+        if scheduler.config.flexible_roles:
+            raise ValueError(FLEXIBLE_ROLES_UNSUPPORTED)
         self.trace, self.scheduler, self.cost, self.config = trace, scheduler, cost, config
         self.index = PrefixIndex()
         self.pending = PendingPrefixes() if config.pending_prefixes else None

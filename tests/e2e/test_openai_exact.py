@@ -28,7 +28,7 @@ def disaggregated_api(spine_cluster, model_path, log_dir):
     port = free_port()
     proc = start("conductor-always-disaggregated",
                  ["-m", "mooncake.cli", "conductor", "--port", str(port), "--model", model_path,
-                  "--served-model-name", MODEL_NAME, "--no-conditional-disaggregation",
+                  "--served-model-name", MODEL_NAME, "--no-conditional-disaggregation", "--no-flexible-roles",
                   "--prefill-url", spine_cluster.worker_urls["prefill"],
                   "--decode-url", spine_cluster.worker_urls["decode"]], log_dir)
     try:

@@ -88,3 +88,10 @@ def test_hash_ids_written_with_another_block_size_are_flagged_with_the_size_that
     assert "--block-size 64 fits every line" in capsys.readouterr().err
     assert main(["--trace", str(p), "--json", "--no-progress", "--block-size", "64"]) == 0
     assert "warning" not in capsys.readouterr().err
+
+
+def test_sim_refuses_flexible_roles(capsys):
+    from conductor.sim.cli import main
+
+    assert main(["--flexible-roles", "--trace", "no-such-trace.jsonl"]) == 2
+    assert "flexible roles" in capsys.readouterr().err

@@ -138,3 +138,30 @@ def test_a_worker_with_another_block_size_is_never_routed_to(caplog):
         assert r.pick(f"r{i}", prompt, 8, now=0.0).prefill.name == "p1"
     refusals = [rec for rec in caplog.records if "not routing to p2" in rec.getMessage()]
     assert len(refusals) == 1 and "--block-size 128" in refusals[0].getMessage()  # said once, with the fix
+
+
+def test_flexible_roles_put_p_equals_d_on_the_prefill_worker_when_decode_is_full():
+    from conductor.core.types import DecodeSeq
+
+    pool = pool_of(("p1", "prefill"), ("d1", "decode"))
+    d1, p1 = pool.handles["http://d1"], pool.handles["http://p1"]
+    d1.ledger.running["old"] = DecodeSeq(0.0, 99_000)  # 100k KV capacity: no room for 2,016 more
+    prompt = list(range(2000))
+    with pytest.raises(APIError) as info:
+        router(pool, admission="early").pick("a", prompt, 16, now=0.0)
+    assert info.value.status == 429 and info.value.code == "no_capacity"
+    r = router(pool, admission="early", flexible_roles=True)
+    route = r.pick("b", prompt, 16, now=0.0)
+    assert route.colocated and route.prefill is p1
+    assert r.metrics.value("mooncake_routes_total", kind="colocated") == 1
+    assert "b" in p1.ledger.prefill_jobs and "b" in p1.ledger.incoming and "b" not in d1.ledger.incoming
+    r.first_token(route, now=1.0)
+    assert not p1.ledger.prefill_jobs and "b" in p1.ledger.running
+    r.finished(route, decode_seconds=1.0)
+    assert not p1.ledger.running and not p1.ledger.incoming
+
+
+def test_flexible_roles_serve_with_only_prefill_workers():
+    r = router(pool_of(("p1", "prefill")), flexible_roles=True)
+    route = r.pick("a", list(range(300)), 4, now=0.0)
+    assert route.colocated and route.prefill.name == "p1"

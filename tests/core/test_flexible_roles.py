@@ -1,0 +1,77 @@
+"""Flexible roles: any instance may prefill or decode; labels only cost role_cost_s."""
+
+import pytest
+
+from conductor.core import Decision, Rejection, RejectReason, SchedulerConfig
+
+from tests.core.core_helpers import decode, prefill, request, scheduler, state
+
+
+def flex(**kw):
+    kw.setdefault("flexible_roles", True)
+    kw.setdefault("tbt_slo_s", 0.1)
+    kw.setdefault("ttft_slo_s", 30.0)
+    return scheduler(**kw)
+
+
+def test_idle_prefill_instance_serves_whole_when_decode_is_busy():
+    # d0's batch of 90 steps at 0.1 s; one more breaks the 0.1 s TBT SLO.
+    st = state(prefill("p0"), decode("d0", batch=90))
+    fixed = scheduler(admission="early", tbt_slo_s=0.1).schedule(request(100), st, now=0.0)
+    assert isinstance(fixed, Rejection) and fixed.reason is RejectReason.TBT_SLO
+    d = flex(admission="early").schedule(request(100), st, now=0.0)
+    assert isinstance(d, Decision) and d.prefill_instance == d.decode_instance == "p0"
+    assert d.predicted_ttft_s == pytest.approx(0.1)
+
+
+def test_long_prompt_goes_to_decode_instance_in_chunks_when_prefill_queue_is_long():
+    st = state(prefill("p0", queued=20.0), decode("d0", batch=5))
+    # 500 new tokens in chunks of 50: 10 steps of 0.05 s prefill + the batch's 0.015 s step,
+    # each 0.065 s within the 0.1 s TBT SLO; beyond the one-step budget (40), so it pays the cost.
+    d = flex(admission="early", chunk_tokens=50, colocate_max_new_tokens=40).schedule(request(500), st, now=0.0)
+    assert isinstance(d, Decision) and d.prefill_instance == d.decode_instance == "d0"
+    assert d.predicted_ttft_s == pytest.approx(10 * 0.065)
+
+
+def test_chunk_step_that_breaks_the_running_batch_tbt_is_not_taken():
+    st = state(prefill("p0", queued=20.0), decode("d0", batch=5))
+    # Chunks of 100: each step 0.1 + 0.015 s > the 0.1 s SLO, so d0 may not prefill it.
+    d = flex(admission="early", chunk_tokens=100).schedule(request(500), st, now=0.0)
+    assert isinstance(d, Decision) and (d.prefill_instance, d.decode_instance) == ("p0", "d0")
+    r = flex(admission="early", chunk_tokens=100, ttft_slo_s=10.0).schedule(request(500), st, now=0.0)
+    assert isinstance(r, Rejection) and r.reason is RejectReason.TTFT_SLO
+
+
+def test_role_cost_breaks_near_ties_toward_labels():
+    # p0's queue makes the labelled pair 0.05 s slower than prefilling on the idle d0 itself
+    # (beyond the budget: conditional disaggregation is off in these helpers).
+    st = state(prefill("p0", queued=0.05), decode("d0"))
+    labelled = flex(role_cost_s=0.3).schedule(request(100), st, now=0.0)
+    assert (labelled.prefill_instance, labelled.decode_instance) == ("p0", "d0")
+    assert labelled.predicted_ttft_s == pytest.approx(0.15)
+    free = flex(role_cost_s=0.0).schedule(request(100), st, now=0.0)
+    assert free.prefill_instance == "d0" and free.predicted_ttft_s == pytest.approx(0.1)
+    # A real imbalance (a queue of seconds) outweighs the cost.
+    busy = state(prefill("p0", queued=2.0), decode("d0"))
+    moved = flex(role_cost_s=0.3).schedule(request(100), busy, now=0.0)
+    assert moved.prefill_instance == moved.decode_instance == "d0"  # within labels' cost: no decode on p0
+
+
+def test_cluster_of_prefill_instances_only_serves():
+    st = state(prefill("p0"), prefill("p1", queued=5.0))
+    r = scheduler().schedule(request(100), st, now=0.0)
+    assert isinstance(r, Rejection) and r.reason is RejectReason.NO_INSTANCE
+    d = flex().schedule(request(100), st, now=0.0)
+    assert isinstance(d, Decision) and d.prefill_instance == "p0" and d.decode_instance in ("p0", "p1")
+
+
+def test_decode_pair_between_decode_instances_when_prefill_pool_is_swamped():
+    # d0 is idle but full of KV for decoding; d1 can decode; p0's queue is long.
+    st = state(prefill("p0", queued=20.0), decode("d0", cap=50), decode("d1"))
+    d = flex(admission="early").schedule(request(100), st, now=0.0)
+    assert isinstance(d, Decision) and (d.prefill_instance, d.decode_instance) == ("d0", "d1")
+
+
+def test_flexible_roles_need_kvcache_centric():
+    with pytest.raises(ValueError, match="kvcache-centric"):
+        SchedulerConfig(flexible_roles=True, policy="random")
