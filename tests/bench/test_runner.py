@@ -87,9 +87,10 @@ def test_timings_retry_after_and_errors_are_captured(server, tmp_path):
     assert rc == 0
     ok, limited, failed = (by_index(doc)[i] for i in range(3))
     assert ok["status"] == "ok" and ok["tokens"] == TOKENS and ok["attempts"] == 1
-    # lower bounds are the server's sleeps; upper ones leave room for a busy 2-core machine
-    assert FIRST_TOKEN_S <= ok["ttft_s"] < FIRST_TOKEN_S + 0.5
-    assert GAP_S <= ok["mean_tbt_s"] < GAP_S + 0.1
+    # The server sleeps set the scale. Bounds are wide on both sides: on a loaded machine a
+    # delayed first chunk shortens the mean gap as much as a delayed later one stretches it.
+    assert FIRST_TOKEN_S * 0.9 <= ok["ttft_s"] < FIRST_TOKEN_S + 2.0
+    assert GAP_S * 0.5 <= ok["mean_tbt_s"] < GAP_S + 1.0
     assert len(ok["chunk_s"]) == TOKENS and ok["first_token_s"] == ok["chunk_s"][0]
     # served after waiting Retry-After; its latency counts from the first attempt
     assert limited["status"] == "ok" and limited["attempts"] == 2
