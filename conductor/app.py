@@ -120,7 +120,8 @@ def create_app(config: ConductorConfig) -> FastAPI:
         workers = [{"url": h.http_url, "instance_id": h.instance_id, "role": h.role, "status": h.status,
                     "error": h.last_error, "kv_push_bandwidth_Bps": h.push_bandwidth.estimate_Bps}
                    for h in pool.all()]
-        ok = bool(pool.ready("decode"))
+        # Ready to serve when some worker can decode: with flexible roles, any ready worker can.
+        ok = bool(pool.ready("decode")) or (config.scheduler.flexible_roles and any(h.ready for h in pool.all()))
         view = request.app.state.view
         body = {"status": "ok" if ok else "unavailable", "ready": {"prefill": len(pool.ready("prefill")),
                 "decode": len(pool.ready("decode"))}, "workers": workers,

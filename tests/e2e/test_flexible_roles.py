@@ -1,16 +1,21 @@
-"""Flexible roles on real engines: `mooncake serve` (flexible roles by default) serves some of a
-burst whole on the prefill worker, and the text equals the same request served disaggregated."""
+"""Flexible roles on real engines: a prefill-labelled worker decodes whole requests when the
+scheduler puts them there, and the text equals the same request served disaggregated.
 
-import concurrent.futures
+Deterministic, not load-dependent: the conductor under test knows only the spine cluster's
+prefill worker, so with flexible roles (the default) every request must be served whole there;
+with fixed roles the same conductor would have no decode worker at all."""
+
 
 import httpx
 import pytest
 
 from tests.conftest import MODEL_NAME
 from tests.e2e.test_openai_exact import disaggregated_api  # noqa: F401  (fixture: fixed roles, always P != D)
+from tests.e2e.test_errors import metric_sum
+from tests.processes import free_port, start, wait_http
 
 pytestmark = pytest.mark.vllm
-WORDS = [" ".join(f"topic{n} word{i}" for i in range(150 + 7 * n)) for n in range(6)]  # ~0.5-0.7k tokens each
+PROMPTS = [" ".join(f"topic{n} word{i}" for i in range(150 + 7 * n)) for n in range(3)]  # ~0.5 k tokens each
 
 
 def complete(api: str, prompt: str) -> httpx.Response:
@@ -20,16 +25,24 @@ def complete(api: str, prompt: str) -> httpx.Response:
     return resp
 
 
-def test_burst_is_served_whole_on_the_prefill_worker_with_identical_text(spine_cluster, disaggregated_api):  # noqa: F811
-    reference = {p: complete(disaggregated_api, p) for p in WORDS}
+def test_a_prefill_worker_serves_whole_requests_with_identical_text(spine_cluster, disaggregated_api,  # noqa: F811
+                                                                     model_path, log_dir):
+    reference = {p: complete(disaggregated_api, p) for p in PROMPTS}
     prefill_id = next(iter(reference.values())).headers["x-mooncake-prefill"]
     for r in reference.values():
         assert r.headers["x-mooncake-prefill"] != r.headers["x-mooncake-decode"]  # fixed roles: pushed
-    with concurrent.futures.ThreadPoolExecutor(len(WORDS)) as ex:
-        served = dict(zip(WORDS, ex.map(lambda p: complete(spine_cluster.api, p), WORDS)))
-    whole_on_prefill = [p for p, r in served.items()
-                        if r.headers["x-mooncake-prefill"] == r.headers["x-mooncake-decode"] == prefill_id]
-    assert whole_on_prefill, {p[:12]: (r.headers["x-mooncake-prefill"], r.headers["x-mooncake-decode"])
-                              for p, r in served.items()}
-    for p, r in served.items():
-        assert r.json()["choices"][0]["text"] == reference[p].json()["choices"][0]["text"]
+    port = free_port()
+    proc = start("conductor-prefill-only", ["-m", "mooncake.cli", "conductor", "--port", str(port),
+                                            "--model", model_path, "--served-model-name", MODEL_NAME,
+                                            "--prefill-url", spine_cluster.worker_urls["prefill"]], log_dir)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_http(proc, base + "/health", 120)  # 200 only once the prefill worker is seen ready
+        for p in PROMPTS:
+            r = complete(base + "/v1", p)
+            assert r.headers["x-mooncake-prefill"] == r.headers["x-mooncake-decode"] == prefill_id
+            assert r.json()["choices"][0]["text"] == reference[p].json()["choices"][0]["text"]
+        # A fresh conductor: its requests are exactly its colocated routes.
+        assert metric_sum(httpx.get(base + "/metrics").text, 'mooncake_routes_total{kind="colocated"}') == len(PROMPTS)
+    finally:
+        proc.stop()
