@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     capacity = int(args.kv_cache_gib * 2**30 / kv_bpt)
     table = ProfileTable(
         name=args.name or table_name(args.model, dtype), model=args.model.name,
-        hardware=f"vLLM-CPU, {os.cpu_count()} cores, {dtype}, enforce_eager", source="measured",
+        hardware=f"vLLM-CPU, {_cores()}, {dtype}, enforce_eager", source="measured",
         block_size=args.block_size, kv_bytes_per_token=kv_bpt, decode_kv_capacity_tokens=capacity,
         prefill_cache_blocks=capacity // args.block_size, bandwidth_Bps=args.bandwidth,
         prefill=tuple(prefill), decode=tuple(decode),
@@ -145,3 +145,9 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def _cores() -> str:
+    """The cores the engine ran on: the binding a worker would get, if one was given."""
+    bound = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
+    return f"cores {bound} (VLLM_CPU_OMP_THREADS_BIND)" if bound else f"{os.cpu_count()} cores"
