@@ -50,14 +50,14 @@ def build(n_instances: int, prompt_tokens: int, rng: random.Random):
     return keys, ClusterState(tuple(prefill + decode), index, mean_decode_s=30.0)
 
 
-def bench(n_instances: int, prompt_tokens: int, iters: int, est: Estimators) -> dict:
+def bench(n_instances: int, prompt_tokens: int, iters: int, est: Estimators, flexible: bool = False) -> dict:
     rng = random.Random(n_instances * 7 + prompt_tokens)
     keys, state = build(n_instances, prompt_tokens, rng)
     # The index is a 10^6-entry dict that the cyclic GC would rescan on every full collection
     # (a 100+ ms pause); the live conductor should freeze long-lived state the same way.
     gc.collect()
     gc.freeze()
-    sched = Scheduler(SchedulerConfig(block_size=BLOCK, ttft_slo_s=1e6), est)
+    sched = Scheduler(SchedulerConfig(block_size=BLOCK, ttft_slo_s=1e6, flexible_roles=flexible), est)
     req = Request("r", prompt_tokens, tuple(keys))
     lat = []
     for i in range(iters):
@@ -94,6 +94,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--iters", type=int, default=200, help="decisions timed per configuration")
     ap.add_argument("--sim-trace", default=str(RELEASED_TRACE),
                     help="trace for the simulator-speed figure")
+    ap.add_argument("--flexible-roles", action="store_true",
+                    help="time decisions with flexible roles (the live cluster's default): every instance "
+                         "is a prefill and a decode candidate")
     args = ap.parse_args(argv)
     est = Estimators.from_profile(load_profile("paper-70b-8gpu"))
     print("| instances | prompt tokens | index blocks | p50 ms | p99 ms | goal p99 | hash ms |")
@@ -101,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     ok = True
     for n in (16, 128, 1024):
         for prompt in (8192, 131072):
-            r = bench(n, prompt, args.iters, est)
+            r = bench(n, prompt, args.iters, est, args.flexible_roles)
             goal = GOALS_MS[n]
             verdict = "" if goal is None else (f"< {goal:g} ms " + ("met" if r["p99_ms"] < goal else "MISSED"))
             ok &= goal is None or r["p99_ms"] < goal

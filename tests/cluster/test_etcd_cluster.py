@@ -130,7 +130,9 @@ def test_unrelated_requests_spread_by_load(cluster):
         responses = list(pool.map(lambda p: complete(cluster.api, p), prompts))
     assert all(r.status_code == 200 for r in responses), [r.text for r in responses]
     used = {r.headers["x-mooncake-prefill"] for r in responses}
-    assert used == set(PREFILLS), used
+    # Both prefill workers take a share; with flexible roles (the default) the decode worker may
+    # prefill some of the burst too, which is also load spreading.
+    assert set(PREFILLS) <= used <= {*PREFILLS, "decode-a"}, used
 
 
 def _traffic(api: str, n: int, tag: str) -> list[tuple[str, str]]:
