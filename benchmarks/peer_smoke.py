@@ -1,0 +1,85 @@
+"""Smoke check of the vLLM+MooncakeConnector peer against stock colocated vLLM, one at a time.
+
+    python -m benchmarks.peer_smoke [--dtype float32|bfloat16] [--log-dir DIR]
+
+Prints each answer (non-streamed and streamed, with the time to the first streamed text) for
+"The capital of France is" (max_tokens 8, temperature 0), and checks that requests whose first
+token ends them (max_tokens=1; a stop string that matches at once) come back promptly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from openai import OpenAI
+
+from benchmarks.servers import MODEL_NAME, colocated_vllm, vllm_mooncake_pd
+from mooncake.model import ensure_model
+
+PROMPT = "The capital of France is"
+
+
+def ask(url: str, **kw) -> tuple[str, str, float]:
+    client = OpenAI(base_url=url, api_key="none", timeout=60, max_retries=0)
+    t0 = time.monotonic()
+    out = client.completions.create(model=MODEL_NAME, prompt=PROMPT, temperature=0, **kw)
+    return out.choices[0].text, out.choices[0].finish_reason, time.monotonic() - t0
+
+
+def ask_streamed(url: str, **kw) -> tuple[str, str, float, float]:
+    client = OpenAI(base_url=url, api_key="none", timeout=60, max_retries=0)
+    t0, ttft, text, finish = time.monotonic(), None, "", None
+    for chunk in client.completions.create(model=MODEL_NAME, prompt=PROMPT, temperature=0,
+                                           stream=True, **kw):
+        if chunk.choices:
+            if chunk.choices[0].text and ttft is None:
+                ttft = time.monotonic() - t0
+            text += chunk.choices[0].text
+            finish = chunk.choices[0].finish_reason or finish
+    return text, finish, ttft if ttft is not None else float("nan"), time.monotonic() - t0
+
+
+def check(name: str, url: str) -> dict:
+    answers = {}
+    ask(url, max_tokens=8)  # warm-up: the first request pays one-time costs (and the handshake)
+    text, finish, secs = ask(url, max_tokens=8)
+    answers["plain"] = text
+    print(f"[{name}] non-streamed: {text!r} finish={finish} ({secs:.2f} s)")
+    text, finish, ttft, secs = ask_streamed(url, max_tokens=8)
+    answers["streamed"] = text
+    print(f"[{name}] streamed:     {text!r} finish={finish} (first text {ttft:.2f} s, "
+          f"all {secs:.2f} s)")
+    for label, kw in (("max_tokens=1", {"max_tokens": 1}),
+                      ("stop at once", {"max_tokens": 8, "stop": [answers["plain"][:2]]})):
+        text, finish, secs = ask(url, **kw)
+        print(f"[{name}] {label}: {text!r} finish={finish} ({secs:.2f} s)")
+        text, finish, ttft, secs = ask_streamed(url, **kw)
+        print(f"[{name}] {label}, streamed: {text!r} finish={finish} ({secs:.2f} s)")
+        answers[label] = text
+    return answers
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--log-dir", type=Path, default=Path("benchmarks/out/peer_smoke"))
+    parser.add_argument("--peer-only", action="store_true", help="skip the colocated server")
+    args = parser.parse_args()
+    model = str(ensure_model())
+    results = {}
+    with vllm_mooncake_pd(model, args.log_dir / f"pd-{args.dtype}", args.dtype) as url:
+        results["peer"] = check(f"vllm+mooncake-pd {args.dtype}", url)
+    if not args.peer_only:
+        with colocated_vllm(model, args.log_dir / f"colocated-{args.dtype}", args.dtype) as url:
+            results["colocated"] = check(f"colocated-vllm {args.dtype}", url)
+        same = results["peer"]["plain"] == results["colocated"]["plain"]
+        print(f"peer text == colocated text: {same}")
+        return 0 if same or args.dtype != "float32" else 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
