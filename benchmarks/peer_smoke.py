@@ -3,8 +3,10 @@
     python -m benchmarks.peer_smoke [--dtype float32|bfloat16] [--log-dir DIR]
 
 Prints each answer (non-streamed and streamed, with the time to the first streamed text) for
-"The capital of France is" (max_tokens 8, temperature 0), and checks that requests whose first
-token ends them (max_tokens=1; a stop string that matches at once) come back promptly.
+"The capital of France is" (max_tokens 8, temperature 0), checks that requests whose first
+token ends them (max_tokens=1; a stop string or a stop token id, which ends it as EOS does,
+matching at once) come back promptly, and prints the decode server's own count of prompt
+tokens that arrived over the connector. Exit status 1 when float32 texts differ.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 from openai import OpenAI
 
 from benchmarks.servers import MODEL_NAME, colocated_vllm, vllm_mooncake_pd
@@ -42,7 +45,12 @@ def ask_streamed(url: str, **kw) -> tuple[str, str, float, float]:
     return text, finish, ttft if ttft is not None else float("nan"), time.monotonic() - t0
 
 
-def check(name: str, url: str) -> dict:
+def first_token_id(model: str, text: str) -> int:
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(model).encode(text, add_special_tokens=False)[0]
+
+
+def check(name: str, url: str, model: str) -> dict:
     answers = {}
     ask(url, max_tokens=8)  # warm-up: the first request pays one-time costs (and the handshake)
     text, finish, secs = ask(url, max_tokens=8)
@@ -52,14 +60,28 @@ def check(name: str, url: str) -> dict:
     answers["streamed"] = text
     print(f"[{name}] streamed:     {text!r} finish={finish} (first text {ttft:.2f} s, "
           f"all {secs:.2f} s)")
+    # A stop token id ends the request in the engine, as EOS does; a stop string ends it in
+    # the server's front end. Both match the first token here.
+    stop_id = first_token_id(model, answers["plain"])
     for label, kw in (("max_tokens=1", {"max_tokens": 1}),
-                      ("stop at once", {"max_tokens": 8, "stop": [answers["plain"][:2]]})):
+                      ("stop string at once", {"max_tokens": 8, "stop": [answers["plain"][:2]]}),
+                      ("stop token at once (as EOS)",
+                       {"max_tokens": 8, "extra_body": {"stop_token_ids": [stop_id]}})):
         text, finish, secs = ask(url, **kw)
         print(f"[{name}] {label}: {text!r} finish={finish} ({secs:.2f} s)")
         text, finish, ttft, secs = ask_streamed(url, **kw)
         print(f"[{name}] {label}, streamed: {text!r} finish={finish} ({secs:.2f} s)")
         answers[label] = text
     return answers
+
+
+def external_hits(proxy_url: str) -> str:
+    """D's own count of prompt tokens that came over the connector (vLLM's metrics), so a
+    decode server that silently recomputed the prompt shows here."""
+    decode = httpx.get(proxy_url.removesuffix("/v1") + "/health", timeout=5).json()["decode"]
+    lines = httpx.get(f"{decode}/metrics", timeout=5).text.splitlines()
+    wanted = ("vllm:external_prefix_cache_queries_total", "vllm:external_prefix_cache_hits_total")
+    return "; ".join(line for line in lines if line.startswith(wanted))
 
 
 def main() -> int:
@@ -71,10 +93,11 @@ def main() -> int:
     model = str(ensure_model())
     results = {}
     with vllm_mooncake_pd(model, args.log_dir / f"pd-{args.dtype}", args.dtype) as url:
-        results["peer"] = check(f"vllm+mooncake-pd {args.dtype}", url)
+        results["peer"] = check(f"vllm+mooncake-pd {args.dtype}", url, model)
+        print(f"[vllm+mooncake-pd {args.dtype}] decode server: {external_hits(url)}")
     if not args.peer_only:
         with colocated_vllm(model, args.log_dir / f"colocated-{args.dtype}", args.dtype) as url:
-            results["colocated"] = check(f"colocated-vllm {args.dtype}", url)
+            results["colocated"] = check(f"colocated-vllm {args.dtype}", url, model)
         same = results["peer"]["plain"] == results["colocated"]["plain"]
         print(f"peer text == colocated text: {same}")
         return 0 if same or args.dtype != "float32" else 1

@@ -115,7 +115,8 @@ def create_app(config: ProxyConfig, transport: httpx.AsyncBaseTransport | None =
                 return error_response(503, f"{who} server unreachable: {e!r}")
             if resp.status_code != 200:
                 return error_response(503, f"{who} server /health: {resp.status_code}")
-        return {"status": "ok"}
+        # The servers' URLs let a check read their own /metrics (benchmarks/peer_smoke.py).
+        return {"status": "ok", "prefill": config.prefill_url, "decode": config.decode_url}
 
     @app.get("/v1/models")
     async def models(request: Request):
