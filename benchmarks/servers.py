@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -71,6 +73,23 @@ def colocated_vllm(model: str, log_dir: Path, dtype: str = "float32"):
         yield f"http://127.0.0.1:{port}/v1"
 
 
+def port_outside_ephemeral_range(low: int = 20000, high: int = 32000) -> int:
+    """A free port the OS never hands out on its own (Linux's ephemeral range is 32768-60999).
+
+    P's bootstrap server binds its port late, when the engine registers its KV caches; a port
+    from free_port() had by then been taken by one of vLLM's own sockets (seen: "Address
+    already in use" on 0.0.0.0 and the prefill server exiting).
+    """
+    for port in random.sample(range(low, high), 200):
+        with socket.socket() as sock:
+            try:
+                sock.bind(("0.0.0.0", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {low}-{high}")
+
+
 @contextmanager
 def vllm_mooncake_pd(model: str, log_dir: Path, dtype: str = "float32"):
     """vLLM with its own MooncakeConnector, 1 prefill + 1 decode (TCP transfer engine), behind
@@ -84,7 +103,8 @@ def vllm_mooncake_pd(model: str, log_dir: Path, dtype: str = "float32"):
     python = ensure_peer_venv()
     log_dir = Path(log_dir).resolve()
     log_dir.mkdir(parents=True, exist_ok=True)
-    p_port, d_port, proxy_port, bootstrap_port = free_port(), free_port(), free_port(), free_port()
+    p_port, d_port, proxy_port = free_port(), free_port(), free_port()
+    bootstrap_port = port_outside_ephemeral_range()
     engine_id = f"peer-prefill-{uuid.uuid4().hex[:8]}"
     base_env = {SHIM_ENV: "1", "PYTHONPATH": "", "VLLM_CPU_KVCACHE_SPACE": "1",
                 "VLLM_HOST_IP": "127.0.0.1", "VLLM_MOONCAKE_BOOTSTRAP_PORT": str(bootstrap_port)}
