@@ -33,7 +33,7 @@ LONG_PROMPTS = [f"Story {i}. " + " ".join(f"Line {j}: the {i}th river flows past
 def ask(url: str, **kw) -> tuple[str, str, float]:
     client = OpenAI(base_url=url, api_key="none", timeout=60, max_retries=0)
     t0 = time.monotonic()
-    out = client.completions.create(model=MODEL_NAME, prompt=PROMPT, temperature=0, **kw)
+    out = client.completions.create(model=MODEL_NAME, prompt=PROMPT, **{"temperature": 0, **kw})
     return out.choices[0].text, out.choices[0].finish_reason, time.monotonic() - t0
 
 
@@ -63,6 +63,11 @@ def check(name: str, url: str, model: str) -> dict:
     print(f"[{name}] non-streamed: {text!r} finish={finish} ({secs:.2f} s)")
     text, finish, ttft, secs = ask_streamed(url, max_tokens=8)
     answers["streamed"] = text
+    # Sampling with a seed: P and D draw the first token with the same seed, so the peer's text
+    # should equal a colocated server's with that seed.
+    text, finish, secs = ask(url, max_tokens=8, temperature=1.0, seed=1234)
+    answers["sampled"] = text
+    print(f"[{name}] sampled (seed 1234): {text!r} finish={finish} ({secs:.2f} s)")
     print(f"[{name}] streamed:     {text!r} finish={finish} (first text {ttft:.2f} s, "
           f"all {secs:.2f} s)")
     # A stop token id ends the request in the engine, as EOS does; a stop string ends it in
@@ -111,8 +116,11 @@ def main() -> int:
     if not args.peer_only:
         with colocated_vllm(model, args.log_dir / f"colocated-{args.dtype}", args.dtype) as url:
             results["colocated"] = check(f"colocated-vllm {args.dtype}", url, model)
-        same = all(results["peer"][k] == results["colocated"][k] for k in ("plain", "long"))
-        print(f"peer text == colocated text (short and long prompts): {same}")
+        keys = ("plain", "streamed", "sampled", "long")
+        differ = [k for k in keys if results["peer"][k] != results["colocated"][k]]
+        same = not differ
+        print(f"peer text == colocated text ({', '.join(keys)}): {same}"
+              + (f"; differ: {differ}" if differ else ""))
         return 0 if same or args.dtype != "float32" else 1
     return 0
 
