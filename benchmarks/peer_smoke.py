@@ -63,13 +63,13 @@ def check(name: str, url: str, model: str) -> dict:
     print(f"[{name}] non-streamed: {text!r} finish={finish} ({secs:.2f} s)")
     text, finish, ttft, secs = ask_streamed(url, max_tokens=8)
     answers["streamed"] = text
+    print(f"[{name}] streamed:     {text!r} finish={finish} (first text {ttft:.2f} s, "
+          f"all {secs:.2f} s)")
     # Sampling with a seed: P and D draw the first token with the same seed, so the peer's text
     # should equal a colocated server's with that seed.
     text, finish, secs = ask(url, max_tokens=8, temperature=1.0, seed=1234)
     answers["sampled"] = text
     print(f"[{name}] sampled (seed 1234): {text!r} finish={finish} ({secs:.2f} s)")
-    print(f"[{name}] streamed:     {text!r} finish={finish} (first text {ttft:.2f} s, "
-          f"all {secs:.2f} s)")
     # A stop token id ends the request in the engine, as EOS does; a stop string ends it in
     # the server's front end. Both match the first token here.
     stop_id = first_token_id(model, answers["plain"])
