@@ -95,7 +95,7 @@ class Router:
                            headers={"Retry-After": "5"})
         # Hashed in the unit the scheduler prices in, which every routed worker shares.
         hashes = tuple(hash_prompt_blocks(prompt, self.scheduler.config.block_size))
-        state = ClusterState(instances=tuple(self._instance(h) for h in handles.values()), index=self.index,
+        state = ClusterState(instances=tuple(self._instance(h, now) for h in handles.values()), index=self.index,
                              mean_decode_s=self.mean_decode_s, pending=self.pending)
         result = self.scheduler.schedule(Request(request_id, len(prompt), hashes, now), state, now)
         if isinstance(result, Rejection):
@@ -158,10 +158,11 @@ class Router:
         """Drop the calibrations of instances that left the pool."""
         self.calibration.retain({h.name for h in self.pool.all()})
 
-    def _instance(self, h: WorkerHandle) -> InstanceState:
+    def _instance(self, h: WorkerHandle, now: float) -> InstanceState:
         role = Role.PREFILL if h.role == WorkerRole.PREFILL else Role.DECODE
         return h.ledger.state(h.name, role, h.kv_capacity_tokens,
-                              h.push_bandwidth.estimate_Bps or DEFAULT_BANDWIDTH_BPS, self.calibration.scales(h.name))
+                              h.push_bandwidth.estimate_Bps or DEFAULT_BANDWIDTH_BPS, self.calibration.scales(h.name),
+                              now)
 
 
 def _route_kind(route: Route) -> str:

@@ -116,7 +116,8 @@ def test_a_prefill_in_flight_counts_as_cache_for_the_next_request_on_that_worker
     shared = list(range(1000, 2920))  # 15 blocks of 128
     first = r.pick("a", shared + [5, 6, 7], 8, now=0.0)
     other = "p2" if first.prefill.name == "p1" else "p1"
-    pool.handles[f"http://{other}"].ledger.prefill_jobs["busy"] = 30.0  # keep the other worker busy
+    busy = pool.handles[f"http://{other}"].ledger
+    busy.assign("busy", busy, 30.0, 0.0, 1)  # keep the other worker busy for 30 s
     second = r.pick("b", shared + [8, 9], 8, now=0.0)
     # No KV event has reported the shared blocks yet; the router knows `a` will have stored them.
     assert second.prefill is first.prefill and second.decision.cached_prefix_tokens == 15 * BLOCK

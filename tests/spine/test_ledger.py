@@ -1,0 +1,43 @@
+"""The ledger's prefill backlog drains at one second per second (conductor/ledger.py)."""
+
+from conductor.core.types import Role
+from conductor.ledger import Ledger
+
+
+def queued(ledger: Ledger, now: float) -> float:
+    return ledger.state("p", Role.PREFILL, 1000, 1e9, now=now).queued_prefill_s
+
+
+def test_a_running_job_counts_only_its_remaining_seconds():
+    p, d = Ledger(), Ledger()
+    d.assign("a", p, 3.0, 0.0, 10)
+    d.assign("b", p, 2.0, 0.0, 10)
+    assert queued(p, 0.0) == 5.0
+    assert queued(p, 1.0) == 4.0  # one second of `a` is done
+    assert queued(p, 10.0) == 0.0  # never negative
+
+
+def test_a_job_that_ends_early_takes_its_unspent_seconds_with_it():
+    p, d = Ledger(), Ledger()
+    d.assign("a", p, 3.0, 0.0, 10)
+    d.assign("b", p, 2.0, 0.0, 10)
+    d.prefill_done("a", p, now=1.0)  # took 1 s, not 3
+    assert queued(p, 1.0) == 2.0  # only `b` is left, whole
+    d.finished("b", p)  # failed: nothing is left
+    assert queued(p, 1.0) == 0.0
+
+
+def test_an_idle_instance_does_not_bank_idle_time():
+    p, d = Ledger(), Ledger()
+    d.assign("a", p, 1.0, 0.0, 10)
+    d.prefill_done("a", p, now=1.0)
+    assert queued(p, 50.0) == 0.0
+    d.assign("b", p, 2.0, 50.0, 10)  # arrives at an idle instance after 49 s idle
+    assert queued(p, 50.0) == 2.0 and queued(p, 51.0) == 1.0
+
+
+def test_reading_the_state_is_idempotent_in_time():
+    p, d = Ledger(), Ledger()
+    d.assign("a", p, 4.0, 0.0, 10)
+    assert queued(p, 2.0) == queued(p, 2.0) == 2.0
+    assert queued(p, 1.0) == 2.0  # an older clock reading does not refill it
