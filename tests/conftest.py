@@ -4,6 +4,7 @@ cluster serves every end-to-end test that can share it."""
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -84,4 +85,29 @@ def colocated_server(model_path, log_dir):
         proc.stop()
         raise
     yield f"http://127.0.0.1:{port}/v1"
+    proc.stop()
+
+
+@pytest.fixture(scope="session")
+def disaggregated_api(spine_cluster, model_path, log_dir):
+    """A second conductor in front of the spine workers that always prefills on the prefill worker
+    and decodes on the decode worker (fixed roles, never colocated): for tests that need the KV
+    pushed. Shared by the session, like the cluster."""
+    port = free_port()
+    proc = start("conductor-always-disaggregated",
+                 ["-m", "mooncake.cli", "conductor", "--port", str(port), "--model", model_path,
+                  "--served-model-name", MODEL_NAME, "--no-conditional-disaggregation", "--no-flexible-roles",
+                  "--prefill-url", spine_cluster.worker_urls["prefill"],
+                  "--decode-url", spine_cluster.worker_urls["decode"]], log_dir)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        wait_http(proc, base + "/health", 120)
+        deadline = time.monotonic() + 120  # until its health poll has seen both workers ready
+        while min(httpx.get(base + "/health").json()["ready"].values()) < 1:
+            assert time.monotonic() < deadline, "the conductor never saw both workers ready"
+            time.sleep(0.5)
+    except BaseException:
+        proc.stop()
+        raise
+    yield base + "/v1"
     proc.stop()

@@ -201,24 +201,25 @@ def test_unknown_fields_are_ignored_not_refused(spine_cluster):
     assert r.usage.completion_tokens == 2
 
 
-def test_conductor_measures_each_prefill_workers_push_bandwidth(spine_cluster):
-    """The scheduler prices transfers with the bandwidth measured from the worker's own pushes."""
-    import time
-
-    words = " ".join(f"item{i}" for i in range(600))  # ~2.3k tokens: over the colocation limit, ~100 MB of KV
-    resp = httpx.post(spine_cluster.api + "/completions", timeout=300, json={
+def test_conductor_measures_each_prefill_workers_push_bandwidth(disaggregated_api):
+    """The scheduler prices transfers with the bandwidth measured from the worker's own pushes.
+    Through the fixed-roles conductor: with flexible roles a request may be served whole on one
+    worker, and then nothing is pushed."""
+    base = disaggregated_api.removesuffix("/v1")
+    words = " ".join(f"item{i}" for i in range(600))  # ~2.3k tokens, ~100 MB of KV in float32
+    resp = httpx.post(disaggregated_api + "/completions", timeout=300, json={
         "model": MODEL_NAME, "prompt": words, "max_tokens": 2, "temperature": 0})
     assert resp.status_code == 200, resp.text
     assert resp.headers["x-mooncake-prefill"] != resp.headers["x-mooncake-decode"]  # it was pushed
     deadline = time.monotonic() + 120  # generous: the measurement arrives with a load report
     while time.monotonic() < deadline:
-        health = httpx.get(spine_cluster.base_url + "/health").json()
+        health = httpx.get(base + "/health").json()
         measured = {w["role"]: w["kv_push_bandwidth_Bps"] for w in health["workers"]}
         if measured.get("prefill"):
             break
         time.sleep(0.5)
     assert measured.get("prefill", 0) > 1e6, health["workers"]  # bytes/s; loopback TCP moves far more
-    text = httpx.get(spine_cluster.base_url + "/metrics").text
+    text = httpx.get(base + "/metrics").text
     assert "mooncake_kv_push_bandwidth_bytes_per_second{instance=" in text
 
 

@@ -10,7 +10,6 @@ import httpx
 import pytest
 
 from tests.conftest import MODEL_NAME
-from tests.e2e.test_openai_exact import disaggregated_api  # noqa: F401  (fixture: fixed roles, always P != D)
 from tests.e2e.test_errors import metric_sum
 from tests.processes import free_port, start, wait_http
 
@@ -25,7 +24,7 @@ def complete(api: str, prompt: str) -> httpx.Response:
     return resp
 
 
-def test_a_prefill_worker_serves_whole_requests_with_identical_text(spine_cluster, disaggregated_api,  # noqa: F811
+def test_a_prefill_worker_serves_whole_requests_with_identical_text(spine_cluster, disaggregated_api,
                                                                      model_path, log_dir):
     reference = {p: complete(disaggregated_api, p) for p in PROMPTS}
     prefill_id = next(iter(reference.values())).headers["x-mooncake-prefill"]

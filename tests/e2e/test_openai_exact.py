@@ -7,7 +7,6 @@ serve conductor would prefill short prompts on the decode worker itself, and an 
 that silently compares colocated with colocated proves nothing about KV transfer.
 """
 
-import time
 
 import httpx
 import openai
@@ -15,34 +14,10 @@ import pytest
 
 from tests.conftest import MODEL_NAME
 from tests.e2e.prompts import CHAT_CONVERSATIONS, COMPLETION_PROMPTS
-from tests.processes import free_port, start, wait_http
 
 pytestmark = pytest.mark.vllm
 MAX_TOKENS = 32
 CHUNK_TOKENS = 2048  # the workers' prefill chunk (mooncake.defaults.CHUNK_SIZE, and the reference's)
-
-
-@pytest.fixture(scope="module")
-def disaggregated_api(spine_cluster, model_path, log_dir):
-    """A conductor that always prefills on the prefill worker (never colocated)."""
-    port = free_port()
-    proc = start("conductor-always-disaggregated",
-                 ["-m", "mooncake.cli", "conductor", "--port", str(port), "--model", model_path,
-                  "--served-model-name", MODEL_NAME, "--no-conditional-disaggregation", "--no-flexible-roles",
-                  "--prefill-url", spine_cluster.worker_urls["prefill"],
-                  "--decode-url", spine_cluster.worker_urls["decode"]], log_dir)
-    try:
-        base = f"http://127.0.0.1:{port}"
-        wait_http(proc, base + "/health", 120)
-        deadline = time.monotonic() + 120  # until its health poll has seen both workers ready
-        while min(httpx.get(base + "/health").json()["ready"].values()) < 1:
-            assert time.monotonic() < deadline, "the conductor never saw both workers ready"
-            time.sleep(0.5)
-    except BaseException:
-        proc.stop()
-        raise
-    yield base + "/v1"
-    proc.stop()
 
 
 def assert_disaggregated(headers, what: str) -> None:
