@@ -39,13 +39,19 @@ def _int_field(obj: dict, key: str, minimum: int, path: str, line: int) -> int:
     return v
 
 
-def parse_line(text: str, line: int, path: str = "<trace>") -> TraceRecord:
+def json_object_line(text: str, line: int, path: str, error: type[TraceError] = TraceError) -> dict:
+    """One line of a JSON-lines file that must hold an object; `error` names file and line."""
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise TraceError(path, line, f"not valid JSON ({exc.msg} at column {exc.colno})") from None
+        raise error(path, line, f"not valid JSON ({exc.msg} at column {exc.colno})") from None
     if not isinstance(obj, dict):
-        raise TraceError(path, line, f"expected a JSON object, got {type(obj).__name__}")
+        raise error(path, line, f"expected a JSON object, got {type(obj).__name__}")
+    return obj
+
+
+def parse_line(text: str, line: int, path: str = "<trace>") -> TraceRecord:
+    obj = json_object_line(text, line, path)
     ts = obj.get("timestamp")
     if isinstance(ts, bool) or not isinstance(ts, int | float) or not math.isfinite(ts) or ts < 0:
         raise TraceError(path, line, f"'timestamp' must be a non-negative number of ms, got {ts!r}")

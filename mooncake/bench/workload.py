@@ -8,14 +8,13 @@ earlier rate warmed, which would flatter every rate but the first.
 
 from __future__ import annotations
 
-import json
 import math
 import pathlib
 from dataclasses import dataclass
 
 import numpy as np
 
-from mooncake.trace import TraceError, TraceRecord
+from mooncake.trace import TraceError, TraceRecord, json_object_line
 
 LOW_TOKEN_ID = 1000
 """Token ids are drawn from [LOW_TOKEN_ID, vocab_size): the low end holds special tokens."""
@@ -107,12 +106,7 @@ def load_prompts_file(path: str | pathlib.Path) -> list[RequestSpec]:
 
 
 def _prompt_line(text: str, line: int, path: str, index: int) -> RequestSpec:
-    try:
-        obj = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise PromptsFileError(path, line, f"not valid JSON ({exc.msg} at column {exc.colno})") from None
-    if not isinstance(obj, dict):
-        raise PromptsFileError(path, line, f"expected a JSON object, got {type(obj).__name__}")
+    obj = json_object_line(text, line, path, PromptsFileError)
     prompt = obj.get("prompt")
     is_ids = isinstance(prompt, list) and prompt and all(
         isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt)

@@ -21,6 +21,15 @@ class FakeRequest:
         return {"type": "http.disconnect"}
 
 
+async def sleep_until_cancelled(cancelled: asyncio.Event) -> None:
+    """Work that never ends by itself; records that it was cancelled."""
+    try:
+        await asyncio.sleep(3600)
+    except asyncio.CancelledError:
+        cancelled.set()
+        raise
+
+
 def run(coro):
     return asyncio.run(coro)
 
@@ -34,15 +43,8 @@ def test_the_answer_is_returned_when_the_client_stays():
 def test_the_work_is_cancelled_when_the_client_leaves():
     cancelled = asyncio.Event()
 
-    async def endless():
-        try:
-            await asyncio.sleep(3600)
-        except asyncio.CancelledError:
-            cancelled.set()
-            raise
-
     async def main():
-        resp = await asyncio.wait_for(_unless_client_leaves(FakeRequest(0.01), endless()), timeout=5)
+        resp = await asyncio.wait_for(_unless_client_leaves(FakeRequest(0.01), sleep_until_cancelled(cancelled)), timeout=5)
         return resp, cancelled.is_set()
     resp, was_cancelled = run(main())
     assert resp.status_code == 499 and was_cancelled
@@ -59,15 +61,8 @@ def test_an_error_of_the_work_propagates():
 def test_cancelling_the_handler_cancels_the_work():
     cancelled = asyncio.Event()
 
-    async def endless():
-        try:
-            await asyncio.sleep(3600)
-        except asyncio.CancelledError:
-            cancelled.set()
-            raise
-
     async def main():
-        handler = asyncio.ensure_future(_unless_client_leaves(FakeRequest(None), endless()))
+        handler = asyncio.ensure_future(_unless_client_leaves(FakeRequest(None), sleep_until_cancelled(cancelled)))
         await asyncio.sleep(0.01)
         handler.cancel()
         with pytest.raises(asyncio.CancelledError):
