@@ -1,0 +1,299 @@
+// Command render renders a Helm chart's templates the way `helm template` does, for the subset
+// of Helm the mooncake chart uses. There is no helm binary on the project's machines (none in
+// Debian 12, none on PyPI), so the chart's tests render with this: the same Go text/template
+// engine and the same sprig function library Helm uses, plus Helm's own additions (include,
+// tpl, required, toYaml, fromYaml, lookup, .Files, .Capabilities).
+//
+// Build offline against Debian's Go packages:
+//
+//	GO111MODULE=off GOPATH=/usr/share/gocode go build -o render ./deploy/helm/render
+//
+// Usage: render [-f values.yaml]... [-name RELEASE] [-namespace NS] [-kube-version 1.30.0]
+// [-api-versions monitoring.coreos.com/v1,...] [-show-values] CHART_DIR
+//
+// What Helm does and this does not: values.schema.json validation (the tests do it with
+// jsonschema), --set, subcharts, hooks, NOTES.txt, .Files.Glob, and the kind-ordered output.
+package main
+
+import (
+	"bytes"
+	"encoding/json"
+	"errors"
+	"flag"
+	"fmt"
+	"os"
+	"path/filepath"
+	"sort"
+	"strings"
+	"text/template"
+
+	"github.com/Masterminds/sprig"
+	"gopkg.in/yaml.v2"
+)
+
+type valueFiles []string
+
+func (v *valueFiles) String() string     { return strings.Join(*v, ",") }
+func (v *valueFiles) Set(s string) error { *v = append(*v, s); return nil }
+
+// jsonish turns what yaml.v2 decodes into what Helm's values are after sigs.k8s.io/yaml: maps
+// with string keys and every number a float64 (a JSON round trip does both, as it does in Helm).
+func jsonish(in interface{}) (interface{}, error) {
+	var fix func(interface{}) interface{}
+	fix = func(v interface{}) interface{} {
+		switch t := v.(type) {
+		case map[interface{}]interface{}:
+			m := map[string]interface{}{}
+			for k, x := range t {
+				m[fmt.Sprint(k)] = fix(x)
+			}
+			return m
+		case []interface{}:
+			for i, x := range t {
+				t[i] = fix(x)
+			}
+		}
+		return v
+	}
+	data, err := json.Marshal(fix(in))
+	if err != nil {
+		return nil, err
+	}
+	var out interface{}
+	return out, json.Unmarshal(data, &out)
+}
+
+func readYAML(path string) (map[string]interface{}, error) {
+	data, err := os.ReadFile(path)
+	if err != nil {
+		return nil, err
+	}
+	var raw interface{}
+	if err := yaml.Unmarshal(data, &raw); err != nil {
+		return nil, fmt.Errorf("%s: %w", path, err)
+	}
+	v, err := jsonish(raw)
+	if m, ok := v.(map[string]interface{}); ok || v == nil {
+		if m == nil {
+			m = map[string]interface{}{}
+		}
+		return m, err
+	}
+	return nil, fmt.Errorf("%s: not a map", path)
+}
+
+// merge lays src over dst as Helm coalesces a -f file over the chart's values: maps merge key
+// by key, anything else replaces, and a null deletes the chart's default.
+func merge(dst, src map[string]interface{}) {
+	for k, v := range src {
+		if v == nil {
+			delete(dst, k)
+			continue
+		}
+		sm, sok := v.(map[string]interface{})
+		dm, dok := dst[k].(map[string]interface{})
+		if sok && dok {
+			merge(dm, sm)
+		} else {
+			dst[k] = v
+		}
+	}
+}
+
+func toYAML(v interface{}) string {
+	j, err := json.Marshal(v) // through JSON, as sigs.k8s.io/yaml does: same keys, same order
+	if err != nil {
+		return ""
+	}
+	var obj interface{}
+	if err := yaml.Unmarshal(j, &obj); err != nil {
+		return ""
+	}
+	out, err := yaml.Marshal(obj)
+	if err != nil {
+		return ""
+	}
+	return strings.TrimSuffix(string(out), "\n")
+}
+
+func fromYAML(s string) map[string]interface{} {
+	var raw interface{}
+	if err := yaml.Unmarshal([]byte(s), &raw); err != nil {
+		return map[string]interface{}{"Error": err.Error()}
+	}
+	v, err := jsonish(raw)
+	m, ok := v.(map[string]interface{})
+	if err != nil || !ok {
+		return map[string]interface{}{"Error": fmt.Sprintf("not a map: %v", err)}
+	}
+	return m
+}
+
+func fromYAMLArray(s string) []interface{} {
+	var raw interface{}
+	if err := yaml.Unmarshal([]byte(s), &raw); err != nil {
+		return []interface{}{err.Error()}
+	}
+	v, err := jsonish(raw)
+	a, ok := v.([]interface{})
+	if err != nil || !ok {
+		return []interface{}{fmt.Sprintf("not a list: %v", err)}
+	}
+	return a
+}
+
+// Files is the chart's .Files: paths relative to the chart, symlinks followed (as Helm's loader does).
+type Files struct{ root string }
+
+func (f Files) Get(name string) string {
+	data, err := os.ReadFile(filepath.Join(f.root, name))
+	if err != nil {
+		return "" // Helm returns "" for a file the chart lacks
+	}
+	return string(data)
+}
+
+type KubeVersion struct{ Version, Major, Minor string }
+type APIVersions []string
+
+func (a APIVersions) Has(v string) bool {
+	for _, x := range a {
+		if x == v {
+			return true
+		}
+	}
+	return false
+}
+
+func main() {
+	var files valueFiles
+	flag.Var(&files, "f", "values file (repeat; later ones win)")
+	name := flag.String("name", "mooncake", "release name")
+	namespace := flag.String("namespace", "default", "release namespace")
+	kube := flag.String("kube-version", "1.30.0", "Kubernetes version for .Capabilities")
+	apis := flag.String("api-versions", "", "extra API versions for .Capabilities.APIVersions.Has (comma-separated)")
+	showValues := flag.Bool("show-values", false, "print the merged values as JSON (what the templates see) and stop")
+	flag.Parse()
+	if flag.NArg() != 1 {
+		fmt.Fprintln(os.Stderr, "usage: render [-f values.yaml]... CHART_DIR")
+		os.Exit(2)
+	}
+	if err := render(flag.Arg(0), files, *name, *namespace, *kube, *apis, *showValues); err != nil {
+		fmt.Fprintln(os.Stderr, "Error:", err)
+		os.Exit(1)
+	}
+}
+
+func render(chartDir string, files []string, release, namespace, kube, apis string, showValues bool) error {
+	chart, err := readYAML(filepath.Join(chartDir, "Chart.yaml"))
+	if err != nil {
+		return err
+	}
+	values, err := readYAML(filepath.Join(chartDir, "values.yaml"))
+	if err != nil {
+		return err
+	}
+	for _, f := range files {
+		user, err := readYAML(f)
+		if err != nil {
+			return err
+		}
+		merge(values, user)
+	}
+	if showValues {
+		return json.NewEncoder(os.Stdout).Encode(values)
+	}
+	parts := strings.SplitN(kube, ".", 3)
+	available := APIVersions{"v1", "apps/v1", "policy/v1", "networking.k8s.io/v1"}
+	if apis != "" {
+		available = append(available, strings.Split(apis, ",")...)
+	}
+	chartName := fmt.Sprint(chart["name"])
+	top := map[string]interface{}{
+		"Values": values,
+		"Chart": map[string]interface{}{"Name": chartName, "Version": chart["version"],
+			"AppVersion": chart["appVersion"], "Description": chart["description"]},
+		"Release": map[string]interface{}{"Name": release, "Namespace": namespace, "Service": "Helm",
+			"IsInstall": true, "IsUpgrade": false, "Revision": 1},
+		"Files": Files{root: chartDir},
+		"Capabilities": map[string]interface{}{
+			"KubeVersion": KubeVersion{Version: "v" + kube, Major: parts[0], Minor: parts[1]},
+			"APIVersions": available},
+	}
+
+	t := template.New(chartName)
+	funcs := sprig.TxtFuncMap()
+	delete(funcs, "env") // Helm removes these two: a chart must not read the renderer's environment
+	delete(funcs, "expandenv")
+	funcs["toYaml"] = toYAML
+	funcs["fromYaml"] = fromYAML
+	funcs["fromYamlArray"] = fromYAMLArray
+	funcs["include"] = func(name string, data interface{}) (string, error) {
+		var buf bytes.Buffer
+		err := t.ExecuteTemplate(&buf, name, data)
+		return buf.String(), err
+	}
+	funcs["tpl"] = func(text string, data interface{}) (string, error) {
+		clone, err := t.Clone()
+		if err != nil {
+			return "", err
+		}
+		inline, err := clone.New("tpl").Parse(text)
+		if err != nil {
+			return "", err
+		}
+		var buf bytes.Buffer
+		err = inline.Execute(&buf, data)
+		return buf.String(), err
+	}
+	funcs["required"] = func(msg string, v interface{}) (interface{}, error) {
+		if v == nil || v == "" {
+			return nil, errors.New(msg)
+		}
+		return v, nil
+	}
+	funcs["lookup"] = func(apiVersion, kind, ns, name string) map[string]interface{} {
+		return map[string]interface{}{} // as in `helm template`: no cluster to ask
+	}
+	t.Funcs(funcs).Option("missingkey=zero")
+
+	paths, err := filepath.Glob(filepath.Join(chartDir, "templates", "*"))
+	if err != nil {
+		return err
+	}
+	sort.Strings(paths)
+	var names []string
+	for _, p := range paths {
+		base := filepath.Base(p)
+		if base == "NOTES.txt" {
+			continue
+		}
+		text, err := os.ReadFile(p)
+		if err != nil {
+			return err
+		}
+		tname := chartName + "/templates/" + base
+		if _, err := t.New(tname).Parse(string(text)); err != nil {
+			return err
+		}
+		if !strings.HasPrefix(base, "_") {
+			names = append(names, tname)
+		}
+	}
+	for _, tname := range names {
+		data := map[string]interface{}{}
+		for k, v := range top {
+			data[k] = v
+		}
+		data["Template"] = map[string]interface{}{"Name": tname, "BasePath": chartName + "/templates"}
+		var buf bytes.Buffer
+		if err := t.ExecuteTemplate(&buf, tname, data); err != nil {
+			return err
+		}
+		out := strings.ReplaceAll(buf.String(), "<no value>", "")
+		if strings.TrimSpace(out) != "" {
+			fmt.Printf("---\n# Source: %s\n%s\n", tname, strings.TrimSpace(out))
+		}
+	}
+	return nil
+}
