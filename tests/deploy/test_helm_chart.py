@@ -166,6 +166,12 @@ def test_every_object_validates(renderer, tmp_path, variant):
             pytest.fail(f"{obj['kind']}/{obj['metadata']['name']}: {list(e.path)}: {e.message}")
     names = [(d["kind"], d["metadata"]["name"]) for d in docs]
     assert len(names) == len(set(names)), "two objects of one kind share a name"
+    # What the API server checks beyond the schema: a mount names a volume of its pod.
+    for workload in workloads(docs).values():
+        volumes = {v["name"] for v in pod_spec(workload).get("volumes", [])}
+        volumes |= {c["metadata"]["name"] for c in workload["spec"].get("volumeClaimTemplates", [])}
+        for container in pod_spec(workload)["containers"]:
+            assert {m["name"] for m in container.get("volumeMounts", [])} <= volumes, workload["metadata"]["name"]
 
 
 def test_default_objects(renderer, tmp_path):
@@ -315,6 +321,14 @@ def test_the_secret_holds_the_token_and_the_keys(renderer, tmp_path):
     generated = base64.b64decode(by_kind(docs, "Secret")[0]["data"]["cluster-token"]).decode()
     assert len(generated) == 48 and generated.isalnum()
     assert "api-keys" not in by_kind(docs, "Secret")[0]["data"]  # no keys: an open API
+    # An upgrade keeps the token that was generated at install (lookup finds the installed Secret).
+    installed = tmp_path / "installed.yaml"
+    installed.write_text(yaml.safe_dump(by_kind(docs, "Secret")[0] | {
+        "metadata": {**by_kind(docs, "Secret")[0]["metadata"], "namespace": "default"}}))
+    out = run_renderer(renderer, None, tmp_path, "-cluster", str(installed))
+    assert out.returncode == 0, out.stderr
+    upgraded = [d for d in yaml.safe_load_all(out.stdout) if d and d["kind"] == "Secret"][0]
+    assert base64.b64decode(upgraded["data"]["cluster-token"]).decode() == generated
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

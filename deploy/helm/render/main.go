@@ -9,7 +9,7 @@
 //	GO111MODULE=off GOPATH=/usr/share/gocode go build -o render ./deploy/helm/render
 //
 // Usage: render [-f values.yaml]... [-name RELEASE] [-namespace NS] [-kube-version 1.30.0]
-// [-api-versions monitoring.coreos.com/v1,...] [-show-values] CHART_DIR
+// [-api-versions monitoring.coreos.com/v1,...] [-cluster installed.yaml] [-show-values] CHART_DIR
 //
 // What Helm does and this does not: values.schema.json validation (the tests do it with
 // jsonschema), --set, subcharts, hooks, NOTES.txt, .Files.Glob, and the kind-ordered output.
@@ -142,6 +142,30 @@ func fromYAMLArray(s string) []interface{} {
 	return a
 }
 
+// readObjects reads the objects lookup may find: a multi-document YAML file, or none.
+func readObjects(path string) ([]map[string]interface{}, error) {
+	if path == "" {
+		return nil, nil
+	}
+	data, err := os.ReadFile(path)
+	if err != nil {
+		return nil, err
+	}
+	var objects []map[string]interface{}
+	for _, doc := range strings.Split(string(data), "\n---") {
+		var raw interface{}
+		if err := yaml.Unmarshal([]byte(doc), &raw); err != nil {
+			return nil, fmt.Errorf("%s: %w", path, err)
+		}
+		if v, err := jsonish(raw); err == nil && v != nil {
+			if m, ok := v.(map[string]interface{}); ok {
+				objects = append(objects, m)
+			}
+		}
+	}
+	return objects, nil
+}
+
 // Files is the chart's .Files: paths relative to the chart, symlinks followed (as Helm's loader does).
 type Files struct{ root string }
 
@@ -172,19 +196,20 @@ func main() {
 	namespace := flag.String("namespace", "default", "release namespace")
 	kube := flag.String("kube-version", "1.30.0", "Kubernetes version for .Capabilities")
 	apis := flag.String("api-versions", "", "extra API versions for .Capabilities.APIVersions.Has (comma-separated)")
+	cluster := flag.String("cluster", "", "a YAML file of objects that lookup finds (as if installed); default: none, as in `helm template`")
 	showValues := flag.Bool("show-values", false, "print the merged values as JSON (what the templates see) and stop")
 	flag.Parse()
 	if flag.NArg() != 1 {
 		fmt.Fprintln(os.Stderr, "usage: render [-f values.yaml]... CHART_DIR")
 		os.Exit(2)
 	}
-	if err := render(flag.Arg(0), files, *name, *namespace, *kube, *apis, *showValues); err != nil {
+	if err := render(flag.Arg(0), files, *name, *namespace, *kube, *apis, *cluster, *showValues); err != nil {
 		fmt.Fprintln(os.Stderr, "Error:", err)
 		os.Exit(1)
 	}
 }
 
-func render(chartDir string, files []string, release, namespace, kube, apis string, showValues bool) error {
+func render(chartDir string, files []string, release, namespace, kube, apis, cluster string, showValues bool) error {
 	chart, err := readYAML(filepath.Join(chartDir, "Chart.yaml"))
 	if err != nil {
 		return err
@@ -252,8 +277,18 @@ func render(chartDir string, files []string, release, namespace, kube, apis stri
 		}
 		return v, nil
 	}
+	installed, err := readObjects(cluster)
+	if err != nil {
+		return err
+	}
 	funcs["lookup"] = func(apiVersion, kind, ns, name string) map[string]interface{} {
-		return map[string]interface{}{} // as in `helm template`: no cluster to ask
+		for _, obj := range installed {
+			meta, _ := obj["metadata"].(map[string]interface{})
+			if obj["apiVersion"] == apiVersion && obj["kind"] == kind && meta["namespace"] == ns && meta["name"] == name {
+				return obj
+			}
+		}
+		return map[string]interface{}{} // what Helm's lookup returns for an object that is not there
 	}
 	t.Funcs(funcs).Option("missingkey=zero")
 
