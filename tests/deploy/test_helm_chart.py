@@ -362,6 +362,18 @@ def test_several_conductors_share_the_workers_through_etcd(renderer, tmp_path):
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
+def test_conductor_rollout_keeps_serving(renderer, tmp_path, variant):
+    """A rolling update adds a conductor before it removes one, unless one per node is required
+    (then a surge pod may find no node, and the rollout would hang)."""
+    docs, values = render(renderer, VARIANTS[variant], tmp_path)
+    rollout = workloads(docs)["conductor"]["spec"]["strategy"]["rollingUpdate"]
+    if values["conductor"]["antiAffinity"] == "hard":
+        assert rollout == {"maxUnavailable": 1, "maxSurge": 0}
+    else:
+        assert rollout == {"maxUnavailable": 0, "maxSurge": 1}
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
 def test_termination_leaves_time_to_drain(renderer, tmp_path, variant):
     docs, values = render(renderer, VARIANTS[variant], tmp_path)
     for name, workload in workloads(docs).items():
