@@ -39,7 +39,7 @@ etcd:
 
 # The Helm chart's tests render it with deploy/helm/render (Go + sprig, from Debian: there is no helm package).
 helm-tools:
-	@{ command -v go && test -d /usr/share/gocode/src/github.com/Masterminds/sprig && test -d /usr/share/gocode/src/gopkg.in/yaml.v2; } >/dev/null 2>&1 || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq golang-go golang-github-masterminds-sprig-dev golang-gopkg-yaml.v2-dev >/dev/null; }
+	@{ command -v go && test -d /usr/share/gocode/src/github.com/Masterminds/sprig && test -d /usr/share/gocode/src/sigs.k8s.io/yaml; } >/dev/null 2>&1 || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq golang-go golang-github-masterminds-sprig-dev golang-k8s-sigs-yaml-dev >/dev/null; }
 	@go version
 
 serve: setup

@@ -4,7 +4,7 @@
 // engine and the same sprig function library Helm uses, plus Helm's own additions (include,
 // tpl, required, toYaml, fromYaml, lookup, .Files, .Capabilities).
 //
-// Build offline against Debian's Go packages:
+// YAML goes through sigs.k8s.io/yaml, as in Helm. Build offline against Debian's Go packages:
 //
 //	GO111MODULE=off GOPATH=/usr/share/gocode go build -o render ./deploy/helm/render
 //
@@ -28,7 +28,7 @@ import (
 	"text/template"
 
 	"github.com/Masterminds/sprig"
-	"gopkg.in/yaml.v2"
+	"sigs.k8s.io/yaml"
 )
 
 type valueFiles []string
@@ -36,50 +36,21 @@ type valueFiles []string
 func (v *valueFiles) String() string     { return strings.Join(*v, ",") }
 func (v *valueFiles) Set(s string) error { *v = append(*v, s); return nil }
 
-// jsonish turns what yaml.v2 decodes into what Helm's values are after sigs.k8s.io/yaml: maps
-// with string keys and every number a float64 (a JSON round trip does both, as it does in Helm).
-func jsonish(in interface{}) (interface{}, error) {
-	var fix func(interface{}) interface{}
-	fix = func(v interface{}) interface{} {
-		switch t := v.(type) {
-		case map[interface{}]interface{}:
-			m := map[string]interface{}{}
-			for k, x := range t {
-				m[fmt.Sprint(k)] = fix(x)
-			}
-			return m
-		case []interface{}:
-			for i, x := range t {
-				t[i] = fix(x)
-			}
-		}
-		return v
-	}
-	data, err := json.Marshal(fix(in))
-	if err != nil {
-		return nil, err
-	}
-	var out interface{}
-	return out, json.Unmarshal(data, &out)
-}
-
+// readYAML reads a values or Chart.yaml file as Helm does (sigs.k8s.io/yaml, through JSON:
+// string keys, and every number a float64).
 func readYAML(path string) (map[string]interface{}, error) {
 	data, err := os.ReadFile(path)
 	if err != nil {
 		return nil, err
 	}
-	var raw interface{}
-	if err := yaml.Unmarshal(data, &raw); err != nil {
+	m := map[string]interface{}{}
+	if err := yaml.Unmarshal(data, &m); err != nil {
 		return nil, fmt.Errorf("%s: %w", path, err)
 	}
-	v, err := jsonish(raw)
-	if m, ok := v.(map[string]interface{}); ok || v == nil {
-		if m == nil {
-			m = map[string]interface{}{}
-		}
-		return m, err
+	if m == nil {
+		m = map[string]interface{}{}
 	}
-	return nil, fmt.Errorf("%s: not a map", path)
+	return m, nil
 }
 
 // merge lays src over dst as Helm coalesces a -f file over the chart's values: maps merge key
@@ -100,44 +71,27 @@ func merge(dst, src map[string]interface{}) {
 	}
 }
 
+// toYAML, fromYAML and fromYAMLArray are Helm's own (helm/pkg/engine/funcs.go).
 func toYAML(v interface{}) string {
-	j, err := json.Marshal(v) // through JSON, as sigs.k8s.io/yaml does: same keys, same order
+	data, err := yaml.Marshal(v)
 	if err != nil {
 		return ""
 	}
-	var obj interface{}
-	if err := yaml.Unmarshal(j, &obj); err != nil {
-		return ""
-	}
-	out, err := yaml.Marshal(obj)
-	if err != nil {
-		return ""
-	}
-	return strings.TrimSuffix(string(out), "\n")
+	return strings.TrimSuffix(string(data), "\n")
 }
 
 func fromYAML(s string) map[string]interface{} {
-	var raw interface{}
-	if err := yaml.Unmarshal([]byte(s), &raw); err != nil {
-		return map[string]interface{}{"Error": err.Error()}
-	}
-	v, err := jsonish(raw)
-	m, ok := v.(map[string]interface{})
-	if err != nil || !ok {
-		return map[string]interface{}{"Error": fmt.Sprintf("not a map: %v", err)}
+	m := map[string]interface{}{}
+	if err := yaml.Unmarshal([]byte(s), &m); err != nil {
+		m["Error"] = err.Error()
 	}
 	return m
 }
 
 func fromYAMLArray(s string) []interface{} {
-	var raw interface{}
-	if err := yaml.Unmarshal([]byte(s), &raw); err != nil {
-		return []interface{}{err.Error()}
-	}
-	v, err := jsonish(raw)
-	a, ok := v.([]interface{})
-	if err != nil || !ok {
-		return []interface{}{fmt.Sprintf("not a list: %v", err)}
+	a := []interface{}{}
+	if err := yaml.Unmarshal([]byte(s), &a); err != nil {
+		a = []interface{}{err.Error()}
 	}
 	return a
 }
@@ -153,14 +107,12 @@ func readObjects(path string) ([]map[string]interface{}, error) {
 	}
 	var objects []map[string]interface{}
 	for _, doc := range strings.Split(string(data), "\n---") {
-		var raw interface{}
-		if err := yaml.Unmarshal([]byte(doc), &raw); err != nil {
+		var m map[string]interface{}
+		if err := yaml.Unmarshal([]byte(doc), &m); err != nil {
 			return nil, fmt.Errorf("%s: %w", path, err)
 		}
-		if v, err := jsonish(raw); err == nil && v != nil {
-			if m, ok := v.(map[string]interface{}); ok {
-				objects = append(objects, m)
-			}
+		if m != nil {
+			objects = append(objects, m)
 		}
 	}
 	return objects, nil
