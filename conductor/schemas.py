@@ -15,6 +15,7 @@ STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: usage so far on every chunk too
 
 
 class _SamplingFields(BaseModel):

@@ -41,6 +41,7 @@ class Prepared:
     stream: bool
     include_usage: bool
     arrived: float
+    continuous_usage: bool = False
     n: int = 1
     logprobs: LogprobsWanted | None = None
     echo: Echo | None = None
@@ -127,6 +128,7 @@ class CompletionService:
             request_id=request_id, prompt=prompt, sampling=sampling, stops=body.stop_strings(),
             meta=responses.ResponseMeta.new(request_id, body.model, chat), stream=body.stream,
             include_usage=bool(body.stream_options and body.stream_options.include_usage), arrived=arrived,
+            continuous_usage=bool(body.stream_options and body.stream_options.continuous_usage_stats),
             n=body.n, logprobs=wanted, echo=echo, prompt_logprobs=body.prompt_logprobs is not None,
         )
 
@@ -285,8 +287,10 @@ class CompletionService:
         status = "200"
         try:
             async for event in events:
+                so_far = responses.usage(len(req.prompt), sum(c.count for c in choices),
+                                         stats.prefill_cached_tokens) if req.continuous_usage else None
                 yield responses.chunk(req.meta, event.text, finish_reason=event.finish, index=event.index,
-                                      logprobs=event.logprobs)
+                                      logprobs=event.logprobs, usage_body=so_far)
         except WorkerError as exc:
             status = "502"
             yield sse_error(APIError(502, f"a worker failed mid-stream: {exc}", code="worker_failed"))
