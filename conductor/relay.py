@@ -59,7 +59,8 @@ class Relay:
             return
 
         push = PushParams(transfer_id=request_id, dest=route.decode.kv_address, num_tokens=len(prompt))
-        first_sampling = replace(sampling, max_tokens=1, min_tokens=min(sampling.min_tokens, 1))
+        first_sampling = replace(sampling, max_tokens=1, min_tokens=min(sampling.min_tokens, 1),
+                                 structured=None)  # with a grammar, P's token is not used (below)
         first = GenerateChunk([])
         async for chunk in self._client.generate(
             route.prefill, GenerateRequest(f"{request_id}-p", prompt, first_sampling, push.to_params())
