@@ -218,3 +218,18 @@ def test_closing_the_n_samples_stream_closes_every_worker_stream():
         await stream.aclose()
         assert workers.closed == len(workers.requests)
     asyncio.run(main())
+
+
+def test_with_a_grammar_the_decode_worker_samples_every_token_from_the_loaded_prompt():
+    async def main():
+        workers = FakeWorkers()
+        relay = Relay(workers, 5.0, lambda tried: None)
+        sampling = Sampling(max_tokens=4, structured=("regex", "[0-9]+"), prompt_logprobs=0)
+        chunks = [c async for c in relay.run("r", [5] * 20, sampling, Route(handle("p"), handle("d")), RelayStats())]
+        (_, prefill), (_, decode) = workers.requests
+        assert prefill.sampling.structured is None and prefill.kv_transfer_params["mooncake_push"]["num_tokens"] == 20
+        assert decode.sampling.structured == ("regex", "[0-9]+") and decode.prompt_token_ids == [5] * 20
+        assert decode.kv_transfer_params["mooncake_pull"]["num_tokens"] == 20 and decode.sampling.max_tokens == 4
+        assert decode.sampling.prompt_logprobs is None
+        assert [t for c in chunks for t in c.token_ids] == [1, 2, 3]  # P's token (7) is not part of the answer
+    asyncio.run(main())
