@@ -108,3 +108,9 @@ def engine_option_errors(kv_cache_gib: float, block_size: int, chunk_size: int) 
         errors.append(f"--chunk-size must be >= {ENGINE_MAX_NUM_SEQS} (vLLM needs at least one token "
                       f"per batched sequence, max_num_seqs={ENGINE_MAX_NUM_SEQS}), got {chunk_size}")
     return errors
+
+# The most logprobs one token may ask for (OpenAI's top_logprobs bound; vLLM's default
+# max_logprobs, which the workers' engines keep: a larger request would fail inside them).
+MAX_LOGPROBS = 20
+# The most samples (`n`) one request may ask for: each is a sequence on the decode worker.
+MAX_SAMPLES = 16

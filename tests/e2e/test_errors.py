@@ -64,16 +64,18 @@ def test_malformed_requests_are_400(spine_cluster, body, param):
 
 
 def test_unsupported_options_are_refused_not_ignored(spine_cluster):
-    for extra, param in (({"n": 2}, "n"), ({"logprobs": 3}, "logprobs"), ({"best_of": 2}, "best_of"),
+    for extra, param in (({"n": 17}, "n"), ({"logprobs": 21}, "logprobs"), ({"best_of": 2}, "best_of"),
                          ({"prompt": ["a", "b"]}, "prompt"), ({"prompt": [10**9]}, "prompt"),
                          ({"logit_bias": {"99999999": 5}}, "logit_bias"), ({"logit_bias": {"1": 500}}, "logit_bias"),
-                         ({"guided_regex": "a+"}, "guided_regex")):
+                         ({"suffix": "z"}, "suffix"), ({"top_logprobs": 2}, "top_logprobs"),
+                         ({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs")):
         body = {"model": MODEL_NAME, "prompt": "a", **extra}
         err = assert_openai_error(httpx.post(spine_cluster.api + "/completions", json=body), 400)
         assert err["param"] == param
     tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
-    for extra, param in (({"tools": [tool]}, "tools"), ({"response_format": {"type": "json_object"}}, "response_format"),
-                         ({"logprobs": True, "top_logprobs": 2}, "logprobs")):
+    for extra, param in (({"tools": [tool]}, "tools"), ({"response_format": {"type": "yaml"}}, "response_format"),
+                         ({"top_logprobs": 2}, "top_logprobs"), ({"echo": True}, "echo"),
+                         ({"response_format": {"type": "json_object"}, "guided_regex": "a+"}, "guided_regex")):
         body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], **extra}
         err = assert_openai_error(httpx.post(spine_cluster.api + "/chat/completions", json=body), 400)
         assert err["param"] == param

@@ -173,8 +173,8 @@ def test_request_schema_sets_unknown_fields_aside_and_names_unsupported_ones():
     body = CompletionRequest(model="m", prompt="a", some_future_field=1, best_of=1, logprobs=0,
                              response_format={"type": "text"}, tool_choice="none")
     assert body.unknown_fields() == ["some_future_field"] and body.unsupported_option() is None
-    chat = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}], top_logprobs=3)
-    assert chat.unsupported_option()[0] == "top_logprobs"
+    chat = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}], tools=[{"type": "function"}])
+    assert chat.unsupported_option()[0] == "tools"
 
 
 def test_push_bandwidth_is_averaged_over_intervals_that_moved_enough_bytes():
