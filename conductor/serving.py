@@ -54,7 +54,7 @@ class CompletionService:
         self.metrics = metrics
         self.clock = clock
         self.live: dict[str, RequestLife] = {}  # admitted and not released, by request id
-        self.slo_policy = SLOPolicy.of(config.scheduler, config.slo_bounds)
+        self.slo_policy = SLOPolicy.of(router.scheduler.config, config.slo_bounds)  # the classes the core admits by
 
     # -- validation -----------------------------------------------------------------------------
 
