@@ -75,9 +75,9 @@ def check_scheduler_args(args: argparse.Namespace) -> list[str]:
 def slo_bounds(args: argparse.Namespace) -> SLOBounds:
     """By default a request's own TTFT SLO may be tighter than the default class's and its TBT
     SLO looser (mooncake.defaults.SLO_*_RANGE_S), whatever --ttft-slo and --tbt-slo are."""
-    ttft = ((defaults.SLO_TTFT_RANGE_S[0], args.ttft_slo) if args.slo_ttft_range is None
+    ttft = ((min(defaults.SLO_TTFT_RANGE_S[0], args.ttft_slo), args.ttft_slo) if args.slo_ttft_range is None
             else _seconds(parse_range(args.slo_ttft_range, float, "--slo-ttft-range")))
-    tbt = ((args.tbt_slo, defaults.SLO_TBT_RANGE_S[1]) if args.slo_tbt_range is None
+    tbt = ((args.tbt_slo, max(defaults.SLO_TBT_RANGE_S[1], args.tbt_slo)) if args.slo_tbt_range is None
            else _seconds(parse_range(args.slo_tbt_range, float, "--slo-tbt-range")))
     return SLOBounds(ttft_s=ttft, tbt_s=tbt, priority=parse_range(args.priority_range, int, "--priority-range"))
 

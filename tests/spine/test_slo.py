@@ -40,6 +40,9 @@ def test_options_build_the_classes_and_bounds_and_bad_ones_stop_the_command(caps
     assert cfg.slo_classes == (BATCH,) and cfg.priority_headroom == 0.3
     # By default a request may tighten its TTFT SLO below the default class's and loosen its TBT.
     assert slo_bounds(args) == SLOBounds(ttft_s=(0.1, 60.0), tbt_s=(0.5, 10.0), priority=(0, 100))
+    # Whatever the default class's SLOs are, the default bounds hold them.
+    args = build_parser().parse_args(["conductor", "--ttft-slo", "0.05", "--tbt-slo", "20"])
+    assert slo_bounds(args) == SLOBounds(ttft_s=(0.05, 0.05), tbt_s=(20.0, 20.0), priority=(0, 100))
     args = build_parser().parse_args(["serve", "--slo-ttft-range", "50:90000", "--priority-range=-5:5"])
     assert slo_bounds(args) == SLOBounds(ttft_s=(0.05, 90.0), tbt_s=(0.5, 10.0), priority=(-5, 5))
     for argv, needle in [(["--slo-class", "x:1:2"], "NAME:TTFT_MS"), (["--priority-range", "5:1"], "priority bounds"),
