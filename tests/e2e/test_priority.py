@@ -16,9 +16,9 @@ pytestmark = pytest.mark.vllm
 
 
 def fresh_prompt(words: int) -> str:
-    """~2 tokens a word, never seen by the prefix caches (a cached prompt would be predicted fast)."""
-    salt = uuid.uuid4().hex[:6]
-    return " ".join(f"{salt}w{i}" for i in range(words))
+    """~4 tokens a word, never seen by the prefix caches (its first block is new, so every block
+    is: a cached prompt would be predicted fast)."""
+    return uuid.uuid4().hex + " " + " ".join(f"w{i}" for i in range(words))
 
 
 def client(api: str) -> openai.OpenAI:
@@ -26,12 +26,12 @@ def client(api: str) -> openai.OpenAI:
 
 
 def test_a_ttft_slo_of_its_own_that_cannot_be_met_is_refused_while_the_default_class_is_served(spine_cluster):
-    """~1k fresh prompt tokens: seconds of prefill by the profile, hundreds of ms even if the
-    calibration has learnt this cluster is 10x faster (its limit); never within 100 ms."""
+    """~1.1k fresh prompt tokens: seconds of prefill by the profile, a quarter of a second even if
+    the calibration has learnt this cluster is 10x faster (its limit); never within 100 ms."""
     metrics = spine_cluster.base_url + "/metrics"
     before = httpx.get(metrics).text
     c = client(spine_cluster.api)
-    messages = [{"role": "user", "content": fresh_prompt(500)}]
+    messages = [{"role": "user", "content": fresh_prompt(300)}]
     with pytest.raises(openai.RateLimitError) as info:
         c.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=2,
                                   extra_headers={"X-Mooncake-SLO-TTFT-Ms": "100"})
