@@ -83,7 +83,7 @@ class SLOPolicy:
 
     @classmethod
     def of(cls, scheduler: SchedulerConfig, bounds: SLOBounds) -> SLOPolicy:
-        """`default` is the scheduler's own SLOs at priority 0, unless the operator defined it."""
+        """`default` is the scheduler's own SLOs at priority 0; the others, the operator's."""
         classes = {defaults.DEFAULT_SLO_CLASS: default_class(scheduler)}
         classes.update((c.name, c) for c in scheduler.slo_classes)
         return cls(classes, bounds)
@@ -108,8 +108,9 @@ class SLOPolicy:
         b = self.bounds
         prio = _one_of("priority", priority, PRIORITY_HEADER, _header(headers, PRIORITY_HEADER, int))
         if prio is not None and not b.priority[0] <= prio <= b.priority[1]:
-            raise SLOError(f"priority must be in [{b.priority[0]}, {b.priority[1]}] (lower is more important), "
-                                f"got {prio}", param="priority", code="priority_out_of_bounds")
+            param = "priority" if priority is not None else PRIORITY_HEADER
+            raise SLOError(f"{param} must be in [{b.priority[0]}, {b.priority[1]}] on this server (lower is more "
+                           f"important), got {prio}", param=param, code="priority_out_of_bounds")
         ttft = _ms_within("mooncake_slo.ttft_ms", ttft_ms, TTFT_HEADER, headers, b.ttft_s)
         tbt = _ms_within("mooncake_slo.tbt_ms", tbt_ms, TBT_HEADER, headers, b.tbt_s)
         return RequestSLO(name, base.priority if prio is None else prio,

@@ -11,5 +11,6 @@ from conductor.core.types import (ClusterState, Decision, DecodeSeq, InstanceSta
 __all__ = [
     "Admission", "ClusterState", "Decision", "DecodeModel", "DecodeSeq", "Estimators", "EventKind", "InstanceState",
     "KVEvent", "PendingPrefixes", "Policy", "PrefillModel", "PrefixIndex", "ProfileTable", "Rejection",
-    "RejectReason", "Request", "Role", "SLOClass", "Scheduler", "SchedulerConfig", "load_profile", "paper_scale_profile",
+    "RejectReason", "Request", "Role", "SLOClass", "Scheduler", "SchedulerConfig", "load_profile",
+    "paper_scale_profile",
 ]

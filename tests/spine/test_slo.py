@@ -75,7 +75,7 @@ def test_resolve_takes_the_class_then_the_requests_own_values_within_bounds():
     ({"X-Mooncake-SLO-TBT-Ms": "nan"}, {}, "X-Mooncake-SLO-TBT-Ms", "invalid_value"),
     ({"X-Mooncake-Priority": "1.5"}, {}, "X-Mooncake-Priority", "invalid_value"),
     ({}, {"priority": -1}, "priority", "priority_out_of_bounds"),
-    ({"X-Mooncake-Priority": "101"}, {}, "priority", "priority_out_of_bounds"),
+    ({"X-Mooncake-Priority": "101"}, {}, "X-Mooncake-Priority", "priority_out_of_bounds"),
     ({"X-Mooncake-Priority": "2"}, {"priority": 3}, "priority", "conflicting_values"),
     ({"X-Mooncake-SLO-TTFT-Ms": "900"}, {"ttft_ms": 1000.0}, "mooncake_slo.ttft_ms", "conflicting_values"),
 ])
