@@ -155,9 +155,10 @@ def estimators_report(router: Router) -> dict:
 
 async def _serve(service: CompletionService, body, endpoint: str, request: Request):
     try:
-        prepared = await service.prepare(body)
+        prepared = await service.prepare(body, request.headers)
     except APIError as exc:
-        service.metrics.requests.labels(endpoint=endpoint, status=str(exc.status)).inc()
+        service.metrics.requests.labels(endpoint=endpoint, status=str(exc.status),
+                                        slo_class=service.slo_policy.label(request.headers)).inc()
         raise
     serving = service.serve(prepared, endpoint)  # counts its own answer, refusals included
     if prepared.stream:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from conductor.core.config import SchedulerConfig
 from conductor.core.profile_table import bundled_profile_exists
+from conductor.slo import SLOBounds
 from mooncake import defaults
 from mooncake.defaults import Dtype
 
@@ -91,6 +92,9 @@ class ConductorConfig:
     bundled one measured in `dtype` (resolve_profile)."""
     dtype: Dtype = defaults.DTYPE
     """The workers' dtype: chooses the bundled profile table."""
+    slo_bounds: SLOBounds = field(default_factory=SLOBounds)
+    """What a request may set itself: its priority and its TTFT and TBT SLOs (conductor/slo.py).
+    The SLO classes it may name are the scheduler's (slo_classes) and `default`."""
 
     def __post_init__(self) -> None:
         if not self.served_model_name:

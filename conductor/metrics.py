@@ -102,10 +102,12 @@ class ConductorMetrics:
         # prometheus_client appends `_total` to a counter's name: "mooncake_requests" is exposed
         # as mooncake_requests_total.
         self.registry = r = CollectorRegistry()
-        self.requests = Counter("mooncake_requests", "Requests answered, by endpoint and HTTP status.",
-                                ["endpoint", "status"], registry=r)
-        self.rejections = Counter("mooncake_rejections", "Requests refused before any work, by reason.",
-                                  ["reason"], registry=r)
+        # slo_class: the request's SLO class (conductor/slo.py): `default`, an operator's class, or
+        # `unknown` for a request refused for naming none of them.
+        self.requests = Counter("mooncake_requests", "Requests answered, by endpoint, HTTP status and SLO class.",
+                                ["endpoint", "status", "slo_class"], registry=r)
+        self.rejections = Counter("mooncake_rejections", "Requests refused before any work, by reason and SLO class.",
+                                  ["reason", "slo_class"], registry=r)
         self.routes = Counter(
             "mooncake_routes", "Requests routed, by kind: disaggregated (prefill worker, then decode worker) "
             "colocated (prefilled on the decode worker itself) or flexible (a pair that breaks a worker's role label: "
@@ -116,12 +118,13 @@ class ConductorMetrics:
         self.cached_prompt_tokens = Counter("mooncake_cached_prompt_tokens",
                                             "Prompt tokens served from a prefix cache (tokens).", registry=r)
         self.generated_tokens = Counter("mooncake_generated_tokens", "Tokens generated (tokens).", registry=r)
-        self.ttft = Histogram("mooncake_time_to_first_token_seconds", "Arrival to first token (seconds).",
-                              buckets=_LATENCY_S, registry=r)
+        self.ttft = Histogram("mooncake_time_to_first_token_seconds", "Arrival to first token, by SLO class "
+                              "(seconds).", ["slo_class"], buckets=_LATENCY_S, registry=r)
         self.tbt = Histogram("mooncake_time_between_tokens_seconds",
-                             "Gap between streamed token chunks (seconds).", buckets=_TBT_S, registry=r)
-        self.e2e = Histogram("mooncake_request_latency_seconds", "Arrival to last token (seconds).",
-                             buckets=_LATENCY_S, registry=r)
+                             "Gap between streamed token chunks, by SLO class (seconds).", ["slo_class"],
+                             buckets=_TBT_S, registry=r)
+        self.e2e = Histogram("mooncake_request_latency_seconds", "Arrival to last token, by SLO class (seconds).",
+                             ["slo_class"], buckets=_LATENCY_S, registry=r)
         self.ttft_prediction = Histogram(
             "mooncake_ttft_prediction_ratio", "Measured TTFT / the scheduler's predicted TTFT (ratio; above 1: "
             "the profile table is optimistic for this hardware, and SLO admission lets through requests "

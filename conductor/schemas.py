@@ -18,6 +18,14 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = False  # vLLM's: usage so far on every chunk too
 
 
+class MooncakeSLO(BaseModel):
+    """This request's own SLOs (conductor/slo.py), within the server's bounds."""
+    model_config = ConfigDict(extra="forbid")
+
+    ttft_ms: float | None = Field(None, gt=0.0, allow_inf_nan=False)
+    tbt_ms: float | None = Field(None, gt=0.0, allow_inf_nan=False)
+
+
 class _SamplingFields(BaseModel):
     # Unknown fields are kept aside and ignored (logged by the server), as vLLM's server does, so
     # that clients sending newer or vendor-specific fields keep working. Known fields that would
@@ -52,6 +60,8 @@ class _SamplingFields(BaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    priority: int | None = None  # lower is more important; the SLO class's when None (conductor/slo.py)
+    mooncake_slo: MooncakeSLO | None = None
     # Known options this server does not implement. They are named here so that a request
     # using one is refused (see unsupported_option), not silently served without it.
     best_of: int | None = None

@@ -10,7 +10,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 
 from fastapi.responses import JSONResponse
@@ -25,6 +25,7 @@ from conductor.relay import Relay, RelayStats, sample_zero
 from conductor.routing import Router
 from conductor.schemas import ChatCompletionRequest, CompletionRequest
 from conductor.logprobs import TokenText, prompt_logprobs_body
+from conductor.slo import RequestSLO, SLOError, SLOPolicy
 from conductor.workers import WorkerError
 from mooncake.protocol import GenerateChunk, Sampling
 
@@ -41,6 +42,7 @@ class Prepared:
     stream: bool
     include_usage: bool
     arrived: float
+    slo: RequestSLO
     continuous_usage: bool = False
     n: int = 1
     logprobs: LogprobsWanted | None = None
@@ -59,15 +61,24 @@ class CompletionService:
         self.clock = clock
         self.token_text = TokenText(tokenizer)
         self.live: dict[str, RequestLife] = {}  # admitted and not released, by request id
+        self.slo_policy = SLOPolicy.of(router.scheduler.config, config.slo_bounds)  # the classes the core admits by
 
     # -- validation -----------------------------------------------------------------------------
 
-    async def prepare(self, body: CompletionRequest | ChatCompletionRequest) -> Prepared:
+    async def prepare(self, body: CompletionRequest | ChatCompletionRequest,
+                      headers: Mapping[str, str] | None = None) -> Prepared:
+        """headers: the HTTP request's (its SLO class, priority and SLOs: conductor/slo.py)."""
         arrived = self.clock()
         chat = isinstance(body, ChatCompletionRequest)
         if body.model != self.config.served_model_name:
             raise APIError(404, f"The model `{body.model}` does not exist. This server serves "
                                 f"`{self.config.served_model_name}`.", param="model", code="model_not_found")
+        own = body.mooncake_slo
+        try:
+            slo = self.slo_policy.resolve(headers or {}, body.priority, own.ttft_ms if own else None,
+                                          own.tbt_ms if own else None)
+        except SLOError as exc:
+            raise APIError(400, str(exc), param=exc.param, code=exc.code) from None
         unknown = body.unknown_fields()
         if unknown:
             log.warning("ignoring unknown request fields: %s", ", ".join(unknown))
@@ -128,6 +139,7 @@ class CompletionService:
             request_id=request_id, prompt=prompt, sampling=sampling, stops=body.stop_strings(),
             meta=responses.ResponseMeta.new(request_id, body.model, chat), stream=body.stream,
             include_usage=bool(body.stream_options and body.stream_options.include_usage), arrived=arrived,
+            slo=slo,
             continuous_usage=bool(body.stream_options and body.stream_options.continuous_usage_stats),
             n=body.n, logprobs=wanted, echo=echo, prompt_logprobs=body.prompt_logprobs is not None,
         )
@@ -167,16 +179,16 @@ class CompletionService:
         """Route the request and take its slot; refusals (429, 503) are counted and raised."""
         try:
             if self.in_flight >= self.config.max_in_flight:
-                self.metrics.rejections.labels(reason="max_in_flight").inc()
+                self.metrics.rejections.labels(reason="max_in_flight", slo_class=req.slo.slo_class).inc()
                 raise APIError(429, f"{self.in_flight} requests are in progress (limit "
                                     f"{self.config.max_in_flight}); retry shortly",
                                code="overloaded", headers={"Retry-After": "1"})
-            route = self.router.pick(req.request_id, req.prompt, req.sampling.max_tokens, self.clock())
+            route = self.router.pick(req.request_id, req.prompt, req.sampling.max_tokens, self.clock(), slo=req.slo)
         except APIError as exc:
-            self.metrics.requests.labels(endpoint=endpoint, status=str(exc.status)).inc()
+            self.metrics.requests.labels(endpoint=endpoint, status=str(exc.status), slo_class=req.slo.slo_class).inc()
             raise
         return RequestLife(req.request_id, endpoint, req.arrived, route, self.router, self.metrics, self.live,
-                           self.clock)
+                           self.clock, req.slo)
 
     async def serve(self, req: Prepared, endpoint: str):
         life = self.admit(req, endpoint)
@@ -189,7 +201,8 @@ class CompletionService:
             self.metrics.prompt_tokens.inc(len(req.prompt))
             self.metrics.cached_prompt_tokens.inc(stats.prefill_cached_tokens)
             headers = {"x-mooncake-prefill": route.prefill.name, "x-mooncake-decode": route.decode.name,
-                       "x-mooncake-cached-tokens": str(stats.prefill_cached_tokens)}
+                       "x-mooncake-cached-tokens": str(stats.prefill_cached_tokens),
+                       "x-mooncake-slo-class": req.slo.slo_class}
             if route.decision is not None:
                 headers["x-mooncake-predicted-ttft-ms"] = str(round(route.decision.predicted_ttft_s * 1000))
             choices = [Choice(i, self.tokenizer, req.stops, req.logprobs, req.echo) for i in range(req.n)]
@@ -244,7 +257,7 @@ class CompletionService:
                 tried.add(route.prefill.name)
                 life.leave_route()
                 retry = self.router.pick(req.request_id, req.prompt, req.sampling.max_tokens, self.clock(),
-                                         exclude=tried, allow_none=True)
+                                         exclude=tried, allow_none=True, slo=req.slo)
                 if retry is None:
                     raise APIError(503, f"no worker could run the prompt: {exc}", code="workers_unavailable",
                                    headers={"Retry-After": "5"}) from exc
@@ -264,7 +277,7 @@ class CompletionService:
             self.metrics.generated_tokens.inc(len(chunk.token_ids))
             now = self.clock()
             if item is not first:
-                self.metrics.tbt.observe(now - last)
+                self.metrics.tbt.labels(slo_class=req.slo.slo_class).observe(now - last)
             last = now
             prompt_positions.extend(chunk.prompt_logprobs or ())
             event = choices[index].push(chunk, prompt_positions)

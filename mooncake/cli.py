@@ -29,7 +29,7 @@ def _resolve_model(path: str | None) -> str:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from conductor.cli_args import scheduler_config
+    from conductor.cli_args import scheduler_config, slo_bounds
     from mooncake.launcher import ClusterConfig, serve
 
     model = _resolve_model(args.model)
@@ -38,6 +38,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         port=args.port, num_prefill=args.prefill, num_decode=args.decode, first_worker_port=args.worker_port,
         dtype=args.dtype, max_model_len=args.max_model_len, kv_cache_gib=int(args.kv_cache_gib),
         chunk_size=args.chunk_size, api_key=args.api_key, scheduler=scheduler_config(args), profile=args.profile,
+        slo_bounds=slo_bounds(args),
     ))
 
 
@@ -65,7 +66,7 @@ def _cmd_conductor(args: argparse.Namespace) -> int:
     from conductor.app import create_app
     from conductor.config import ConductorConfig
 
-    from conductor.cli_args import scheduler_config
+    from conductor.cli_args import scheduler_config, slo_bounds
     from mooncake.engine.cli import registry_url
 
     model = _resolve_model(args.model)
@@ -74,7 +75,7 @@ def _cmd_conductor(args: argparse.Namespace) -> int:
         port=args.port, prefill_urls=tuple(args.prefill_url), decode_urls=tuple(args.decode_url),
         max_model_len=args.max_model_len, api_key=args.api_key, kv_wait_timeout_s=args.kv_wait_timeout,
         registry_url=registry_url(args), registry_ttl_s=args.registry_ttl, scheduler=scheduler_config(args),
-        profile=args.profile, dtype=Dtype(args.dtype),
+        profile=args.profile, dtype=Dtype(args.dtype), slo_bounds=slo_bounds(args),
     )
     uvicorn.run(create_app(config), host=args.host, port=args.port, log_level="info",
                 log_config=uvicorn_log_config())

@@ -70,6 +70,22 @@ ROLE_COST_S = 0.01 * TTFT_SLO_S
 (0.3 s at the 30 s TTFT SLO). A small fraction of the SLO: below the error of a single
 prediction (calibrated prefill predictions are off by 10-20 % of prefills of 1-3 s), so labels
 decide near-ties, while a real imbalance (a prefill queue of seconds) moves work across roles."""
+PRIORITY_HEADROOM = 0.2
+"""Share of a more important SLO class's TTFT and TBT SLOs (and of each decode worker's KV
+capacity) that a less important request may not use: the last fifth of the load the
+important class can bear is kept for it, so the less important ones are refused first."""
+DEFAULT_SLO_CLASS = "default"
+"""The SLO class of a request that names none: TTFT_SLO_S and TBT_SLO_S (or --ttft-slo and
+--tbt-slo), priority 0."""
+SLO_TTFT_RANGE_S = (0.1, TTFT_SLO_S)
+"""Bounds of a request's own TTFT SLO (X-Mooncake-SLO-TTFT-Ms): by default it may be tighter
+than the default class's, not looser (a looser one would let it queue ahead of everyone)."""
+SLO_TBT_RANGE_S = (TBT_SLO_S, 10.0)
+"""Bounds of a request's own TBT SLO (X-Mooncake-SLO-TBT-Ms): by default it may be looser than
+the default class's, not tighter (a tighter one holds back every request of its decode batch)."""
+PRIORITY_RANGE = (0, 100)
+"""Bounds of a request's own priority (body `priority`, X-Mooncake-Priority; lower is more
+important): by default none may claim more importance than the default class (0)."""
 PROFILE = "smollm2-135m-cpu"
 """Bundled profile table the live estimators are fitted from, measured in float32. A table
 measured in another dtype carries that dtype's suffix (profile_name)."""

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from conductor.config import live_scheduler_config
 from conductor.core.config import SchedulerConfig
+from conductor.slo import SLOBounds
 from mooncake import defaults
 from mooncake.defaults import Dtype, WorkerRole, engine_option_errors
 from mooncake.logs import uvicorn_log_config
@@ -46,6 +47,8 @@ class ClusterConfig:
     """Its block_size is also every worker's, so they cannot disagree."""
     profile: str | None = None
     """None: the bundled table measured in `dtype` (conductor.config.resolve_profile)."""
+    slo_bounds: SLOBounds = field(default_factory=SLOBounds)
+    """What a request may set itself (priority, own SLOs): the conductor's (conductor/slo.py)."""
 
     def __post_init__(self) -> None:
         if self.num_prefill < 0 or self.num_decode < 1:
@@ -206,7 +209,7 @@ def serve(config: ClusterConfig) -> int:
             port=config.port, prefill_urls=cluster.urls(WorkerRole.PREFILL),
             decode_urls=cluster.urls(WorkerRole.DECODE), max_model_len=config.max_model_len,
             api_key=config.api_key, scheduler=config.scheduler, profile=config.profile,
-            dtype=config.dtype,
+            dtype=config.dtype, slo_bounds=config.slo_bounds,
         ))
         server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="info",
                                                timeout_graceful_shutdown=5, log_config=uvicorn_log_config()))

@@ -92,11 +92,13 @@ def colocated_server(model_path, log_dir):
 def disaggregated_api(spine_cluster, model_path, log_dir):
     """A second conductor in front of the spine workers that always prefills on the prefill worker
     and decodes on the decode worker (fixed roles, never colocated): for tests that need the KV
-    pushed. Shared by the session, like the cluster."""
+    pushed. Shared by the session, like the cluster. It also has an SLO class less important than
+    `default` (batch), which leaves default requests as they are (tests/e2e/test_priority.py)."""
     port = free_port()
     proc = start("conductor-always-disaggregated",
                  ["-m", "mooncake.cli", "conductor", "--port", str(port), "--model", model_path,
                   "--served-model-name", MODEL_NAME, "--no-conditional-disaggregation", "--no-flexible-roles",
+                  "--slo-class", "batch:60000:2000:5",
                   "--prefill-url", spine_cluster.worker_urls["prefill"],
                   "--decode-url", spine_cluster.worker_urls["decode"]], log_dir)
     try:

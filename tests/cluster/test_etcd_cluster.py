@@ -211,6 +211,6 @@ def test_request_no_instance_can_serve_within_slo_gets_429(cluster):
         assert resp.json()["error"]["code"] == "ttft_slo"
         assert int(resp.headers["retry-after"]) >= 1
         metrics = httpx.get(f"http://127.0.0.1:{port}/metrics").text
-        assert 'mooncake_rejections_total{reason="ttft_slo"} 1' in metrics
+        assert 'mooncake_rejections_total{reason="ttft_slo",slo_class="default"} 1' in metrics
     finally:
         strict.stop()

@@ -62,7 +62,8 @@ def test_disconnect_mid_stream_of_a_long_generation(spine_cluster):
     assert chunks >= 40
     assert_released(spine_cluster)
     text = httpx.get(spine_cluster.base_url + "/metrics").text
-    assert 'mooncake_requests_total{endpoint="completions",status="499"}' in text  # counted as a client gone
+    # counted as a client gone
+    assert 'mooncake_requests_total{endpoint="completions",slo_class="default",status="499"}' in text
 
 
 def test_non_streamed_request_whose_client_times_out(spine_cluster):

@@ -183,8 +183,8 @@ def test_metrics_have_units_and_count_requests(spine_cluster):
         return metric_sum(text, prefix) - metric_sum(before, prefix)
 
     assert delta("mooncake_ttft_prediction_ratio_count") >= 1
-    assert delta('mooncake_requests_total{endpoint="completions",status="200"}') == 1
-    assert delta('mooncake_requests_total{endpoint="completions",status="400"}') == 1
+    assert delta('mooncake_requests_total{endpoint="completions",slo_class="default",status="200"}') == 1
+    assert delta('mooncake_requests_total{endpoint="completions",slo_class="default",status="400"}') == 1
     # The served request was routed one way or the other; the refused one was not routed.
     assert delta("mooncake_routes_total{kind=") == 1
     # The worker's text comes from prometheus_client: parse it rather than match its number format.
