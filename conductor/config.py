@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
+from conductor.auth import ApiKey
 from conductor.core.config import SchedulerConfig
 from conductor.core.profile_table import bundled_profile_exists
 from mooncake import defaults
@@ -66,9 +67,13 @@ class ConductorConfig:
     """Internal URLs of prefill-capable workers (embedded cluster; a registry adds more)."""
     decode_urls: tuple[str, ...] = ()
     max_model_len: int = defaults.MAX_MODEL_LEN
-    api_key: str | None = None
-    """If set, every /v1 request must carry `Authorization: Bearer <api_key>` (else 401)."""
-    max_body_bytes: int = 16 << 20
+    api_keys: tuple[ApiKey, ...] = field(default=(), repr=False)
+    """If any, every /v1 request must carry `Authorization: Bearer KEY` with one of them (else
+    401), and a key limited to some models may use only those (else 403); conductor/auth.py."""
+    cluster_token: str | None = field(default=None, repr=False)
+    """Sent to the workers' internal API and asked of every /internal/* caller (the embedded
+    registry's workers); None only in a cluster started with --insecure-no-cluster-token."""
+    max_body_bytes: int = defaults.MAX_BODY_BYTES
     """Larger request bodies are refused with 413 before they are parsed."""
     max_in_flight: int = 256
     """Requests in progress beyond this are refused with 429 and a Retry-After."""

@@ -44,6 +44,9 @@ class WorkerConfig:
     (the conductor then knows this worker only by a static --prefill-url/--decode-url)."""
     registry_ttl_s: float = defaults.REGISTRY_TTL_S
     """A worker that stops refreshing its registration disappears from routing after this."""
+    cluster_token: str | None = field(default=None, repr=False)
+    """Asked of every /internal/* caller, sent to the embedded registry, and the root of the KV
+    socket's handshake key (mooncake/auth.py). None only with --insecure-no-cluster-token."""
 
     def __post_init__(self) -> None:
         if self.role not in tuple(WorkerRole):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 # Schemes `open_registry` understands. Plain http:// is refused on purpose: it could mean
@@ -30,6 +30,9 @@ class RegistryConfig:
     etcd_prefix: str = "/mooncake/v1/"
     # How often a polling watcher (embedded+http) lists the conductor's registry.
     poll_interval_s: float = 0.5
+    # The cluster token the embedded registry (on the conductor) asks for (mooncake/auth.py).
+    # etcd has its own authentication (users, TLS): see docs/SECURITY.md.
+    cluster_token: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         scheme = urlsplit(self.url).scheme
