@@ -50,10 +50,10 @@ def parse_keys_file(text: str, source: str = "the API keys file") -> tuple[ApiKe
         line = raw.split("#", 1)[0].strip()
         if not line:
             continue
-        key, _, rest = line.partition(" ") if " " in line else line.partition("\t")
-        names = {n.strip() for n in rest.strip().split(",") if n.strip()}
-        if any(" " in n or "\t" in n for n in names):
-            raise ValueError(f"{source}, line {number}: models are one comma-separated list (no spaces)")
+        key, *rest = line.split(None, 1)
+        names = {n.strip() for n in "".join(rest).split(",") if n.strip()}
+        if any(len(n.split()) > 1 for n in names):
+            raise ValueError(f"{source}, line {number}: after the key, the models are one comma-separated list")
         keys.append(ApiKey(key, None if not names or "*" in names else frozenset(names)))
     return _unique(keys, source)
 

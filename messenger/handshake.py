@@ -42,7 +42,7 @@ def client_handshake(sock: socket.socket, key: bytes) -> None:
     sock.sendall(HELLO + bytes([VERSION]) + mine)
     try:
         answer = recv_exactly(sock, NONCE_BYTES + _MAC_BYTES)
-    except WireError as exc:
+    except OSError as exc:  # WireError included: closed, reset or silent
         raise HandshakeError(f"the KV peer closed the connection during the handshake ({exc}): it runs "
                              f"with another cluster token, or none") from None
     theirs, proof = bytes(answer[:NONCE_BYTES]), bytes(answer[NONCE_BYTES:])
