@@ -8,6 +8,10 @@
   GET  /internal/kv_events  ?since=SEQ: prefix blocks stored/removed here (conductor's index)
   GET  /metrics             Prometheus text
 
+Every /internal/* route asks for the cluster token (X-Mooncake-Cluster-Token, 401 without it;
+mooncake/auth.py); /health and /metrics stay open for probes and scrapers. Bodies over
+MAX_BODY_BYTES are a 413.
+
 The HTTP server is up at once; the engine starts in the background (about 30 s on CPU), and
 /health says 503 until it is ready, so a supervisor can tell "starting" from "dead".
 """
