@@ -63,7 +63,8 @@ def create_app(config: ConductorConfig) -> FastAPI:
                                 if h.push_bandwidth.estimate_Bps},
             estimators=estimators_report(router)))
         registry = app.state.registry if config.registry_url is None else open_registry(
-            RegistryConfig(url=config.registry_url, ttl_s=config.registry_ttl_s))
+            RegistryConfig(url=config.registry_url, ttl_s=config.registry_ttl_s,
+                           etcd_credentials=config.etcd_credentials))
         view = ClusterView(ViewConfig(expire_after_s=2 * config.registry_ttl_s))
         tasks = [asyncio.create_task(poll_health(pool, client, index, config.health_interval_s)),
                  asyncio.create_task(poll_kv_events(pool, index, config.kv_events_interval_s,

@@ -10,6 +10,7 @@ from conductor.core.config import SchedulerConfig
 from conductor.core.profile_table import bundled_profile_exists
 from mooncake import defaults
 from mooncake.defaults import Dtype
+from mooncake.registry.config import EtcdCredentials
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +87,8 @@ class ConductorConfig:
     """etcd://HOST:PORT to follow an etcd cluster; None hosts the embedded registry on this
     server (workers register with --registry embedded+http://THIS_HOST:PORT)."""
     registry_ttl_s: float = defaults.REGISTRY_TTL_S
+    etcd_credentials: EtcdCredentials | None = None
+    """The etcd user to log in as when etcd's authentication is on (MOONCAKE_ETCD_USER/PASSWORD)."""
     kv_events_interval_s: float = 0.25
     """How often each worker's KV events are pulled into the global prefix index."""
     scheduler: SchedulerConfig = field(default_factory=live_scheduler_config)

@@ -84,12 +84,20 @@ def token_from_args(args: argparse.Namespace) -> str | None:
 
 
 def token_errors(args: argparse.Namespace) -> list[str]:
-    """token_from_args' refusal as a sentence for the command line's check, or nothing."""
+    """token_from_args' refusal as a sentence for the command line's check, or nothing (and the
+    same for etcd credentials given by halves)."""
+    from mooncake.registry.config import EtcdCredentials
+
+    errors = []
     try:
         token_from_args(args)
     except ClusterTokenError as exc:
-        return [str(exc)]
-    return []
+        errors.append(str(exc))
+    try:
+        EtcdCredentials.from_env()
+    except ValueError as exc:
+        errors.append(str(exc))
+    return errors
 
 
 def token_matches(given: str | bytes | None, expected: str) -> bool:

@@ -84,13 +84,15 @@ def _cmd_conductor(args: argparse.Namespace) -> int:
     from conductor.cli_args import scheduler_config
     from mooncake.auth import token_from_args
     from mooncake.engine.cli import registry_url
+    from mooncake.registry.config import EtcdCredentials
 
     model = _resolve_model(args.model)
     config = ConductorConfig(
         model_path=model, served_model_name=args.served_model_name or Path(model).name, host=args.host,
         port=args.port, prefill_urls=tuple(args.prefill_url), decode_urls=tuple(args.decode_url),
         max_model_len=args.max_model_len, api_keys=load_api_keys(args.api_keys_file, args.api_key),
-        cluster_token=token_from_args(args), kv_wait_timeout_s=args.kv_wait_timeout,
+        cluster_token=token_from_args(args), etcd_credentials=EtcdCredentials.from_env(),
+        kv_wait_timeout_s=args.kv_wait_timeout,
         registry_url=registry_url(args), registry_ttl_s=args.registry_ttl, scheduler=scheduler_config(args),
         profile=args.profile, dtype=Dtype(args.dtype),
     )

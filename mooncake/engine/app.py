@@ -238,7 +238,8 @@ async def _register(state: WorkerState) -> None:
     from mooncake.registry.retry import retrying
 
     c = state.config
-    registry = open_registry(RegistryConfig(url=c.registry_url, ttl_s=c.registry_ttl_s, cluster_token=c.cluster_token))
+    registry = open_registry(RegistryConfig(url=c.registry_url, ttl_s=c.registry_ttl_s, cluster_token=c.cluster_token,
+                                            etcd_credentials=c.etcd_credentials))
     state.registry = registry
     info = InstanceInfo(
         instance_id=c.instance_id, role=c.role, http_url=c.http_url,

@@ -8,6 +8,7 @@ from mooncake import defaults
 from mooncake.auth import add_token_arguments, token_errors, token_from_args
 from mooncake.defaults import Dtype, WorkerRole, engine_option_errors
 from mooncake.engine.config import WorkerConfig
+from mooncake.registry.config import EtcdCredentials
 
 
 def add_worker_arguments(parser: argparse.ArgumentParser, default_port: int) -> None:
@@ -64,7 +65,7 @@ def worker_config(args: argparse.Namespace, role: WorkerRole, model_path: str) -
         max_model_len=args.max_model_len, kv_cache_gib=args.kv_cache_gib, cpu_bind=args.cpu_bind,
         max_num_batched_tokens=args.chunk_size, enable_prefix_caching=not args.no_prefix_caching,
         block_size=args.block_size, registry_url=registry_url(args), registry_ttl_s=args.registry_ttl,
-        cluster_token=token_from_args(args), **extra,
+        cluster_token=token_from_args(args), etcd_credentials=EtcdCredentials.from_env(), **extra,
     )
 
 

@@ -322,3 +322,12 @@ def test_kv_socket_drops_garbage_huge_frames_and_silent_peers(kv_server):
     assert good.request(kv_server.address, {"op": "put"}, b"x" * 1000)["n"] == 1000
     good.close()
     assert threading.active_count() <= threads + 1
+
+
+def test_etcd_credentials_given_by_halves_are_refused_up_front(monkeypatch):
+    monkeypatch.setenv("MOONCAKE_CLUSTER_TOKEN", TOKEN)
+    monkeypatch.setenv("MOONCAKE_ETCD_USER", "mooncake")
+    monkeypatch.delenv("MOONCAKE_ETCD_PASSWORD", raising=False)
+    for command in ("prefill", "conductor"):
+        args = build_parser().parse_args([command])
+        assert "MOONCAKE_ETCD_PASSWORD" in " ".join(args.check(args))
