@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -15,7 +15,8 @@ class _SamplingFields(BaseModel):
     # Unknown fields are kept aside and ignored (logged by the server), as vLLM's server does, so
     # that clients sending newer or vendor-specific fields keep working. Known fields that would
     # change the output and are not implemented are refused instead (unsupported_option).
-    model_config = ConfigDict(extra="allow")
+    # allow_inf_nan: Python's JSON parser takes Infinity and NaN, which no engine parameter may be.
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     model: str
     temperature: float | None = Field(None, ge=0.0, le=2.0)
@@ -24,18 +25,19 @@ class _SamplingFields(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)  # the engine's seeds are 64-bit
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     logprobs: Any = None
     user: str | None = None
     # vLLM extensions that operators rely on.
-    top_k: int | None = None
-    min_p: float | None = None
+    # The engine's own limits (vLLM SamplingParams): refused here with a 400, not by a worker.
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
     min_tokens: int = Field(0, ge=0)
     repetition_penalty: float | None = Field(None, gt=0.0)
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     logit_bias: dict[str, float] | None = None
     # Known options this server does not implement. They are named here so that a request
     # using one is refused (see unsupported_option), not silently served without it.
