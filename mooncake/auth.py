@@ -115,7 +115,7 @@ def token_headers(token: str | None) -> dict[str, str]:
 
 def kv_key(token: str) -> bytes:
     """The key of the KV socket's handshake, derived from the token rather than the token itself:
-    it travels into vLLM's processes (kv_connector_extra_config), which never see the token."""
+    it travels in vLLM's configuration (kv_connector_extra_config), which vLLM may print."""
     return hmac.new(token.encode(), b"mooncake kv socket v1", hashlib.sha256).digest()
 
 

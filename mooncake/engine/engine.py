@@ -57,7 +57,7 @@ def build_engine(config: WorkerConfig, kv_port: int, events_port: int, control: 
             kv_load_failure_policy="recompute",
             kv_connector_extra_config={"kv_host": config.kv_host, "kv_port": kv_port,
                                        "control_path": control.path, "control_key": control.authkey_hex,
-                                       # A key derived from the cluster token: vLLM never sees the token.
+                                       # A key derived from the cluster token, not the token itself.
                                        **({"kv_auth_key": kv_key(config.cluster_token).hex()}
                                           if config.cluster_token else {})},
         ),
