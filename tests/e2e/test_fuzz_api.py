@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import json
 import time
+from collections import Counter
 
 import httpx
 import pytest
@@ -129,6 +130,7 @@ CASES = [(method, path, mode) for method, path in OPERATIONS
 def test_no_5xx_no_hang_and_openai_errors(api_schema, spine_cluster, deadline, method, path, mode):
     operation = api_schema[path][method]
     examples = EXAMPLES.get(path, OTHER_EXAMPLES)
+    statuses: Counter[int] = Counter()
 
     @settings(max_examples=examples, deadline=None, database=None, derandomize=False,
               suppress_health_check=list(HealthCheck))
@@ -139,9 +141,13 @@ def test_no_5xx_no_hang_and_openai_errors(api_schema, spine_cluster, deadline, m
         case.body = clamp(case.body)
         started = time.monotonic()
         response = case.call(base_url=spine_cluster.base_url, timeout=CALL_TIMEOUT_S)
+        statuses[response.status_code] += 1
         check(case, response, started)
 
     fuzz()
+    print(f"{method} {path} {mode.value}: answers by status {dict(statuses)}")
+    if mode == GenerationMode.POSITIVE and path in EXAMPLES and time.monotonic() < deadline:
+        assert statuses[200] >= 3, f"valid cases hardly reached the engine: {dict(statuses)}"
     # Whatever the fuzzer sent, the cluster still answers a plain request.
     resp = httpx.post(spine_cluster.api + "/completions", timeout=60, json={
         "model": MODEL_NAME, "prompt": "The capital of France is", "max_tokens": 2, "temperature": 0})
