@@ -143,6 +143,11 @@ def test_every_internal_route_of_a_worker_needs_the_token(tmp_path):
                     assert error["code"] == "invalid_cluster_token" and TOKEN_HEADER in error["message"]
             assert (await c.get("/internal/load", headers=GOOD)).status_code == 200
             assert (await c.get("/internal/kv_events?since=-1", headers=GOOD)).json()["reset"] is True
+            # Spellings of a path that could slip past a prefix check reach no route either.
+            for path in ("//internal/load", "/internal/load/", "/internal//load", "/INTERNAL/load",
+                         "/internal/%6Coad", "/./internal/load", "/health/../internal/load"):
+                resp = await c.get(path)
+                assert resp.status_code in (401, 404, 307) and "running_requests" not in resp.text, path
             # Probes and scrapers need no token; /health says whether the caller's token is good.
             health = await c.get("/health")
             assert health.status_code == 503 and health.json()["cluster_token_accepted"] is False
