@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -30,7 +30,8 @@ class _SamplingFields(BaseModel):
     # Unknown fields are kept aside and ignored (logged by the server), as vLLM's server does, so
     # that clients sending newer or vendor-specific fields keep working. Known fields that would
     # change the output and are not implemented are refused instead (unsupported_option).
-    model_config = ConfigDict(extra="allow")
+    # allow_inf_nan: Python's JSON parser takes Infinity and NaN, which no engine parameter may be.
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     model: str
     temperature: float | None = Field(None, ge=0.0, le=2.0)
@@ -39,17 +40,18 @@ class _SamplingFields(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)  # the engine's seeds are 64-bit
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     user: str | None = None
     # vLLM extensions that operators rely on.
-    top_k: int | None = None
-    min_p: float | None = None
+    # The engine's own limits (vLLM SamplingParams): refused here with a 400, not by a worker.
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
     min_tokens: int = Field(0, ge=0)
     repetition_penalty: float | None = Field(None, gt=0.0)
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     logit_bias: dict[str, float] | None = None
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs, and vLLM's older

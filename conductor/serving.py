@@ -103,6 +103,8 @@ class CompletionService:
         logit_bias = tuple(sorted((int(k), float(v)) for k, v in (body.logit_bias or {}).items()))
         if any(not 0 <= t < vocab for t, _ in logit_bias):
             raise APIError(400, f"logit_bias token ids must be in [0, {vocab})", param="logit_bias")
+        if any(t >= vocab for t in body.stop_token_ids or ()):
+            raise APIError(400, f"stop_token_ids must be in [0, {vocab})", param="stop_token_ids")
         limit = self.config.max_model_len
         max_tokens = (body.max_completion_tokens or body.max_tokens) if chat else body.max_tokens
         if len(prompt) >= limit:

@@ -46,6 +46,8 @@ KV_CACHE_GIB = 1
 """KV cache per worker, whole GiB (VLLM_CPU_KVCACHE_SPACE)."""
 REGISTRY_TTL_S = 5.0
 """A worker that stops refreshing its registration leaves routing after this."""
+MAX_BODY_BYTES = 16 << 20
+"""Larger HTTP request bodies are refused with 413 before they are parsed (conductor and workers)."""
 
 # --- ports ---------------------------------------------------------------------------------
 CONDUCTOR_PORT = 8000

@@ -93,6 +93,9 @@ class WorkerHealth(msgspec.Struct, frozen=True):
     kv_address: str = ""
     status: str = "unknown"  # "starting" | "ready" | "failed"
     error: str | None = None
+    cluster_token_accepted: bool | None = None
+    """Whether the caller's X-Mooncake-Cluster-Token would open the internal API (None: the
+    worker runs without a token). /health itself is open, for probes."""
 
 
 # One encoder and one decoder per message: built once, reused for every request and line.

@@ -6,6 +6,7 @@ import os
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
+from mooncake.auth import kv_key
 from mooncake.control import ControlEndpoint
 from mooncake.engine.config import WorkerConfig
 from mooncake.protocol import GenerateChunk, GenerateRequest
@@ -55,7 +56,10 @@ def build_engine(config: WorkerConfig, kv_port: int, events_port: int, control: 
             # A lost or corrupt transfer is recomputed locally: slower, never wrong text.
             kv_load_failure_policy="recompute",
             kv_connector_extra_config={"kv_host": config.kv_host, "kv_port": kv_port,
-                                       "control_path": control.path, "control_key": control.authkey_hex},
+                                       "control_path": control.path, "control_key": control.authkey_hex,
+                                       # A key derived from the cluster token, not the token itself.
+                                       **({"kv_auth_key": kv_key(config.cluster_token).hex()}
+                                          if config.cluster_token else {})},
         ),
         # vLLM's own block stored/removed events feed the conductor's global prefix index.
         kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",

@@ -17,7 +17,7 @@ LONG = {"model": MODEL_NAME, "prompt": "Count slowly from one to one thousand:",
 def held(cluster) -> dict:
     """What requests still hold: conductor slots, ledger entries, pending prefixes, worker requests."""
     requests = httpx.get(cluster.base_url + "/health", timeout=10).json()["requests"]
-    workers = {role: httpx.get(url + "/internal/load", timeout=10).json()["running_requests"]
+    workers = {role: httpx.get(url + "/internal/load", timeout=10, headers=cluster.internal_headers).json()["running_requests"]
                for role, url in cluster.worker_urls.items()}
     return {"in_flight": requests["in_flight"], "pending": requests["pending_prefix_entries"],
             "ledger_entries": sum(n for ledger in requests["ledgers"].values() for n in ledger.values()),
