@@ -130,10 +130,13 @@ def test_n_samples_prefill_the_prompt_once(colocated_server, disaggregated_api, 
     two further samples find the prompt in the decode worker's prefix cache."""
     prompt = LONG_PROMPT + " A one-off ending for the n test."
     prefill, decode = spine_cluster.worker_urls["prefill"], spine_cluster.worker_urls["decode"]
-    before = [httpx.get(w + "/internal/kv_stats").json()["stats"] for w in (prefill, decode)]
+    def kv_stats(worker: str) -> dict:
+        return httpx.get(worker + "/internal/kv_stats", headers=spine_cluster.internal_headers).json()["stats"]
+
+    before = [kv_stats(w) for w in (prefill, decode)]
     ours, headers = completion(disaggregated_api, False, prompt=prompt, max_tokens=5, temperature=0, n=3,
                                logprobs=1)
-    after = [httpx.get(w + "/internal/kv_stats").json()["stats"] for w in (prefill, decode)]
+    after = [kv_stats(w) for w in (prefill, decode)]
     assert_disaggregated(headers, "n=3")
     prompt_tokens = ours["usage"]["prompt_tokens"]
     assert prompt_tokens > 2 * BLOCK
