@@ -160,6 +160,22 @@ def test_rendered_units_are_valid_and_run_options_the_cli_takes(tmp_path):
     assert prefill.cpu_bind == "0-3" and prefill.instance_id == "prefill-localhost"
 
 
+def test_install_tasks_put_the_project_into_a_fresh_venv_once(tmp_path):
+    """The install tasks for real, minus the heavy dependencies (--no-deps): a new venv gets
+    mooncake-serve from the checkout; a second run finds it and installs nothing."""
+    # pip builds a source folder in place (build/, *.egg-info): give it a copy, not the checkout.
+    source = shutil.copytree(ROOT, tmp_path / "src", ignore=shutil.ignore_patterns(
+        ".git", ".venv*", ".cache", ".whl", "build", "*.egg-info", "out", "__pycache__", ".pytest_cache"))
+    install = {"mooncake_venv": str(tmp_path / "venv"), "mooncake_package": str(source), "mooncake_extras": "",
+               "mooncake_pip_extra_args": "--no-deps", "mooncake_pip_preinstall": [], "mooncake_pip_remove": [],
+               "mooncake_model": "/srv/models/any", "mooncake_start_services": False}
+    first = playbook(tmp_path, "site.yml", install, "--tags", "install", timeout=300)
+    assert first.failed == 0 and first.changed == 1, first.output[-4000:]
+    assert (tmp_path / "venv" / "bin" / "mooncake").is_file()
+    second = playbook(tmp_path, "site.yml", install, "--tags", "install", timeout=300)
+    assert second.failed == 0 and second.changed == 0, second.output[-4000:]
+
+
 # --- heavy: a real run against this machine ---------------------------------------------------
 
 def supervised_processes(deploy: Path) -> list[psutil.Process]:
