@@ -5,6 +5,7 @@ process behind. All state lives in a temp dir; the run uses the checkout's venv 
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import os
@@ -33,9 +34,15 @@ from tests.processes import ROOT, free_port
 PLAYBOOKS = ROOT / "deploy" / "ansible"
 BIN = Path(sys.executable).parent
 RECAP = re.compile(r"^localhost\s*:\s*ok=(\d+)\s+changed=(\d+)\s+unreachable=(\d+)\s+failed=(\d+)", re.M)
-# Options of the auth work (--cluster-token-file, --api-keys-file) that a checkout without it
-# does not parse yet; once it does, they are parsed like every other option.
-AUTH_OPTIONS = ("--cluster-token-file", "--api-keys-file")
+
+
+def cli_takes(command: str, option: str) -> bool:
+    """Whether this checkout's `mooncake COMMAND` has OPTION (the cluster token and API key files
+    came with the auth work; the playbook asks the installed command the same question)."""
+    return not build_parser().parse_known_args([command, option, "x"])[1]
+
+
+HAS_TOKEN, HAS_KEYS = cli_takes("conductor", "--cluster-token-file"), cli_takes("conductor", "--api-keys-file")
 
 
 @dataclass
@@ -75,12 +82,11 @@ def unit_settings(path: Path) -> dict[str, list[str]]:
     return settings
 
 
-def parse_cli(argv: list[str]):
-    """The service's command parsed by `mooncake`'s own parser (exits on an unknown option)."""
+def parse_cli(argv: list[str]) -> argparse.Namespace:
+    """The service's command parsed by `mooncake`'s own parser: every option must be one it takes."""
     namespace, unknown = build_parser().parse_known_args(argv)
-    leftovers = [a for i, a in enumerate(unknown) if a not in AUTH_OPTIONS and (i == 0 or unknown[i - 1] not in AUTH_OPTIONS)]
-    assert not leftovers, f"options `mooncake {argv[0]}` does not take: {leftovers}"
-    return namespace, unknown
+    assert not unknown, f"options `mooncake {argv[0]}` does not take: {unknown}"
+    return namespace
 
 
 # --- fast --------------------------------------------------------------------------------------
@@ -125,7 +131,8 @@ def test_rendered_units_are_valid_and_run_options_the_cli_takes(tmp_path):
         "mooncake_service_manager": "systemd", "mooncake_start_services": False, "mooncake_venv": sys.prefix,
         "mooncake_model": "/srv/models/SmolLM2-135M-Instruct", "mooncake_dtype": "bfloat16", "etcd_install_package": False,
         "etcd_binary": etcd, "conductor_ttft_slo": 10, "conductor_port": 8300, "prefill_cpu_bind": "0-3",
-        "mooncake_cluster_token": "t0ken-for-the-test", "mooncake_api_keys": ["sk-one", "sk-two SmolLM2-135M-Instruct"]},
+        **({"mooncake_cluster_token": "t0ken-for-the-test"} if HAS_TOKEN else {}),
+        **({"mooncake_api_keys": ["sk-one", "sk-two SmolLM2-135M-Instruct"]} if HAS_KEYS else {})},
         "--skip-tags", "install", timeout=300)
     assert recap.failed == 0
     deploy = root / "deploy"
@@ -141,22 +148,26 @@ def test_rendered_units_are_valid_and_run_options_the_cli_takes(tmp_path):
     assert proc.returncode == 0 and not proc.stderr.strip(), proc.stderr
 
     token_file, keys_file = deploy / "etc" / "cluster-token", deploy / "etc" / "api-keys"
-    assert token_file.read_text() == "t0ken-for-the-test\n" and stat.S_IMODE(token_file.stat().st_mode) == 0o600
-    assert keys_file.read_text() == "sk-one\nsk-two SmolLM2-135M-Instruct\n" and stat.S_IMODE(keys_file.stat().st_mode) == 0o600
+    assert token_file.exists() == HAS_TOKEN and keys_file.exists() == HAS_KEYS
+    if HAS_TOKEN:
+        assert token_file.read_text() == "t0ken-for-the-test\n" and stat.S_IMODE(token_file.stat().st_mode) == 0o600
+    if HAS_KEYS:
+        assert keys_file.read_text() == "sk-one\nsk-two SmolLM2-135M-Instruct\n"
+        assert stat.S_IMODE(keys_file.stat().st_mode) == 0o600
     for role in ("conductor", "prefill", "decode"):
         settings = unit_settings(units[f"mooncake-{role}"])
         argv = shlex.split(settings["ExecStart"][0])
         assert argv[0] == f"{sys.prefix}/bin/mooncake" and argv[1] == role
-        namespace, _ = parse_cli(argv[1:])
+        namespace = parse_cli(argv[1:])
         assert namespace.model == "/srv/models/SmolLM2-135M-Instruct" and namespace.dtype == "bfloat16"
         assert namespace.registry.startswith("etcd://127.0.0.1:")
-        assert argv[argv.index("--cluster-token-file") + 1] == str(token_file)
-        assert ("--api-keys-file" in argv) == (role == "conductor")
+        assert getattr(namespace, "cluster_token_file", None) == (str(token_file) if HAS_TOKEN else None)
+        assert getattr(namespace, "api_keys_file", None) == (str(keys_file) if HAS_KEYS and role == "conductor" else None)
         env = dict(shlex.split(e)[0].split("=", 1) for e in settings["Environment"])
         assert env["MOONCAKE_CACHE_DIR"] and env["HOME"] == str(deploy / "state")
-    conductor, _ = parse_cli(shlex.split(unit_settings(units["mooncake-conductor"])["ExecStart"][0])[1:])
+    conductor = parse_cli(shlex.split(unit_settings(units["mooncake-conductor"])["ExecStart"][0])[1:])
     assert conductor.port == 8300 and conductor.ttft_slo == 10
-    prefill, _ = parse_cli(shlex.split(unit_settings(units["mooncake-prefill"])["ExecStart"][0])[1:])
+    prefill = parse_cli(shlex.split(unit_settings(units["mooncake-prefill"])["ExecStart"][0])[1:])
     assert prefill.cpu_bind == "0-3" and prefill.instance_id == "prefill-localhost"
 
 
@@ -217,8 +228,10 @@ def program_command(deploy: Path, name: str) -> list[str]:
 def test_site_playbook_deploys_a_cluster_reruns_without_changes_and_tears_down(tmp_path, model_path):
     ports = {name: free_port() for name in ("conductor_port", "prefill_port", "prefill_kv_port", "decode_port",
                                             "decode_kv_port", "etcd_client_port", "etcd_peer_port")}
+    api_key = "sk-from-the-playbook"
     extra_vars = {**ports, "mooncake_venv": sys.prefix, "mooncake_package": str(ROOT),
-                  "mooncake_cache_dir": str(Path(model_path).parents[1]), "conductor_wait_timeout": 600}
+                  "mooncake_cache_dir": str(Path(model_path).parents[1]), "conductor_wait_timeout": 600,
+                  "mooncake_api_keys": [api_key] if HAS_KEYS else []}
     # A short path: supervisord's socket lives in it (AF_UNIX paths end at 107 bytes).
     deploy = Path(tempfile.mkdtemp(prefix="mooncake-ansible-"))
     leftovers: list[psutil.Process] = []
@@ -232,9 +245,14 @@ def test_site_playbook_deploys_a_cluster_reruns_without_changes_and_tears_down(t
         assert health["registry"]["url"] == f"etcd://127.0.0.1:{ports['etcd_client_port']}"
         assert health["registry"]["instances"] == 2 and health["registry"]["outage_since"] is None
         for name in ("mooncake-conductor", "mooncake-prefill", "mooncake-decode"):
-            parse_cli(program_command(deploy, name)[1:])  # the supervisor runs what the CLI takes
+            command = parse_cli(program_command(deploy, name)[1:])  # the supervisor runs what the CLI takes
+            # Where the CLI takes a cluster token, the playbook made one and gave it to every process.
+            assert getattr(command, "cluster_token_file", None) == (str(deploy / "etc" / "cluster-token") if HAS_TOKEN else None)
 
-        client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120)
+        client = openai.OpenAI(base_url=base + "/v1", api_key=api_key, max_retries=0, timeout=120)
+        if HAS_KEYS:
+            with pytest.raises(openai.AuthenticationError):
+                client.with_options(api_key="sk-not-a-key").models.list()
         answer = client.chat.completions.create(model=MODEL_NAME, max_tokens=16, temperature=0,
                                                 messages=[{"role": "user", "content": "What is the capital of France?"}])
         assert "Paris" in answer.choices[0].message.content, answer
