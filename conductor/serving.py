@@ -19,7 +19,7 @@ from conductor import responses
 from conductor.config import ConductorConfig
 from conductor.errors import APIError, sse_error
 from conductor.lifecycle import LifeStreamingResponse, RequestLife
-from conductor.metrics import ConductorMetrics
+from conductor.metrics import DEFAULT_SLO_CLASS, ConductorMetrics
 from conductor.relay import Relay, RelayStats
 from conductor.routing import Router
 from conductor.schemas import ChatCompletionRequest, CompletionRequest
@@ -148,9 +148,11 @@ class CompletionService:
                 raise APIError(429, f"{self.in_flight} requests are in progress (limit "
                                     f"{self.config.max_in_flight}); retry shortly",
                                code="overloaded", headers={"Retry-After": "1"})
-            route = self.router.pick(req.request_id, req.prompt, req.sampling.max_tokens, self.clock())
+            with self.metrics.schedule.time():
+                route = self.router.pick(req.request_id, req.prompt, req.sampling.max_tokens, self.clock())
         except APIError as exc:
             self.metrics.requests.labels(endpoint=endpoint, status=str(exc.status)).inc()
+            self.metrics.count_slo(DEFAULT_SLO_CLASS, "refused")  # 429 or 503: refused before any work
             raise
         return RequestLife(req.request_id, endpoint, req.arrived, route, self.router, self.metrics, self.live,
                            self.clock)
@@ -237,6 +239,7 @@ class CompletionService:
             if chunk is not first:
                 self.metrics.tbt.observe(now - last)
             last = now
+            life.relayed(count, now)
             result = stopper.push(detok.push(chunk.token_ids))
             if result.stopped:
                 yield result.text, "stop", count
