@@ -10,7 +10,7 @@ ENGINE_EXTRA := $(if $(GPU),gpu,cpu)
 PORT      ?= 8000
 ARGS      ?=
 
-.PHONY: setup serve test test-fast etcd model clean help
+.PHONY: setup serve test test-fast etcd monitoring-tools model clean help
 
 help:
 	@echo "make serve   set up, then serve SmolLM2-135M on http://127.0.0.1:$(PORT)/v1 (Ctrl-C stops)"
@@ -37,10 +37,16 @@ etcd:
 	@{ command -v etcd && command -v etcdctl; } >/dev/null 2>&1 || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq etcd-server etcd-client >/dev/null; }
 	@etcd --version | head -1
 
+# promtool checks and unit-tests deploy/prometheus/ (tests/deploy/); the prometheus server itself
+# is what README's "Watching a running cluster" runs.
+monitoring-tools:
+	@command -v promtool >/dev/null 2>&1 || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus >/dev/null; }
+	@promtool --version 2>&1 | head -1
+
 serve: setup
 	$(PY) -m mooncake.cli serve --port $(PORT) $(ARGS)
 
-test: setup etcd
+test: setup etcd monitoring-tools
 	$(PY) -m pytest -q -rs $(ARGS)
 
 test-fast: setup
