@@ -40,7 +40,7 @@ etcd:
 # promtool checks and unit-tests deploy/prometheus/ (tests/deploy/); the prometheus server itself
 # is what README's "Watching a running cluster" runs.
 monitoring-tools:
-	@command -v promtool >/dev/null 2>&1 || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus >/dev/null; }
+	@command -v promtool >/dev/null 2>&1 || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null; }
 	@promtool --version 2>&1 | head -1
 
 serve: setup
