@@ -112,13 +112,14 @@ class TcpServer:
                     if not isinstance(exc, WireError) or "after 0 of" not in str(exc):
                         log.debug("connection from %s ended: %s", peer, exc)
                     return
+                self.stats.moved(received=size)
                 try:
                     reply = self._handler(header, payload)
                 except Exception as exc:  # the peer must get an answer, never a hang
                     log.exception("handler failed for %s", header.get("op"))
                     reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
                 try:
-                    self.stats.moved(sent=send_frame(conn, reply), received=size)
+                    self.stats.moved(sent=send_frame(conn, reply))
                 except OSError:
                     return
 

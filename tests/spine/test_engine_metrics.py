@@ -3,6 +3,7 @@ counters (messenger/stats.py) as they reach /metrics. The stat logger gets stand
 vLLM's SchedulerStats and IterationStats (importing vLLM takes tens of seconds); the real engine
 feeds it in tests/e2e/test_metrics_counts.py. The messenger is the real one, on loopback."""
 
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -75,6 +76,11 @@ def test_a_real_tcp_round_trip_is_counted_on_both_sides_and_rendered():
         server.close()
     assert reply["n"] == len(payload)
     request_frames = 2 * (PREFIX_SIZE + len(b'{"op":"put"}')) + len(payload)
+    # The server counts a reply once its send returned, which may be just after the client read it.
+    deadline = time.monotonic() + 5
+    while server_stats.snapshot()["sent_bytes"] < client_stats.snapshot()["received_bytes"]:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
     sent, received = client_stats.snapshot(), server_stats.snapshot()
     assert sent["sent_bytes"] == request_frames == received["received_bytes"]
     assert sent["received_bytes"] == received["sent_bytes"] > 2 * PREFIX_SIZE  # the two replies
