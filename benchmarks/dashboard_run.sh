@@ -53,11 +53,11 @@ START=$(date +%s)
 URL="http://127.0.0.1:$CONDUCTOR/v1"
 bench() { "$PY" -m mooncake.cli bench --url "$URL" --ttft-slo 8 --tbt-slo 0.5 --output-len 32 "$@"; }
 echo "phase 1: steady, shared 256-token prefix"
-bench --rate 0.4 --num-requests 70 --input-len 200-1200 --shared-prefix 256 --seed 1 >"$WORK/bench1.txt" 2>&1
+bench --rate 0.4 --num-requests 50 --input-len 200-1200 --shared-prefix 256 --seed 1 >"$WORK/bench1.txt" 2>&1
 echo "phase 2: overload burst of long prompts"
-bench --rate 3 --num-requests 40 --input-len 1500-3000 --seed 2 >"$WORK/bench2.txt" 2>&1
+bench --rate 3 --num-requests 30 --input-len 1500-3000 --seed 2 >"$WORK/bench2.txt" 2>&1
 echo "phase 3: steady again"
-bench --rate 0.4 --num-requests 40 --input-len 200-1200 --shared-prefix 256 --seed 3 >"$WORK/bench3.txt" 2>&1
+bench --rate 0.4 --num-requests 30 --input-len 200-1200 --shared-prefix 256 --seed 3 >"$WORK/bench3.txt" 2>&1
 sleep 20  # two more rule evaluations after the last request
 END=$(date +%s)
 "$PY" deploy/grafana/render_panels.py --prometheus "http://127.0.0.1:$PROM" --end "$END" \

@@ -49,9 +49,9 @@ def query_range(client: httpx.Client, prometheus: str, expr: str, start: float, 
 
 
 def legend(fmt: str, labels: dict) -> str:
-    if not fmt:
-        return "{" + ", ".join(f'{k}="{v}"' for k, v in sorted(labels.items()) if k != "__name__") + "}"
-    return _LEGEND.sub(lambda m: labels.get(m.group(1), ""), fmt)
+    """Grafana's legend format ({{label}} replaced); the label set when that leaves nothing."""
+    text = _LEGEND.sub(lambda m: labels.get(m.group(1), ""), fmt).strip()
+    return text or "{" + ", ".join(f'{k}="{v}"' for k, v in sorted(labels.items()) if k != "__name__") + "}"
 
 
 def draw(ax, panel: dict, series: list[tuple[str, list[float], list[float]]], start: float) -> None:
@@ -87,14 +87,15 @@ def draw(ax, panel: dict, series: list[tuple[str, list[float], list[float]]], st
 
 
 def render(prometheus: str, dashboard_path: Path, start: float, end: float, rate_interval: str, out: Path,
-           columns: int = 4) -> int:
+           columns: int = 4, transport: httpx.BaseTransport | None = None) -> int:
+    """Draw every timeseries panel into `out`; returns how many panels had data."""
     dashboard = json.loads(dashboard_path.read_text())
     chosen = panels(dashboard)
     rows = math.ceil(len(chosen) / columns)
     fig, axes = plt.subplots(rows, columns, figsize=(6 * columns, 3.6 * rows), squeeze=False)
     step = max(5.0, (end - start) / 240)
     drawn = 0
-    with httpx.Client(timeout=30) as client:
+    with httpx.Client(timeout=30, transport=transport) as client:
         for ax, panel in zip(axes.flat, chosen):
             series = []
             for target in panel["targets"]:
