@@ -22,7 +22,9 @@ cleanup() {
 }
 trap cleanup EXIT
 
-"$PY" -m mooncake.cli serve --port "$CONDUCTOR" --worker-port "$WORKER" "${SERVE_ARGS[@]}" >"$WORK/serve.log" 2>&1 &
+# TMPDIR: the workers' control sockets live in this run's own folder.
+TMPDIR="$WORK" "$PY" -m mooncake.cli serve --port "$CONDUCTOR" --worker-port "$WORKER" "${SERVE_ARGS[@]}" \
+    >"$WORK/serve.log" 2>&1 &
 SERVE_PID=$!
 
 # The committed scrape config, with this run's targets and absolute rule paths.
