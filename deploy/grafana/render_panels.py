@@ -113,7 +113,7 @@ def render(prometheus: str, dashboard_path: Path, start: float, end: float, rate
                  f"queries ({stamp}, {(end - start) / 60:.0f} min; Grafana itself not run)", fontsize=12)
     fig.tight_layout(rect=(0, 0, 1, 0.97))
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=80)
+    fig.savefig(out, dpi=90)
     return drawn
 
 

@@ -38,7 +38,7 @@ def test_the_dashboard_has_the_panels_the_issue_asks_for():
     dashboard = json.loads(DASHBOARD.read_text())
     titles = {panel["title"] for panel in dashboard["panels"]}
     for wanted in ("SLO attainment by class", "Goodput", "TTFT percentiles", "TBT percentiles", "Refusals by reason",
-                   "Cache hits by tier", "Pool load: running batch and queue", "Pool load: KV cache usage"):
+                   "Cache hits by tier", "Pool load: requests per instance", "Pool load: KV cache usage"):
         assert wanted in titles
     # Importable anywhere: every panel reads the datasource chosen in the dashboard's variable.
     assert [v["name"] for v in dashboard["templating"]["list"] if v["type"] == "datasource"] == ["datasource"]
