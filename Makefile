@@ -10,7 +10,7 @@ ENGINE_EXTRA := $(if $(GPU),gpu,cpu)
 PORT      ?= 8000
 ARGS      ?=
 
-.PHONY: setup serve test test-fast etcd monitoring-tools model clean help
+.PHONY: setup serve test test-fast etcd helm-tools monitoring-tools model clean help
 
 help:
 	@echo "make serve   set up, then serve SmolLM2-135M on http://127.0.0.1:$(PORT)/v1 (Ctrl-C stops)"
@@ -37,6 +37,11 @@ etcd:
 	@{ command -v etcd && command -v etcdctl; } >/dev/null 2>&1 || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq etcd-server etcd-client >/dev/null; }
 	@etcd --version | head -1
 
+# The Helm chart's tests render it with deploy/helm/render (Go + sprig, from Debian: there is no helm package).
+helm-tools:
+	@{ command -v go && test -d /usr/share/gocode/src/github.com/Masterminds/sprig && test -d /usr/share/gocode/src/sigs.k8s.io/yaml; } >/dev/null 2>&1 || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq golang-go golang-github-masterminds-sprig-dev golang-k8s-sigs-yaml-dev >/dev/null; }
+	@go version
+
 # promtool checks and unit-tests deploy/prometheus/ (tests/deploy/); the prometheus server itself
 # is what README's "Watching a running cluster" runs.
 monitoring-tools:
@@ -46,10 +51,10 @@ monitoring-tools:
 serve: setup
 	$(PY) -m mooncake.cli serve --port $(PORT) $(ARGS)
 
-test: setup etcd monitoring-tools
+test: setup etcd helm-tools monitoring-tools
 	$(PY) -m pytest -q -rs $(ARGS)
 
-test-fast: setup
+test-fast: setup helm-tools monitoring-tools
 	$(PY) -m pytest -q -m "not vllm and not etcd" $(ARGS)
 
 clean:

@@ -4,21 +4,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 import time
 from collections.abc import Awaitable
 from contextlib import asynccontextmanager
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from conductor.auth import ApiKeyGuard, check_model_access, may_use
 from conductor.config import ConductorConfig, resolve_profile
 from conductor.core.estimators import Estimators
 from conductor.core.index import PrefixIndex
 from conductor.core.profile_table import load_profile
 from conductor.core.scheduler import Scheduler
-from conductor.errors import APIError, error_body, install_error_handlers
+from conductor.errors import APIError, install_error_handlers
 from conductor.membership import follow_registry, poll_health, poll_kv_events
 from conductor.metrics import CONTENT_TYPE, ConductorMetrics, LiveState
 from conductor.relay import Relay
@@ -26,6 +26,8 @@ from conductor.routing import Router
 from conductor.schemas import ChatCompletionRequest, CompletionRequest
 from conductor.serving import CompletionService
 from conductor.workers import WorkerClient, WorkerPool
+from mooncake.auth import ClusterTokenGuard, token_headers
+from mooncake.body_limit import BodyLimitMiddleware
 from mooncake.registry import ClusterView, MemoryRegistry, RegistryConfig, ViewConfig, open_registry
 from mooncake.registry.http import registry_router
 
@@ -41,7 +43,7 @@ def create_app(config: ConductorConfig) -> FastAPI:
         pool, index = WorkerPool(), PrefixIndex()
         for url in (*config.prefill_urls, *config.decode_urls):
             pool.add(url, static=True)
-        client = WorkerClient(token_timeout_s=config.token_timeout_s)
+        client = WorkerClient(token_timeout_s=config.token_timeout_s, cluster_token=config.cluster_token)
         profile = resolve_profile(config.profile, config.dtype)
         log.info("pricing with profile table %s", profile)
         app.state.profile = profile
@@ -61,10 +63,12 @@ def create_app(config: ConductorConfig) -> FastAPI:
                                 if h.push_bandwidth.estimate_Bps},
             estimators=estimators_report(router)))
         registry = app.state.registry if config.registry_url is None else open_registry(
-            RegistryConfig(url=config.registry_url, ttl_s=config.registry_ttl_s))
+            RegistryConfig(url=config.registry_url, ttl_s=config.registry_ttl_s,
+                           etcd_credentials=config.etcd_credentials))
         view = ClusterView(ViewConfig(expire_after_s=2 * config.registry_ttl_s))
         tasks = [asyncio.create_task(poll_health(pool, client, index, config.health_interval_s)),
-                 asyncio.create_task(poll_kv_events(pool, index, config.kv_events_interval_s)),
+                 asyncio.create_task(poll_kv_events(pool, index, config.kv_events_interval_s,
+                                                         token_headers(config.cluster_token))),
                  asyncio.create_task(follow_registry(registry, view, pool, index))]
         app.state.view = view
         try:
@@ -81,35 +85,33 @@ def create_app(config: ConductorConfig) -> FastAPI:
     app.state.started = int(time.time())
     install_error_handlers(app)
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes)
+    # Added last, so they run first: an unauthenticated request is refused before its body is read.
+    app.add_middleware(ClusterTokenGuard, token=config.cluster_token)
+    app.add_middleware(ApiKeyGuard, keys=config.api_keys)
     if config.registry_url is None:
         # The embedded registry: workers on this machine register here over HTTP.
         app.state.registry = MemoryRegistry(RegistryConfig(url="memory://", ttl_s=config.registry_ttl_s))
         app.include_router(registry_router(app.state.registry))
 
-    def authorize(request: Request) -> None:
-        if config.api_key is None:
-            return
-        header = request.headers.get("authorization", "")
-        if not hmac.compare_digest(header.encode(), f"Bearer {config.api_key}".encode()):
-            raise APIError(401, "missing or wrong API key (send `Authorization: Bearer <key>`)",
-                           code="invalid_api_key")
+    @app.get("/v1/models")
+    async def models(request: Request):
+        # A key limited to some models sees only those.
+        visible = may_use(request, config.served_model_name)
+        return {"object": "list", "data": [_model_card(config, app.state.started)] if visible else []}
 
-    @app.get("/v1/models", dependencies=[Depends(authorize)])
-    async def models():
-        return {"object": "list", "data": [_model_card(config, app.state.started)]}
-
-    @app.get("/v1/models/{model_id:path}", dependencies=[Depends(authorize)])
-    async def model(model_id: str):
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str, request: Request):
+        check_model_access(request, model_id)
         if model_id != config.served_model_name:
             raise APIError(404, f"The model `{model_id}` does not exist.", param="model", code="model_not_found")
         return _model_card(config, app.state.started)
 
-    @app.post("/v1/completions", dependencies=[Depends(authorize)])
+    @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         service: CompletionService = request.app.state.service
         return await _serve(service, body, "completions", request)
 
-    @app.post("/v1/chat/completions", dependencies=[Depends(authorize)])
+    @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         service: CompletionService = request.app.state.service
         return await _serve(service, body, "chat", request)
@@ -155,9 +157,11 @@ def estimators_report(router: Router) -> dict:
 
 async def _serve(service: CompletionService, body, endpoint: str, request: Request):
     try:
-        prepared = await service.prepare(body)
+        check_model_access(request, body.model)
+        prepared = await service.prepare(body, request.headers)
     except APIError as exc:
-        service.metrics.requests.labels(endpoint=endpoint, status=str(exc.status)).inc()
+        service.metrics.requests.labels(endpoint=endpoint, status=str(exc.status),
+                                        slo_class=service.slo_policy.label(request.headers)).inc()
         raise
     serving = service.serve(prepared, endpoint)  # counts its own answer, refusals included
     if prepared.stream:
@@ -196,40 +200,3 @@ def _model_card(config: ConductorConfig, created: int) -> dict:
     return {"id": config.served_model_name, "object": "model", "created": created, "owned_by": "mooncake",
             "root": config.model_path, "parent": None, "max_model_len": config.max_model_len}
 
-
-class BodyLimitMiddleware:
-    """Refuses request bodies over `max_bytes` with 413, counting chunked bodies as they arrive."""
-
-    def __init__(self, app, max_bytes: int):
-        self.app = app
-        self.max_bytes = max_bytes
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        declared = dict(scope.get("headers") or []).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            return await _too_large(send, self.max_bytes)
-        seen = 0
-
-        async def counting_receive():
-            nonlocal seen
-            message = await receive()
-            seen += len(message.get("body", b""))
-            if seen > self.max_bytes:
-                raise _BodyTooLarge()
-            return message
-
-        try:
-            await self.app(scope, counting_receive, send)
-        except _BodyTooLarge:
-            await _too_large(send, self.max_bytes)
-
-
-class _BodyTooLarge(Exception):
-    """The request body passed the size limit while it was being read."""
-
-
-async def _too_large(send, limit: int) -> None:
-    response = JSONResponse(error_body(413, f"request body is larger than {limit} bytes"), status_code=413)
-    await response({"type": "http"}, None, send)

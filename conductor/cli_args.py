@@ -6,6 +6,7 @@ import argparse
 
 from conductor.config import DEFAULT_PROFILE, live_scheduler_config
 from conductor.core.config import Admission, Policy, SchedulerConfig
+from conductor.slo import SLOBounds, parse_range, parse_slo_class
 from mooncake import defaults
 
 
@@ -31,6 +32,30 @@ def add_scheduler_arguments(parser: argparse.ArgumentParser) -> None:
                         f"float32)")
     g.add_argument("--block-size", type=int, default=defaults.KV_BLOCK_SIZE,
                    help="KV block size in tokens; must equal the workers'")
+    g = parser.add_argument_group(
+        "priority and SLO classes",
+        "A request names a class with the header X-Mooncake-SLO-Class (else `default`: --ttft-slo, --tbt-slo, "
+        "priority 0), and may set its own priority (body `priority` or X-Mooncake-Priority; lower is more "
+        "important) and SLOs (X-Mooncake-SLO-TTFT-Ms, X-Mooncake-SLO-TBT-Ms, or body "
+        "`mooncake_slo: {\"ttft_ms\": .., \"tbt_ms\": ..}`) within the bounds below (else 400). It is admitted "
+        "by its own SLOs, less --priority-headroom of those of every more important class; metrics carry "
+        "its class (label slo_class).")
+    g.add_argument("--slo-class", action="append", default=[], metavar="NAME:TTFT_MS:TBT_MS:PRIORITY",
+                   help="define an SLO class (repeatable), e.g. interactive:2000:200:-1 or batch:30000:2000:10")
+    g.add_argument("--priority-headroom", type=float, default=defaults.PRIORITY_HEADROOM, metavar="SHARE",
+                   help="share of a more important class's TTFT and TBT SLOs, and of each decode worker's KV, that "
+                        "a less important request may not use (default: %(default)s)")
+    g.add_argument("--slo-ttft-range", default=None, metavar="MIN_MS:MAX_MS",
+                   help=f"bounds of a request's own TTFT SLO (default: {defaults.SLO_TTFT_RANGE_S[0] * 1000:g}:"
+                        f"--ttft-slo: tighter than the default class's, not looser, which would queue it ahead of "
+                        f"everyone)")
+    g.add_argument("--slo-tbt-range", default=None, metavar="MIN_MS:MAX_MS",
+                   help=f"bounds of a request's own TBT SLO (default: --tbt-slo:"
+                        f"{defaults.SLO_TBT_RANGE_S[1] * 1000:g}: looser than the default class's, not tighter, "
+                        f"which would hold back its whole decode batch)")
+    g.add_argument("--priority-range", default="%d:%d" % defaults.PRIORITY_RANGE, metavar="MIN:MAX",
+                   help="bounds of a request's own priority (default: %(default)s: none more important than "
+                        "the default class)")
 
 
 def check_scheduler_args(args: argparse.Namespace) -> list[str]:
@@ -41,9 +66,24 @@ def check_scheduler_args(args: argparse.Namespace) -> list[str]:
                 f"KV block size on vLLM-CPU), got {args.block_size}"]
     try:
         scheduler_config(args)
+        slo_bounds(args)
     except ValueError as exc:
         return [str(exc)]
     return []
+
+
+def slo_bounds(args: argparse.Namespace) -> SLOBounds:
+    """By default a request's own TTFT SLO may be tighter than the default class's and its TBT
+    SLO looser (mooncake.defaults.SLO_*_RANGE_S), whatever --ttft-slo and --tbt-slo are."""
+    ttft = ((min(defaults.SLO_TTFT_RANGE_S[0], args.ttft_slo), args.ttft_slo) if args.slo_ttft_range is None
+            else _seconds(parse_range(args.slo_ttft_range, float, "--slo-ttft-range")))
+    tbt = ((args.tbt_slo, max(defaults.SLO_TBT_RANGE_S[1], args.tbt_slo)) if args.slo_tbt_range is None
+           else _seconds(parse_range(args.slo_tbt_range, float, "--slo-tbt-range")))
+    return SLOBounds(ttft_s=ttft, tbt_s=tbt, priority=parse_range(args.priority_range, int, "--priority-range"))
+
+
+def _seconds(ms: tuple[float, float]) -> tuple[float, float]:
+    return ms[0] / 1000, ms[1] / 1000
 
 
 def scheduler_config(args: argparse.Namespace) -> SchedulerConfig:
@@ -55,4 +95,5 @@ def scheduler_config(args: argparse.Namespace) -> SchedulerConfig:
         flexible_roles=not args.no_flexible_roles and args.policy == Policy.KVCACHE_CENTRIC.value,
         # `serve` starts the workers with --chunk-size; a standalone conductor assumes their default.
         chunk_tokens=getattr(args, "chunk_size", defaults.CHUNK_SIZE),
+        slo_classes=tuple(parse_slo_class(spec) for spec in args.slo_class), priority_headroom=args.priority_headroom,
     )

@@ -5,10 +5,13 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
+from conductor.auth import ApiKey
 from conductor.core.config import SchedulerConfig
 from conductor.core.profile_table import bundled_profile_exists
+from conductor.slo import SLOBounds
 from mooncake import defaults
 from mooncake.defaults import Dtype
+from mooncake.registry.config import EtcdCredentials
 
 log = logging.getLogger(__name__)
 
@@ -66,9 +69,13 @@ class ConductorConfig:
     """Internal URLs of prefill-capable workers (embedded cluster; a registry adds more)."""
     decode_urls: tuple[str, ...] = ()
     max_model_len: int = defaults.MAX_MODEL_LEN
-    api_key: str | None = None
-    """If set, every /v1 request must carry `Authorization: Bearer <api_key>` (else 401)."""
-    max_body_bytes: int = 16 << 20
+    api_keys: tuple[ApiKey, ...] = field(default=(), repr=False)
+    """If any, every /v1 request must carry `Authorization: Bearer KEY` with one of them (else
+    401), and a key limited to some models may use only those (else 403); conductor/auth.py."""
+    cluster_token: str | None = field(default=None, repr=False)
+    """Sent to the workers' internal API and asked of every /internal/* caller (the embedded
+    registry's workers); None only in a cluster started with --insecure-no-cluster-token."""
+    max_body_bytes: int = defaults.MAX_BODY_BYTES
     """Larger request bodies are refused with 413 before they are parsed."""
     max_in_flight: int = 256
     """Requests in progress beyond this are refused with 429 and a Retry-After."""
@@ -81,6 +88,8 @@ class ConductorConfig:
     """etcd://HOST:PORT to follow an etcd cluster; None hosts the embedded registry on this
     server (workers register with --registry embedded+http://THIS_HOST:PORT)."""
     registry_ttl_s: float = defaults.REGISTRY_TTL_S
+    etcd_credentials: EtcdCredentials | None = None
+    """The etcd user to log in as when etcd's authentication is on (MOONCAKE_ETCD_USER/PASSWORD)."""
     kv_events_interval_s: float = 0.25
     """How often each worker's KV events are pulled into the global prefix index."""
     scheduler: SchedulerConfig = field(default_factory=live_scheduler_config)
@@ -91,6 +100,9 @@ class ConductorConfig:
     bundled one measured in `dtype` (resolve_profile)."""
     dtype: Dtype = defaults.DTYPE
     """The workers' dtype: chooses the bundled profile table."""
+    slo_bounds: SLOBounds = field(default_factory=SLOBounds)
+    """What a request may set itself: its priority and its TTFT and TBT SLOs (conductor/slo.py).
+    The SLO classes it may name are the scheduler's (slo_classes) and `default`."""
 
     def __post_init__(self) -> None:
         if not self.served_model_name:

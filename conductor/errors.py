@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 _TYPES = {
-    400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+    400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
     413: "request_too_large", 422: "invalid_request_error", 429: "rate_limit_exceeded",
     500: "internal_error", 502: "upstream_error", 503: "service_unavailable", 504: "timeout",
 }

@@ -21,9 +21,10 @@ from collections.abc import AsyncIterator, Callable
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from conductor.metrics import DEFAULT_SLO_CLASS, ConductorMetrics, slo_outcome
+from conductor.metrics import ConductorMetrics, slo_outcome
 from conductor.relay import RelayStats
 from conductor.routing import Route, Router
+from conductor.slo import RequestSLO
 from mooncake.protocol import GenerateChunk
 
 log = logging.getLogger(__name__)
@@ -33,11 +34,13 @@ CLIENT_GONE = "499"  # nginx's "client closed request": the client left before t
 
 class RequestLife:
     def __init__(self, request_id: str, endpoint: str, arrived: float, route: Route, router: Router,
-                 metrics: ConductorMetrics, live: dict[str, RequestLife], clock: Callable[[], float]):
+                 metrics: ConductorMetrics, live: dict[str, RequestLife], clock: Callable[[], float],
+                 slo: RequestSLO):
         self.request_id = request_id
         self.endpoint = endpoint
         self.arrived = arrived
         self.route = route
+        self.slo = slo  # its class, priority and SLOs (conductor/slo.py); slo_class labels its metrics
         self.status: str | None = None  # the HTTP status answered, once known; None: the client left
         self.first_token_at: float | None = None
         self.last_token_at: float | None = None
@@ -50,6 +53,10 @@ class RequestLife:
         self._live = live
         self._clock = clock
         live[request_id] = self  # the in-flight slot: the service's count is len(live)
+
+    @property
+    def slo_class(self) -> str:
+        return self.slo.slo_class
 
     def leave_route(self) -> None:
         """The route failed: its ledger entries and pending blocks go now, before another is
@@ -66,7 +73,7 @@ class RequestLife:
         self.first_token_at = now
         self._router.first_token(self.route, now)
         ttft = now - self.arrived
-        self._metrics.ttft.observe(ttft)
+        self._metrics.ttft.labels(slo_class=self.slo_class).observe(ttft)
         decision = self.route.decision
         if decision is not None and decision.predicted_ttft_s > 0:
             self._metrics.ttft_prediction.observe(ttft / decision.predicted_ttft_s)
@@ -77,10 +84,8 @@ class RequestLife:
         self.tokens, self.last_token_at = tokens, now
 
     def slo_targets(self) -> tuple[str, float, float]:
-        """(SLO class, TTFT SLO s, mean TBT SLO s) this request is judged by: for now every
-        request has the conductor's configured SLO, under one class."""
-        config = self._router.scheduler.config
-        return DEFAULT_SLO_CLASS, config.ttft_slo_s, config.tbt_slo_s
+        """(SLO class, TTFT SLO s, mean TBT SLO s) this request is judged by: its own."""
+        return self.slo.slo_class, self.slo.ttft_s, self.slo.tbt_s
 
     def _count_slo(self) -> None:
         slo_class, ttft_slo_s, tbt_slo_s = self.slo_targets()
@@ -105,8 +110,9 @@ class RequestLife:
                                   stats.prefill_s, stats.decode_instance, stats.decode_step_s)
         self._router.finished(self.route, now - self.first_token_at if started else None)
         if started:
-            self._metrics.e2e.observe(now - self.arrived)
-        self._metrics.requests.labels(endpoint=self.endpoint, status=self.status or CLIENT_GONE).inc()
+            self._metrics.e2e.labels(slo_class=self.slo_class).observe(now - self.arrived)
+        self._metrics.requests.labels(endpoint=self.endpoint, status=self.status or CLIENT_GONE,
+                                      slo_class=self.slo_class).inc()
         self._count_slo()
         chunks, self.chunks = self.chunks, None
         if chunks is not None:

@@ -73,8 +73,10 @@ async def poll_health(pool: WorkerPool, client: WorkerClient, index: PrefixIndex
         await asyncio.sleep(interval_s)
 
 
-async def poll_kv_events(pool: WorkerPool, index: PrefixIndex, interval_s: float) -> None:
-    async with httpx.AsyncClient(timeout=2.0) as http:
+async def poll_kv_events(pool: WorkerPool, index: PrefixIndex, interval_s: float,
+                         headers: dict[str, str] | None = None) -> None:
+    """`headers`: the cluster token's (mooncake.auth.token_headers)."""
+    async with httpx.AsyncClient(timeout=2.0, headers=headers) as http:
         while True:
             await asyncio.gather(*(_pull_events(http, h, index) for h in pool.all() if h.ready))
             await asyncio.sleep(interval_s)
@@ -87,6 +89,8 @@ async def _pull_events(http: httpx.AsyncClient, handle: WorkerHandle, index: Pre
     except (httpx.HTTPError, ValueError):
         return
     if resp.status_code != 200:
+        if resp.status_code == 401:  # its /health tells the health poll, which takes it out of routing
+            log.debug("%s refused the cluster token on /internal/kv_events", handle.name)
         return
     if page.get("block_size"):
         handle.block_size = int(page["block_size"])

@@ -16,14 +16,13 @@ from typing import Any
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
+from mooncake import defaults
+
 _LATENCY_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0)
 _TBT_S = (0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 1.0, 2.0)
 _RATIO = (0.25, 0.5, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0)
 _SCHEDULE_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)
 
-DEFAULT_SLO_CLASS = "default"
-"""The `slo_class` label of requests without a class of their own (all of them, until requests
-carry SLO classes): they are judged against the conductor's configured TTFT and TBT SLOs."""
 SLO_OUTCOMES = ("met", "missed_ttft", "missed_tbt", "failed", "refused", "cancelled")
 """How a request ended, judged against its SLO (mooncake_slo_requests_total's `outcome`):
 met: answered in full with TTFT and mean TBT within the SLO (this is goodput); missed_ttft: the
@@ -115,10 +114,12 @@ class ConductorMetrics:
         # prometheus_client appends `_total` to a counter's name: "mooncake_requests" is exposed
         # as mooncake_requests_total.
         self.registry = r = CollectorRegistry()
-        self.requests = Counter("mooncake_requests", "Requests answered, by endpoint and HTTP status.",
-                                ["endpoint", "status"], registry=r)
-        self.rejections = Counter("mooncake_rejections", "Requests refused before any work, by reason.",
-                                  ["reason"], registry=r)
+        # slo_class: the request's SLO class (conductor/slo.py): `default`, an operator's class, or
+        # `unknown` for a request refused for naming none of them.
+        self.requests = Counter("mooncake_requests", "Requests answered, by endpoint, HTTP status and SLO class.",
+                                ["endpoint", "status", "slo_class"], registry=r)
+        self.rejections = Counter("mooncake_rejections", "Requests refused before any work, by reason and SLO class.",
+                                  ["reason", "slo_class"], registry=r)
         self.routes = Counter(
             "mooncake_routes", "Requests routed, by kind: disaggregated (prefill worker, then decode worker) "
             "colocated (prefilled on the decode worker itself) or flexible (a pair that breaks a worker's role label: "
@@ -129,12 +130,13 @@ class ConductorMetrics:
         self.cached_prompt_tokens = Counter("mooncake_cached_prompt_tokens",
                                             "Prompt tokens served from a prefix cache (tokens).", registry=r)
         self.generated_tokens = Counter("mooncake_generated_tokens", "Tokens generated (tokens).", registry=r)
-        self.ttft = Histogram("mooncake_time_to_first_token_seconds", "Arrival to first token (seconds).",
-                              buckets=_LATENCY_S, registry=r)
+        self.ttft = Histogram("mooncake_time_to_first_token_seconds", "Arrival to first token, by SLO class "
+                              "(seconds).", ["slo_class"], buckets=_LATENCY_S, registry=r)
         self.tbt = Histogram("mooncake_time_between_tokens_seconds",
-                             "Gap between streamed token chunks (seconds).", buckets=_TBT_S, registry=r)
-        self.e2e = Histogram("mooncake_request_latency_seconds", "Arrival to last token (seconds).",
-                             buckets=_LATENCY_S, registry=r)
+                             "Gap between streamed token chunks, by SLO class (seconds).", ["slo_class"],
+                             buckets=_TBT_S, registry=r)
+        self.e2e = Histogram("mooncake_request_latency_seconds", "Arrival to last token, by SLO class (seconds).",
+                             ["slo_class"], buckets=_LATENCY_S, registry=r)
         self.ttft_prediction = Histogram(
             "mooncake_ttft_prediction_ratio", "Measured TTFT / the scheduler's predicted TTFT (ratio; above 1: "
             "the profile table is optimistic for this hardware, and SLO admission lets through requests "
@@ -150,11 +152,11 @@ class ConductorMetrics:
         self.schedule = Histogram(
             "mooncake_schedule_seconds", "Time to choose a request's route: hash its blocks, snapshot the cluster, "
             "ask the scheduling core; refusals included (seconds).", buckets=_SCHEDULE_S, registry=r)
-        # Present from the first scrape, at zero: a rate over a series that appears only with its
+        # The default class's series are present from the first scrape, at zero: a rate over a series that appears only with its
         # first event misses that event, and alerts on a ratio see no data instead of zero.
         for outcome in SLO_OUTCOMES:
-            self.slo_requests.labels(slo_class=DEFAULT_SLO_CLASS, outcome=outcome)
-        self.goodput.labels(slo_class=DEFAULT_SLO_CLASS)
+            self.slo_requests.labels(slo_class=defaults.DEFAULT_SLO_CLASS, outcome=outcome)
+        self.goodput.labels(slo_class=defaults.DEFAULT_SLO_CLASS)
 
     def count_slo(self, slo_class: str, outcome: str) -> None:
         """One request's SLO outcome (one of SLO_OUTCOMES); a met one is goodput too."""

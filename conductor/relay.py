@@ -10,9 +10,10 @@ retried on another decode-capable worker, which recomputes the prompt: slower, n
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from msgspec.structs import replace  # Sampling is a msgspec Struct
 
@@ -35,6 +36,9 @@ class RelayStats:
     computed_cached_tokens: int = 0  # prompt tokens prefill_instance did not compute
     prefill_s: float | None = None  # prefill_instance's time for the prompt (None: not measured)
     decode_step_s: float | None = None  # decode_instance's mean step (None: fewer than 2 tokens there)
+    # n > 1: the prompt tokens each further sample found cached on the decode worker (its prefix
+    # cache holds the KV the first sample loaded), in the order they started.
+    sibling_cached_tokens: list[int] = field(default_factory=list)
 
 
 class Relay:
@@ -55,9 +59,9 @@ class Relay:
             return
 
         push = PushParams(transfer_id=request_id, dest=route.decode.kv_address, num_tokens=len(prompt))
-        first_sampling = replace(sampling, max_tokens=1, min_tokens=min(sampling.min_tokens, 1))
-        first: list[int] = []
-        finish: str | None = None
+        first_sampling = replace(sampling, max_tokens=1, min_tokens=min(sampling.min_tokens, 1),
+                                 structured=None)  # with a grammar, P's token is not used (below)
+        first = GenerateChunk([])
         async for chunk in self._client.generate(
             route.prefill, GenerateRequest(f"{request_id}-p", prompt, first_sampling, push.to_params())
         ):
@@ -65,18 +69,85 @@ class Relay:
                 stats.prefill_cached_tokens = stats.computed_cached_tokens = chunk.num_cached_tokens
             if chunk.prefill_s is not None:
                 stats.prefill_s = chunk.prefill_s
-            first += chunk.token_ids
-            finish = chunk.finish_reason or finish
-        if finish == "stop" or sampling.max_tokens <= len(first):
-            await self._client.drop_transfer(route.decode, request_id)
-            yield GenerateChunk(first, finish_reason=finish or "length")
-            return
-        yield GenerateChunk(first)
-
-        rest = replace(sampling, max_tokens=sampling.max_tokens - len(first),
-                       min_tokens=max(0, sampling.min_tokens - len(first)))
+            first = joined(first, chunk)
         pull = PullParams(transfer_id=request_id, num_tokens=len(prompt), wait_timeout_s=self._kv_wait_timeout_s)
-        async for chunk in self._whole(route.decode, request_id, prompt + first, rest, stats, pull):
+        rest = replace(sampling, prompt_logprobs=None)  # the prompt's came from the prefill worker
+        if sampling.structured is not None:
+            # A grammar's state cannot cross workers: P's token is dropped and D, which loads the
+            # whole prompt's KV (it recomputes only the last prompt token), samples from the start.
+            chunks = self._whole(route.decode, request_id, prompt, rest, stats, pull)
+            async for chunk in chunks:
+                if first.prompt_logprobs:
+                    chunk, first = replace(chunk, prompt_logprobs=first.prompt_logprobs), GenerateChunk([])
+                yield chunk
+            return
+        tokens, finish = first.token_ids, first.finish_reason
+        if finish == "stop" or sampling.max_tokens <= len(tokens):
+            await self._client.drop_transfer(route.decode, request_id)
+            yield replace(first, finish_reason=finish or "length")
+            return
+        yield replace(first, finish_reason=None)
+
+        rest = replace(rest, max_tokens=sampling.max_tokens - len(tokens),
+                       min_tokens=max(0, sampling.min_tokens - len(tokens)))
+        async for chunk in self._whole(route.decode, request_id, prompt + tokens, rest, stats, pull):
+            yield chunk
+
+    async def samples(self, request_id: str, prompt: list[int], sampling: Sampling, route: Route,
+                      stats: RelayStats, n: int) -> AsyncIterator[tuple[int, GenerateChunk]]:
+        """`n` samples of one prompt, as (sample index, chunk). The prompt is prefilled once:
+        sample 0 runs as `run` does (its KV pushed to the decode worker); samples 1..n-1 start on
+        the decode worker once sample 0 is decoding there, so they find the prompt in its prefix
+        cache and compute only its last, partial block. Closing this iterator aborts them all."""
+        primary = self.run(request_id, prompt, sampling, route, stats)
+        queue: asyncio.Queue = asyncio.Queue()
+        decoding = asyncio.Event()  # sample 0's KV is in the decode worker's cache (or it ended)
+
+        async def pump(index: int, chunks: AsyncIterator[GenerateChunk]) -> None:
+            try:
+                async for chunk in chunks:
+                    await queue.put((index, chunk))
+                    if index == 0 and (stats.decode_cached_tokens is not None or route.colocated):
+                        decoding.set()
+                await queue.put((index, None))
+            except Exception as exc:  # noqa: BLE001 - handed to the reader, which raises it
+                await queue.put((index, exc))
+            finally:
+                if index == 0:
+                    decoding.set()
+                await chunks.aclose()
+
+        async def siblings() -> None:
+            await decoding.wait()
+            for i in range(1, n):
+                seed = None if sampling.seed is None else sampling.seed + i  # vLLM's rule for n > 1
+                own = replace(sampling, seed=seed, prompt_logprobs=None)
+                sibling_stats = RelayStats()
+                chunks = self._sibling(route.decode, f"{request_id}-s{i}", prompt, own, sibling_stats, stats)
+                tasks.append(asyncio.create_task(pump(i, chunks)))
+
+        tasks = [asyncio.create_task(pump(0, primary))]
+        tasks.append(asyncio.create_task(siblings()))
+        try:
+            running = n
+            while running:
+                index, item = await queue.get()
+                if item is None:
+                    running -= 1
+                elif isinstance(item, Exception):
+                    raise item
+                else:
+                    yield index, item
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _sibling(self, worker: WorkerHandle, request_id: str, prompt: list[int], sampling: Sampling,
+                       own: RelayStats, stats: RelayStats) -> AsyncIterator[GenerateChunk]:
+        async for chunk in self._whole(worker, request_id, prompt, sampling, own, None):
+            if chunk.num_cached_tokens is not None:
+                stats.sibling_cached_tokens.append(chunk.num_cached_tokens)
             yield chunk
 
     async def _whole(self, worker: WorkerHandle, request_id: str, prompt: list[int], sampling: Sampling,
@@ -107,3 +178,21 @@ class Relay:
                 log.warning("%s failed before its first token (%s); retrying on %s", worker.name, exc, fallback.name)
                 worker, pull, stats.retried = fallback, None, True
                 stats.decode_instance = worker.name
+
+
+async def sample_zero(chunks: AsyncIterator[GenerateChunk]) -> AsyncIterator[tuple[int, GenerateChunk]]:
+    """One sample's chunks in the shape of Relay.samples (n = 1: no fan-out to pay for)."""
+    try:
+        async for chunk in chunks:
+            yield 0, chunk
+    finally:
+        await chunks.aclose()
+
+
+def joined(a: GenerateChunk, b: GenerateChunk) -> GenerateChunk:
+    """Two consecutive chunks of one worker stream as one (tokens and logprobs concatenated)."""
+    def cat(x, y):
+        return y if x is None else x if y is None else x + y
+    return replace(b, token_ids=a.token_ids + b.token_ids, logprobs=cat(a.logprobs, b.logprobs),
+                   prompt_logprobs=cat(a.prompt_logprobs, b.prompt_logprobs),
+                   num_cached_tokens=a.num_cached_tokens if b.num_cached_tokens is None else b.num_cached_tokens)

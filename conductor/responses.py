@@ -26,33 +26,44 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
             "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
-def full_response(meta: ResponseMeta, text: str, finish_reason: str, usage_body: dict) -> dict:
+def choice(meta: ResponseMeta, index: int, text: str, finish_reason: str, logprobs: dict | None = None,
+           prompt_logprobs: list | None = None) -> dict:
+    """One choice of a whole (non-streamed) answer. `prompt_logprobs` (vLLM's extension) sits on
+    each completion choice; on chat it is a field of the response (full_response)."""
     if meta.chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                  "logprobs": None, "finish_reason": finish_reason}
-        obj = "chat.completion"
-    else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-        obj = "text_completion"
-    return {"id": meta.id, "object": obj, "created": meta.created, "model": meta.model,
-            "choices": [choice], "usage": usage_body}
+        return {"index": index, "message": {"role": "assistant", "content": text},
+                "logprobs": logprobs, "finish_reason": finish_reason}
+    body = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+    if prompt_logprobs is not None:
+        body["prompt_logprobs"] = prompt_logprobs
+    return body
+
+
+def full_response(meta: ResponseMeta, choices: list[dict], usage_body: dict,
+                  prompt_logprobs: list | None = None) -> dict:
+    body = {"id": meta.id, "object": "chat.completion" if meta.chat else "text_completion",
+            "created": meta.created, "model": meta.model, "choices": choices, "usage": usage_body}
+    if meta.chat and prompt_logprobs is not None:
+        body["prompt_logprobs"] = prompt_logprobs
+    return body
 
 
 def chunk(meta: ResponseMeta, text: str | None, finish_reason: str | None = None,
-          role: bool = False, usage_body: dict | None = None, no_choices: bool = False) -> str:
+          role: bool = False, usage_body: dict | None = None, no_choices: bool = False,
+          index: int = 0, logprobs: dict | None = None) -> str:
     if meta.chat:
         delta: dict = {}
         if role:
             delta["role"] = "assistant"
         if text is not None:
             delta["content"] = text
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        choice_body = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         obj = "chat.completion.chunk"
     else:
-        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        choice_body = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
         obj = "text_completion"
     body = {"id": meta.id, "object": obj, "created": meta.created, "model": meta.model,
-            "choices": [] if no_choices else [choice]}
+            "choices": [] if no_choices else [choice_body]}
     if usage_body is not None:
         body["usage"] = usage_body
     return f"data: {json.dumps(body)}\n\n"

@@ -23,6 +23,7 @@ import logging
 import math
 from dataclasses import dataclass, field
 
+from conductor.core.admission import Limits, limits_for
 from conductor.core.calibration import Calibration
 from conductor.core.index import PendingPrefixes, PrefixIndex
 from conductor.core.scheduler import Scheduler
@@ -31,6 +32,7 @@ from conductor.config import worker_block_size_error
 from conductor.errors import APIError
 from conductor.ledger import predicted_prefill_s
 from conductor.metrics import ConductorMetrics
+from conductor.slo import RequestSLO, default_class
 from conductor.workers import WorkerHandle, WorkerPool
 from mooncake.defaults import WorkerRole
 from mooncake.hashing import hash_prompt_blocks
@@ -78,7 +80,11 @@ class Router:
         return error is None
 
     def pick(self, request_id: str, prompt: list[int], max_tokens: int, now: float,
-             exclude: frozenset[str] | set[str] = frozenset(), allow_none: bool = False) -> Route | None:
+             exclude: frozenset[str] | set[str] = frozenset(), allow_none: bool = False,
+             slo: RequestSLO | None = None) -> Route | None:
+        """slo: the request's class, priority and SLOs, which the core admits it by; None, the
+        default class's."""
+        slo = slo or RequestSLO.of(default_class(self.scheduler.config))
         self.forget_departed()
         handles = {h.name: h for h in self.pool.all()
                    if h.ready and h.name not in exclude and self._compatible(h)}
@@ -89,7 +95,7 @@ class Router:
             if allow_none:
                 return None
             states = ", ".join(f"{h.http_url} {h.status}" for h in self.pool.all()) or "none configured"
-            self.metrics.rejections.labels(reason="no_instance").inc()
+            self.metrics.rejections.labels(reason="no_instance", slo_class=slo.slo_class).inc()
             what = "worker" if flexible else "decode worker"
             raise APIError(503, f"no {what} is ready (workers: {states})", code="workers_unavailable",
                            headers={"Retry-After": "5"})
@@ -97,26 +103,29 @@ class Router:
         hashes = tuple(hash_prompt_blocks(prompt, self.scheduler.config.block_size))
         state = ClusterState(instances=tuple(self._instance(h, now) for h in handles.values()), index=self.index,
                              mean_decode_s=self.mean_decode_s, pending=self.pending)
-        result = self.scheduler.schedule(Request(request_id, len(prompt), hashes, now), state, now)
+        request = Request(request_id, len(prompt), hashes, now, slo.priority, slo.ttft_s, slo.tbt_s)
+        result = self.scheduler.schedule(request, state, now)
         if isinstance(result, Rejection):
             # With no prefill worker the core prefills on a decode worker (a colocated cluster),
             # under the same SLOs and admission, so every refusal here is a real one.
             if allow_none:
                 return None
-            self.metrics.rejections.labels(reason=str(result.reason)).inc()
-            log.info("rejected %s (%d prompt tokens): %s, retry after %.1f s", request_id, len(prompt),
-                     result.reason, result.retry_after_s)
-            raise APIError(429, _rejection_message(result), code=str(result.reason),
+            self.metrics.rejections.labels(reason=str(result.reason), slo_class=slo.slo_class).inc()
+            log.info("rejected %s (%d prompt tokens, class %s): %s, retry after %.1f s", request_id, len(prompt),
+                     slo.slo_class, result.reason, result.retry_after_s)
+            limits = limits_for(request, self.scheduler.config)
+            raise APIError(429, _rejection_message(result, limits, slo), code=str(result.reason),
                            headers={"Retry-After": str(max(1, math.ceil(result.retry_after_s)))})
         route = Route(handles[result.prefill_instance], handles[result.decode_instance], request_id, result,
                       blocks=hashes)
-        return self._commit(route, prompt, max_tokens, now, result.cached_prefix_tokens)
+        return self._commit(route, prompt, max_tokens, now, result.cached_prefix_tokens, slo.tbt_s)
 
-    def _commit(self, route: Route, prompt: list[int], max_tokens: int, now: float, cached: int) -> Route:
+    def _commit(self, route: Route, prompt: list[int], max_tokens: int, now: float, cached: int,
+                tbt_slo_s: float) -> Route:
         route.kv_tokens = len(prompt) + max_tokens
         seconds = predicted_prefill_s(self.scheduler.estimators, len(prompt), cached,
                                       self.calibration.scales(route.prefill.name)[0])
-        route.decode.ledger.assign(route.request_id, route.prefill.ledger, seconds, now, route.kv_tokens)
+        route.decode.ledger.assign(route.request_id, route.prefill.ledger, seconds, now, route.kv_tokens, tbt_slo_s)
         self.pending.add(route.prefill.name, route.blocks)
         self.metrics.routes.labels(kind=_route_kind(route)).inc()
         return route
@@ -175,15 +184,18 @@ def _route_kind(route: Route) -> str:
     return "disaggregated"
 
 
-def _rejection_message(r: Rejection) -> str:
+def _rejection_message(r: Rejection, limits: Limits, slo: RequestSLO) -> str:
+    # The limits are the request's SLOs, less the headroom kept for more important classes.
     parts = {
-        RejectReason.TTFT_SLO: "no instance can produce the first token within the TTFT SLO",
-        RejectReason.TBT_SLO: "no decode instance can take this request within the TBT SLO",
+        RejectReason.TTFT_SLO: f"no instance can produce the first token within {limits.ttft_s:.2f} s",
+        RejectReason.TBT_SLO: f"no decode instance can take this request within a TBT of {limits.tbt_s * 1000:.0f} ms "
+                              f"(nor of its running requests' own TBT SLOs)",
         RejectReason.NO_CAPACITY: "no decode instance has KV cache room for this request",
     }
     text = parts.get(r.reason, str(r.reason))
     if r.predicted_ttft_s is not None:
         text += f" (predicted TTFT {r.predicted_ttft_s:.2f} s)"
+    text += f" [SLO class {slo.slo_class}, priority {slo.priority}]"
     if not r.retry_can_help:
         return (f"{text}; this request misses the SLO even on an idle cluster, so retrying will not help "
                 f"(shorten the prompt or max_tokens)")

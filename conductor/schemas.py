@@ -2,56 +2,75 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import json
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from mooncake.defaults import MAX_LOGPROBS, MAX_SAMPLES
+
+# The structured-output kinds (mooncake/protocol.py Sampling.structured), by their request names.
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: usage so far on every chunk too
+
+
+class MooncakeSLO(BaseModel):
+    """This request's own SLOs (conductor/slo.py), within the server's bounds."""
+    model_config = ConfigDict(extra="forbid")
+
+    ttft_ms: float | None = Field(None, gt=0.0, allow_inf_nan=False)
+    tbt_ms: float | None = Field(None, gt=0.0, allow_inf_nan=False)
 
 
 class _SamplingFields(BaseModel):
     # Unknown fields are kept aside and ignored (logged by the server), as vLLM's server does, so
     # that clients sending newer or vendor-specific fields keep working. Known fields that would
     # change the output and are not implemented are refused instead (unsupported_option).
-    model_config = ConfigDict(extra="allow")
+    # allow_inf_nan: Python's JSON parser takes Infinity and NaN, which no engine parameter may be.
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     model: str
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    n: int = 1
+    n: int = Field(1, ge=1, le=MAX_SAMPLES)
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)  # the engine's seeds are 64-bit
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    logprobs: Any = None
     user: str | None = None
     # vLLM extensions that operators rely on.
-    top_k: int | None = None
-    min_p: float | None = None
+    # The engine's own limits (vLLM SamplingParams): refused here with a 400, not by a worker.
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
     min_tokens: int = Field(0, ge=0)
     repetition_penalty: float | None = Field(None, gt=0.0)
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     logit_bias: dict[str, float] | None = None
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs, and vLLM's older
+    # guided_* names for the same constraints.
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    priority: int | None = None  # lower is more important; the SLO class's when None (conductor/slo.py)
+    mooncake_slo: MooncakeSLO | None = None
     # Known options this server does not implement. They are named here so that a request
     # using one is refused (see unsupported_option), not silently served without it.
     best_of: int | None = None
-    top_logprobs: int | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
     functions: list[Any] | None = None
     function_call: Any = None
-    response_format: dict[str, Any] | None = None
-    prompt_logprobs: int | None = None
-    guided_json: Any = None
-    guided_regex: str | None = None
-    guided_choice: list[Any] | None = None
-    guided_grammar: str | None = None
-    structured_outputs: Any = None
 
     @field_validator("stop")
     @classmethod
@@ -80,23 +99,64 @@ class _SamplingFields(BaseModel):
         """(field, message) of the first option set in this request that the server would
         otherwise ignore; None when there is none."""
         not_off = (None, False, 0, "none")
-        logprobs, tools = "logprobs are not supported by this server yet", "tool calling is not supported by this server"
+        tools = "tool calling is not supported by this server"
         checks = (
-            ("n", self.n != 1, "only n=1 is supported"),
-            ("best_of", self.best_of not in (None, 1), "only best_of=1 is supported"),
-            ("logprobs", self.logprobs not in not_off, logprobs),
-            ("top_logprobs", self.top_logprobs not in not_off, logprobs),
-            ("prompt_logprobs", self.prompt_logprobs not in not_off, logprobs),
+            ("best_of", self.best_of not in (None, 1), "best_of is not supported; use n for several samples"),
+            ("prompt_logprobs", bool(self.prompt_logprobs) and self.stream,
+             "prompt_logprobs are not available when stream=True"),
             ("tools", bool(self.tools), tools),
             ("functions", bool(self.functions), tools),
             ("tool_choice", self.tool_choice not in not_off, tools),
             ("function_call", self.function_call not in not_off, tools),
-            ("response_format", bool(self.response_format) and self.response_format.get("type") != "text",
-             'only response_format {"type": "text"} is supported'),
-            *((name, getattr(self, name) is not None, f"`{name}` (guided decoding) is not supported by this server")
-              for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")),
+            *self._own_unsupported(),
         )
         return next(((name, message) for name, used, message in checks if used), None)
+
+    def _own_unsupported(self) -> tuple[tuple[str, bool, str], ...]:
+        return ()
+
+    def structured(self) -> tuple[str, str] | None:
+        """The structured-output constraint (kind, spec) this request asks for, or None.
+        Raises ValueError (naming the field first) for a malformed or doubled one."""
+        found: list[tuple[str, str, Any]] = []  # (field, kind, value)
+        rf = self.response_format
+        if rf is not None:
+            kind = rf.get("type")
+            if kind == "json_object":
+                found.append(("response_format", "json_object", True))
+            elif kind == "json_schema":
+                schema = (rf.get("json_schema") or {}).get("schema")
+                if not isinstance(schema, dict):
+                    raise ValueError("response_format: json_schema.schema must be a JSON schema object")
+                found.append(("response_format", "json", schema))
+            elif kind != "text":
+                raise ValueError(f"response_format: type must be text, json_object or json_schema, got {kind!r}")
+        for kind in STRUCTURED_KINDS[:4]:
+            value = getattr(self, f"guided_{kind}")
+            if value is not None:
+                found.append((f"guided_{kind}", kind, value))
+        for kind, value in (self.structured_outputs or {}).items():
+            if kind not in STRUCTURED_KINDS:
+                raise ValueError(f"structured_outputs: {kind!r} is not supported (use one of {', '.join(STRUCTURED_KINDS)})")
+            if value not in (None, False):
+                found.append(("structured_outputs", kind, value))
+        if not found:
+            return None
+        if len(found) > 1:
+            raise ValueError(f"{found[1][0]}: only one structured-output constraint may be given")
+        field_name, kind, value = found[0]
+        if kind == "json_object":
+            return kind, ""
+        if kind == "json" and isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError as exc:
+                raise ValueError(f"{field_name}: the JSON schema is not valid JSON: {exc}") from None
+        if kind == "choice" and not (isinstance(value, list) and value and all(isinstance(v, str) for v in value)):
+            raise ValueError(f"{field_name}: choice must be a non-empty list of strings")
+        if kind in ("regex", "grammar") and not isinstance(value, str):
+            raise ValueError(f"{field_name}: {kind} must be a string")
+        return kind, value if isinstance(value, str) else json.dumps(value)
 
     def stop_strings(self) -> list[str]:
         return list(self.stop or [])  # type: ignore[arg-type]
@@ -107,6 +167,22 @@ class CompletionRequest(_SamplingFields):
     max_tokens: int | None = Field(16, ge=1)
     echo: bool = False
     suffix: str | None = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # top logprobs per token
+    top_logprobs: int | None = None  # chat's name; refused here
+
+    def _own_unsupported(self) -> tuple[tuple[str, bool, str], ...]:
+        return (("suffix", bool(self.suffix), "suffix (insertion) is not supported by this server"),
+                ("top_logprobs", self.top_logprobs is not None,
+                 "top_logprobs is a chat parameter; /v1/completions takes logprobs=N"))
+
+    def logprobs_top(self) -> int | None:
+        return self.logprobs
+
+    def prompt_logprobs_top(self) -> int | None:
+        # As vLLM: echoing the prompt with logprobs asks for the prompt's logprobs too.
+        if self.prompt_logprobs is None and self.echo:
+            return self.logprobs
+        return self.prompt_logprobs
 
 
 class ChatMessage(BaseModel):
@@ -130,3 +206,15 @@ class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False  # vLLM's extension (prepend the last message); not implemented
+
+    def _own_unsupported(self) -> tuple[tuple[str, bool, str], ...]:
+        return (("echo", self.echo, "echo is not supported on /v1/chat/completions by this server"),)
+
+    def logprobs_top(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def prompt_logprobs_top(self) -> int | None:
+        return self.prompt_logprobs

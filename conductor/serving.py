@@ -10,20 +10,22 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 
 from fastapi.responses import JSONResponse
 
 from conductor import responses
+from conductor.choices import Choice, ChoiceEvent, Echo, LogprobsWanted
 from conductor.config import ConductorConfig
 from conductor.errors import APIError, sse_error
 from conductor.lifecycle import LifeStreamingResponse, RequestLife
-from conductor.metrics import DEFAULT_SLO_CLASS, ConductorMetrics
-from conductor.relay import Relay, RelayStats
+from conductor.metrics import ConductorMetrics
+from conductor.relay import Relay, RelayStats, sample_zero
 from conductor.routing import Router
 from conductor.schemas import ChatCompletionRequest, CompletionRequest
-from conductor.textstream import IncrementalDetokenizer, StopStringMatcher
+from conductor.logprobs import TokenText, prompt_logprobs_body
+from conductor.slo import RequestSLO, SLOError, SLOPolicy
 from conductor.workers import WorkerError
 from mooncake.protocol import GenerateChunk, Sampling
 
@@ -40,6 +42,12 @@ class Prepared:
     stream: bool
     include_usage: bool
     arrived: float
+    slo: RequestSLO
+    continuous_usage: bool = False
+    n: int = 1
+    logprobs: LogprobsWanted | None = None
+    echo: Echo | None = None
+    prompt_logprobs: bool = False  # answer with vLLM's prompt_logprobs field
 
 
 class CompletionService:
@@ -51,16 +59,26 @@ class CompletionService:
         self.relay = relay
         self.metrics = metrics
         self.clock = clock
+        self.token_text = TokenText(tokenizer)
         self.live: dict[str, RequestLife] = {}  # admitted and not released, by request id
+        self.slo_policy = SLOPolicy.of(router.scheduler.config, config.slo_bounds)  # the classes the core admits by
 
     # -- validation -----------------------------------------------------------------------------
 
-    async def prepare(self, body: CompletionRequest | ChatCompletionRequest) -> Prepared:
+    async def prepare(self, body: CompletionRequest | ChatCompletionRequest,
+                      headers: Mapping[str, str] | None = None) -> Prepared:
+        """headers: the HTTP request's (its SLO class, priority and SLOs: conductor/slo.py)."""
         arrived = self.clock()
         chat = isinstance(body, ChatCompletionRequest)
         if body.model != self.config.served_model_name:
             raise APIError(404, f"The model `{body.model}` does not exist. This server serves "
                                 f"`{self.config.served_model_name}`.", param="model", code="model_not_found")
+        own = body.mooncake_slo
+        try:
+            slo = self.slo_policy.resolve(headers or {}, body.priority, own.ttft_ms if own else None,
+                                          own.tbt_ms if own else None)
+        except SLOError as exc:
+            raise APIError(400, str(exc), param=exc.param, code=exc.code) from None
         unknown = body.unknown_fields()
         if unknown:
             log.warning("ignoring unknown request fields: %s", ", ".join(unknown))
@@ -68,8 +86,14 @@ class CompletionService:
         if unsupported is not None:
             field_name, message = unsupported
             raise APIError(400, message, param=field_name, code="unsupported_option")
-        if not chat and (body.echo or body.suffix):
-            raise APIError(400, "echo and suffix are not supported", param="echo" if body.echo else "suffix")
+        if chat and body.top_logprobs and not body.logprobs:
+            raise APIError(400, "when using top_logprobs, logprobs must be set to true", param="top_logprobs",
+                           code="invalid_value")
+        try:
+            structured = body.structured()
+        except ValueError as exc:
+            field_name = str(exc).split(":", 1)[0]
+            raise APIError(400, str(exc), param=field_name, code="invalid_value") from exc
         prompt = await asyncio.to_thread(self._tokenize, body)
         if not prompt:
             raise APIError(400, "the prompt is empty", param="prompt")
@@ -79,6 +103,8 @@ class CompletionService:
         logit_bias = tuple(sorted((int(k), float(v)) for k, v in (body.logit_bias or {}).items()))
         if any(not 0 <= t < vocab for t, _ in logit_bias):
             raise APIError(400, f"logit_bias token ids must be in [0, {vocab})", param="logit_bias")
+        if any(t >= vocab for t in body.stop_token_ids or ()):
+            raise APIError(400, f"stop_token_ids must be in [0, {vocab})", param="stop_token_ids")
         limit = self.config.max_model_len
         max_tokens = (body.max_completion_tokens or body.max_tokens) if chat else body.max_tokens
         if len(prompt) >= limit:
@@ -100,13 +126,24 @@ class CompletionService:
             presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
             repetition_penalty=body.repetition_penalty or 1.0,
             stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos,
-            logit_bias=logit_bias,
+            logit_bias=logit_bias, logprobs=body.logprobs_top(), prompt_logprobs=body.prompt_logprobs_top(),
+            structured=structured,
         )
         request_id = uuid.uuid4().hex
+        wanted = None if sampling.logprobs is None else LogprobsWanted(chat, sampling.logprobs, self.token_text)
+        echo = None
+        if not chat and body.echo:
+            text = body.prompt if isinstance(body.prompt, str) else \
+                body.prompt[0] if isinstance(body.prompt, list) and body.prompt and isinstance(body.prompt[0], str) \
+                else await asyncio.to_thread(self.tokenizer.decode, prompt)
+            echo = Echo(text, prompt)
         return Prepared(
             request_id=request_id, prompt=prompt, sampling=sampling, stops=body.stop_strings(),
             meta=responses.ResponseMeta.new(request_id, body.model, chat), stream=body.stream,
             include_usage=bool(body.stream_options and body.stream_options.include_usage), arrived=arrived,
+            slo=slo,
+            continuous_usage=bool(body.stream_options and body.stream_options.continuous_usage_stats),
+            n=body.n, logprobs=wanted, echo=echo, prompt_logprobs=body.prompt_logprobs is not None,
         )
 
     def _tokenize(self, body: CompletionRequest | ChatCompletionRequest) -> list[int]:
@@ -144,18 +181,19 @@ class CompletionService:
         """Route the request and take its slot; refusals (429, 503) are counted and raised."""
         try:
             if self.in_flight >= self.config.max_in_flight:
-                self.metrics.rejections.labels(reason="max_in_flight").inc()
+                self.metrics.rejections.labels(reason="max_in_flight", slo_class=req.slo.slo_class).inc()
                 raise APIError(429, f"{self.in_flight} requests are in progress (limit "
                                     f"{self.config.max_in_flight}); retry shortly",
                                code="overloaded", headers={"Retry-After": "1"})
             with self.metrics.schedule.time():
-                route = self.router.pick(req.request_id, req.prompt, req.sampling.max_tokens, self.clock())
+                route = self.router.pick(req.request_id, req.prompt, req.sampling.max_tokens, self.clock(),
+                                         slo=req.slo)
         except APIError as exc:
-            self.metrics.requests.labels(endpoint=endpoint, status=str(exc.status)).inc()
-            self.metrics.count_slo(DEFAULT_SLO_CLASS, "refused")  # 429 or 503: refused before any work
+            self.metrics.requests.labels(endpoint=endpoint, status=str(exc.status), slo_class=req.slo.slo_class).inc()
+            self.metrics.count_slo(req.slo.slo_class, "refused")  # 429 or 503: refused before any work
             raise
         return RequestLife(req.request_id, endpoint, req.arrived, route, self.router, self.metrics, self.live,
-                           self.clock)
+                           self.clock, req.slo)
 
     async def serve(self, req: Prepared, endpoint: str):
         life = self.admit(req, endpoint)
@@ -168,28 +206,34 @@ class CompletionService:
             self.metrics.prompt_tokens.inc(len(req.prompt))
             self.metrics.cached_prompt_tokens.inc(stats.prefill_cached_tokens)
             headers = {"x-mooncake-prefill": route.prefill.name, "x-mooncake-decode": route.decode.name,
-                       "x-mooncake-cached-tokens": str(stats.prefill_cached_tokens)}
+                       "x-mooncake-cached-tokens": str(stats.prefill_cached_tokens),
+                       "x-mooncake-slo-class": req.slo.slo_class}
             if route.decision is not None:
                 headers["x-mooncake-predicted-ttft-ms"] = str(round(route.decision.predicted_ttft_s * 1000))
-            events = self._events(req, life, first, first_at)
+            choices = [Choice(i, self.tokenizer, req.stops, req.logprobs, req.echo) for i in range(req.n)]
+            prompt_positions: list = []
+            events = self._events(req, life, first, first_at, choices, prompt_positions)
             if req.stream:
-                response = LifeStreamingResponse(self._sse(req, life, events, stats), life,
+                response = LifeStreamingResponse(self._sse(req, life, events, stats, choices), life,
                                                  media_type="text/event-stream", headers=headers)
                 handed_on = True  # the response releases the life when it ends, however it ends
                 return response
             try:
-                text, finish, n_tokens = "", "length", 0
-                async for piece, finish_reason, count in events:
-                    text += piece
-                    finish = finish_reason or finish
-                    n_tokens = count
+                async for _ in events:
+                    pass
             except WorkerError as exc:
                 raise APIError(502, f"a worker failed mid-request: {exc}") from exc
             headers["x-mooncake-decode-instance"] = stats.decode_instance
             headers["x-mooncake-decode-cached-tokens"] = str(stats.decode_cached_tokens or 0)
-            usage = responses.usage(len(req.prompt), n_tokens, stats.prefill_cached_tokens)
+            if stats.sibling_cached_tokens:
+                headers["x-mooncake-sibling-cached-tokens"] = ",".join(map(str, stats.sibling_cached_tokens))
+            usage = responses.usage(len(req.prompt), sum(c.count for c in choices), stats.prefill_cached_tokens)
+            prompt_lp = prompt_logprobs_body(prompt_positions, self.token_text) if req.prompt_logprobs else None
+            body = responses.full_response(
+                req.meta, [responses.choice(req.meta, c.index, c.text, c.finish, c.logprobs, prompt_lp)
+                           for c in choices], usage, prompt_lp)
             life.status = "200"
-            return JSONResponse(responses.full_response(req.meta, text, finish, usage), headers=headers)
+            return JSONResponse(body, headers=headers)
         except APIError as exc:
             life.status = str(exc.status)
             raise
@@ -200,13 +244,16 @@ class CompletionService:
             if not handed_on:
                 await life.release()
 
-    async def _start(self, req: Prepared, life: RequestLife, stats: RelayStats) -> GenerateChunk:
+    async def _start(self, req: Prepared, life: RequestLife, stats: RelayStats) -> tuple[int, GenerateChunk]:
         """Run until the first token, so a failure before it is still an honest HTTP error.
         A prefill that fails is retried once per other instance, moving the life to the new route."""
         tried: set[str] = set()
         while True:
             route = life.route
-            life.chunks = self.relay.run(req.request_id, req.prompt, req.sampling, route, stats)
+            if req.n == 1:
+                life.chunks = sample_zero(self.relay.run(req.request_id, req.prompt, req.sampling, route, stats))
+            else:
+                life.chunks = self.relay.samples(req.request_id, req.prompt, req.sampling, route, stats, req.n)
             try:
                 return await life.chunks.__anext__()
             except WorkerError as exc:
@@ -215,7 +262,7 @@ class CompletionService:
                 tried.add(route.prefill.name)
                 life.leave_route()
                 retry = self.router.pick(req.request_id, req.prompt, req.sampling.max_tokens, self.clock(),
-                                         exclude=tried, allow_none=True)
+                                         exclude=tried, allow_none=True, slo=req.slo)
                 if retry is None:
                     raise APIError(503, f"no worker could run the prompt: {exc}", code="workers_unavailable",
                                    headers={"Retry-After": "5"}) from exc
@@ -223,50 +270,51 @@ class CompletionService:
                 self.metrics.retries.labels(stage="prefill").inc()
                 life.reroute(retry)
 
-    async def _events(self, req: Prepared, life: RequestLife, first: GenerateChunk,
-                      first_at: float) -> AsyncIterator[tuple[str, str | None, int]]:
-        """(text, finish_reason, tokens so far), with stop strings applied. Ends early on a stop;
-        the life closes the workers' stream (aborting them) when it is released."""
-        detok = IncrementalDetokenizer(self.tokenizer)
-        stopper = StopStringMatcher(req.stops)
-        count = 0
+    async def _events(self, req: Prepared, life: RequestLife, first: tuple[int, GenerateChunk], first_at: float,
+                      choices: list[Choice], prompt_positions: list) -> AsyncIterator[ChoiceEvent]:
+        """Each choice's pieces (text cut at stop strings, logprobs), as the workers' chunks come.
+        Ends when every choice has ended; the life closes the workers' streams (aborting what
+        still runs, e.g. a choice cut at a stop string) when it is released."""
         last = first_at
-        chunk: GenerateChunk | None = first
-        while chunk is not None:
-            count += len(chunk.token_ids)
+        item: tuple[int, GenerateChunk] | None = first
+        while item is not None:
+            index, chunk = item
             self.metrics.generated_tokens.inc(len(chunk.token_ids))
             now = self.clock()
-            if chunk is not first:
-                self.metrics.tbt.observe(now - last)
+            if item is not first:
+                self.metrics.tbt.labels(slo_class=req.slo.slo_class).observe(now - last)
             last = now
-            life.relayed(count, now)
-            result = stopper.push(detok.push(chunk.token_ids))
-            if result.stopped:
-                yield result.text, "stop", count
+            prompt_positions.extend(chunk.prompt_logprobs or ())
+            event = choices[index].push(chunk, prompt_positions)
+            life.relayed(max(c.count for c in choices), now)  # n > 1: the longest choice's pace
+            if event is not None:
+                yield event
+            if all(c.done for c in choices):
                 return
-            if chunk.finish_reason is not None:
-                tail = stopper.push(detok.flush())
-                yield result.text + tail.text + ("" if tail.stopped else stopper.flush()), \
-                    "stop" if tail.stopped else chunk.finish_reason, count
-                return
-            if result.text:
-                yield result.text, None, count
-            chunk = await anext(life.chunks, None)
-        yield stopper.flush(), "stop", count  # the stream ended without a finish reason
+            item = await anext(life.chunks, None)
+        for choice in choices:  # the stream ended without a finish reason
+            if not choice.done:
+                yield choice.end()
 
-    async def _sse(self, req: Prepared, life: RequestLife, events, stats: RelayStats) -> AsyncIterator[str]:
-        yield responses.chunk(req.meta, "", role=True) if req.meta.chat else ""
-        n_tokens, status = 0, "200"
+    async def _sse(self, req: Prepared, life: RequestLife, events, stats: RelayStats,
+                   choices: list[Choice]) -> AsyncIterator[str]:
+        if req.meta.chat:
+            for i in range(req.n):
+                yield responses.chunk(req.meta, "", role=True, index=i)
+        else:
+            yield ""  # the headers go out now, as the first token is known
+        status = "200"
         try:
-            async for text, finish, count in events:
-                n_tokens = count
-                if text or finish:
-                    yield responses.chunk(req.meta, text, finish_reason=finish)
+            async for event in events:
+                so_far = responses.usage(len(req.prompt), sum(c.count for c in choices),
+                                         stats.prefill_cached_tokens) if req.continuous_usage else None
+                yield responses.chunk(req.meta, event.text, finish_reason=event.finish, index=event.index,
+                                      logprobs=event.logprobs, usage_body=so_far)
         except WorkerError as exc:
             status = "502"
             yield sse_error(APIError(502, f"a worker failed mid-stream: {exc}", code="worker_failed"))
         if req.include_usage:
-            usage = responses.usage(len(req.prompt), n_tokens, stats.prefill_cached_tokens)
+            usage = responses.usage(len(req.prompt), sum(c.count for c in choices), stats.prefill_cached_tokens)
             yield responses.chunk(req.meta, None, usage_body=usage, no_choices=True)
         yield responses.DONE
         life.status = status  # every byte was handed to the server; a client gone before stays None

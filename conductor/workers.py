@@ -19,6 +19,7 @@ import msgspec
 
 from conductor.bandwidth import PushBandwidthMeter
 from conductor.ledger import Ledger
+from mooncake.auth import TOKEN_ENV, token_headers
 from mooncake.defaults import WorkerRole
 from mooncake.protocol import CHUNK_DECODER, ENCODER, HEALTH_DECODER, GenerateChunk, GenerateRequest
 
@@ -80,11 +81,13 @@ class WorkerPool:
 
 
 class WorkerClient:
-    def __init__(self, token_timeout_s: float, connect_timeout_s: float = 5.0):
+    def __init__(self, token_timeout_s: float, connect_timeout_s: float = 5.0, cluster_token: str | None = None):
         # `read` bounds the silence between two lines of a worker's answer: a stalled or
         # frozen worker becomes an error after token_timeout_s instead of a hung stream.
+        # Every call carries the cluster token: the workers' /internal/* routes refuse calls without it.
         self._http = httpx.AsyncClient(timeout=httpx.Timeout(
-            connect=connect_timeout_s, read=token_timeout_s, write=30.0, pool=connect_timeout_s))
+            connect=connect_timeout_s, read=token_timeout_s, write=30.0, pool=connect_timeout_s),
+            headers=token_headers(cluster_token))
 
     async def close(self) -> None:
         await self._http.aclose()
@@ -101,6 +104,10 @@ class WorkerClient:
             handle.ready = resp.status_code == 200
             handle.last_error = health.error
             handle.last_seen = time.monotonic()
+            if health.cluster_token_accepted is False:  # its internal API would refuse every call
+                handle.ready, handle.status = False, "unauthorized"
+                handle.last_error = (f"the worker refuses this conductor's cluster token: give both the same "
+                                     f"--cluster-token-file or {TOKEN_ENV}")
         except (httpx.HTTPError, ValueError) as exc:
             handle.ready = False
             handle.status = "unreachable"

@@ -8,6 +8,7 @@ loads, or does neither is decided per request by its kv_transfer_params.
 Settings come from `kv_connector_extra_config`:
   kv_host, kv_port            where this engine receives pushed KV (port 0 = any free port)
   control_path, control_key   the control channel to the worker shell (mooncake/control.py)
+  kv_auth_key                 hex key every KV connection must prove (absent: no handshake)
   staging_bytes               most pushed KV bytes held before the engine claims them
   staging_ttl_s               unclaimed pushes are dropped after this long
 """
@@ -59,7 +60,9 @@ class MooncakeServeConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             self._pushes, self._loads = PushPlanner(block_size), LoadPlanner(block_size)
             return
-        tcp = TcpConfig()
+        # With a cluster token, every KV connection proves a key derived from it (messenger/handshake.py).
+        auth_key = extra.get("kv_auth_key")
+        tcp = TcpConfig(auth_key=bytes.fromhex(auth_key) if auth_key else None)
         self._transport = TransportStats()  # both directions of this engine's KV traffic
         self._sender = KVSender(tcp, self._transport)
         self._receiver = KVReceiver(

@@ -13,9 +13,10 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from messenger.handshake import HandshakeError, client_handshake, server_handshake
 from messenger.stats import TransportStats
 from messenger.wire import WireError, recv_frame, send_frame
 
@@ -37,10 +38,15 @@ class TcpConfig:
     """How long to wait for a peer to accept a connection."""
     io_timeout_s: float = 60.0
     """How long one send or one reply may take before the transfer is declared failed."""
+    auth_key: bytes | None = field(default=None, repr=False)
+    """Shared key every connection must prove (messenger/handshake.py) before any frame is read;
+    a server refuses, and a client will not talk to, a peer without it. None: no handshake."""
 
     def __post_init__(self) -> None:
         if self.connect_timeout_s <= 0 or self.io_timeout_s <= 0:
             raise ValueError("TcpConfig timeouts must be positive")
+        if self.auth_key is not None and len(self.auth_key) < 16:
+            raise ValueError("TcpConfig.auth_key must be at least 16 bytes")
 
 
 def parse_address(address: str) -> tuple[str, int]:
@@ -105,6 +111,8 @@ class TcpServer:
 
     def _serve(self, conn: socket.socket, peer: Any) -> None:
         with conn:
+            if self._config.auth_key is not None and not self._authenticate(conn, peer):
+                return
             while not self._closed.is_set():
                 try:
                     header, payload, size = recv_frame(conn)
@@ -122,6 +130,18 @@ class TcpServer:
                     self.stats.moved(sent=send_frame(conn, reply))
                 except OSError:
                     return
+
+    def _authenticate(self, conn: socket.socket, peer: Any) -> bool:
+        """The handshake, bounded in time: a silent stranger cannot hold a thread."""
+        assert self._config.auth_key is not None
+        conn.settimeout(self._config.connect_timeout_s)
+        try:
+            server_handshake(conn, self._config.auth_key)
+        except (OSError, HandshakeError) as exc:  # WireError is an OSError
+            log.warning("refused a KV connection from %s: %s", peer, exc)
+            return False
+        conn.settimeout(None)  # an idle pooled connection may wait for its next frame indefinitely
+        return True
 
 
 class TcpClient:
@@ -168,6 +188,12 @@ class TcpClient:
         sock = socket.create_connection(parse_address(address), timeout=self._config.connect_timeout_s)
         sock.settimeout(self._config.io_timeout_s)
         _tune(sock)
+        if self._config.auth_key is not None:
+            try:
+                client_handshake(sock, self._config.auth_key)
+            except BaseException:
+                sock.close()
+                raise
         return sock
 
     def _drop(self, address: str) -> None:

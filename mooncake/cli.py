@@ -29,7 +29,9 @@ def _resolve_model(path: str | None) -> str:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from conductor.cli_args import scheduler_config
+    from conductor.auth import load_api_keys
+    from conductor.cli_args import scheduler_config, slo_bounds
+    from mooncake.auth import token_from_args
     from mooncake.launcher import ClusterConfig, serve
 
     model = _resolve_model(args.model)
@@ -37,7 +39,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         model_path=model, served_model_name=args.served_model_name or Path(model).name, host=args.host,
         port=args.port, num_prefill=args.prefill, num_decode=args.decode, first_worker_port=args.worker_port,
         dtype=args.dtype, max_model_len=args.max_model_len, kv_cache_gib=int(args.kv_cache_gib),
-        chunk_size=args.chunk_size, api_key=args.api_key, scheduler=scheduler_config(args), profile=args.profile,
+        chunk_size=args.chunk_size, api_keys=load_api_keys(args.api_keys_file, args.api_key),
+        cluster_token=token_from_args(args), scheduler=scheduler_config(args), profile=args.profile,
+        slo_bounds=slo_bounds(args),
     ))
 
 
@@ -50,13 +54,25 @@ def _check_serve(args: argparse.Namespace) -> list[str]:
         errors.append(f"--max-model-len must be >= 16, got {args.max_model_len}")
     if args.prefill < 0 or args.decode < 1:
         errors.append("a cluster needs --decode >= 1 and --prefill >= 0")
-    return errors
+    return errors + _auth_errors(args)
 
 
 def _check_conductor(args: argparse.Namespace) -> list[str]:
     from conductor.cli_args import check_scheduler_args
 
-    return check_scheduler_args(args)
+    return check_scheduler_args(args) + _auth_errors(args)
+
+
+def _auth_errors(args: argparse.Namespace) -> list[str]:
+    """A cluster token or API keys file that cannot be used, refused before anything starts."""
+    from conductor.auth import load_api_keys
+    from mooncake.auth import token_errors
+
+    try:
+        load_api_keys(args.api_keys_file, args.api_key)
+    except ValueError as exc:
+        return [str(exc), *token_errors(args)]
+    return token_errors(args)
 
 
 def _cmd_conductor(args: argparse.Namespace) -> int:
@@ -65,16 +81,21 @@ def _cmd_conductor(args: argparse.Namespace) -> int:
     from conductor.app import create_app
     from conductor.config import ConductorConfig
 
-    from conductor.cli_args import scheduler_config
+    from conductor.auth import load_api_keys
+    from conductor.cli_args import scheduler_config, slo_bounds
+    from mooncake.auth import token_from_args
     from mooncake.engine.cli import registry_url
+    from mooncake.registry.config import EtcdCredentials
 
     model = _resolve_model(args.model)
     config = ConductorConfig(
         model_path=model, served_model_name=args.served_model_name or Path(model).name, host=args.host,
         port=args.port, prefill_urls=tuple(args.prefill_url), decode_urls=tuple(args.decode_url),
-        max_model_len=args.max_model_len, api_key=args.api_key, kv_wait_timeout_s=args.kv_wait_timeout,
+        max_model_len=args.max_model_len, api_keys=load_api_keys(args.api_keys_file, args.api_key),
+        cluster_token=token_from_args(args), etcd_credentials=EtcdCredentials.from_env(),
+        kv_wait_timeout_s=args.kv_wait_timeout,
         registry_url=registry_url(args), registry_ttl_s=args.registry_ttl, scheduler=scheduler_config(args),
-        profile=args.profile, dtype=Dtype(args.dtype),
+        profile=args.profile, dtype=Dtype(args.dtype), slo_bounds=slo_bounds(args),
     )
     uvicorn.run(create_app(config), host=args.host, port=args.port, log_level="info",
                 log_config=uvicorn_log_config())
@@ -90,6 +111,18 @@ def _cmd_worker(module):
 def _cmd_prepare(args: argparse.Namespace) -> int:
     print(_resolve_model(None))
     return 0
+
+
+def _add_auth_arguments(parser: argparse.ArgumentParser, generated_token: bool) -> None:
+    from mooncake.auth import add_token_arguments
+
+    parser.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1 (one key, "
+                                                         "every model; see also --api-keys-file)")
+    parser.add_argument("--api-keys-file", default=None, metavar="PATH",
+                        help="API keys of /v1, one per line, each optionally followed by the comma-separated "
+                             "models it may use; MOONCAKE_API_KEYS adds comma-separated keys for every model. "
+                             "No key at all: the API is open")
+    add_token_arguments(parser, generated=generated_token)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -121,7 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--kv-cache-gib", type=float, default=defaults.KV_CACHE_GIB,
                        help="KV cache per worker (whole GiB)")
     serve.add_argument("--chunk-size", type=int, default=defaults.CHUNK_SIZE, help="prefill chunk (tokens per step)")
-    serve.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1")
+    _add_auth_arguments(serve, generated_token=True)
     add_scheduler_arguments(serve)
     serve.set_defaults(func=_cmd_serve, check=_check_serve, subparser=serve)
 
@@ -142,7 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
     cond.add_argument("--decode-url", action="append", default=[], help="a decode worker's URL (repeat)")
     cond.add_argument("--max-model-len", type=int, default=defaults.MAX_MODEL_LEN,
                       help="longest prompt+output (tokens)")
-    cond.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1")
+    _add_auth_arguments(cond, generated_token=False)
     cond.add_argument("--kv-wait-timeout", type=float, default=30.0,
                       help="seconds a decode worker waits for pushed KV before recomputing")
     cond.add_argument("--etcd", default=None,

@@ -46,6 +46,8 @@ KV_CACHE_GIB = 1
 """KV cache per worker, whole GiB (VLLM_CPU_KVCACHE_SPACE)."""
 REGISTRY_TTL_S = 5.0
 """A worker that stops refreshing its registration leaves routing after this."""
+MAX_BODY_BYTES = 16 << 20
+"""Larger HTTP request bodies are refused with 413 before they are parsed (conductor and workers)."""
 
 # --- ports ---------------------------------------------------------------------------------
 CONDUCTOR_PORT = 8000
@@ -70,6 +72,22 @@ ROLE_COST_S = 0.01 * TTFT_SLO_S
 (0.3 s at the 30 s TTFT SLO). A small fraction of the SLO: below the error of a single
 prediction (calibrated prefill predictions are off by 10-20 % of prefills of 1-3 s), so labels
 decide near-ties, while a real imbalance (a prefill queue of seconds) moves work across roles."""
+PRIORITY_HEADROOM = 0.2
+"""Share of a more important SLO class's TTFT and TBT SLOs (and of each decode worker's KV
+capacity) that a less important request may not use: the last fifth of the load the
+important class can bear is kept for it, so the less important ones are refused first."""
+DEFAULT_SLO_CLASS = "default"
+"""The SLO class of a request that names none: TTFT_SLO_S and TBT_SLO_S (or --ttft-slo and
+--tbt-slo), priority 0."""
+SLO_TTFT_RANGE_S = (0.1, TTFT_SLO_S)
+"""Bounds of a request's own TTFT SLO (X-Mooncake-SLO-TTFT-Ms): by default it may be tighter
+than the default class's, not looser (a looser one would let it queue ahead of everyone)."""
+SLO_TBT_RANGE_S = (TBT_SLO_S, 10.0)
+"""Bounds of a request's own TBT SLO (X-Mooncake-SLO-TBT-Ms): by default it may be looser than
+the default class's, not tighter (a tighter one holds back every request of its decode batch)."""
+PRIORITY_RANGE = (0, 100)
+"""Bounds of a request's own priority (body `priority`, X-Mooncake-Priority; lower is more
+important): by default none may claim more importance than the default class (0)."""
 PROFILE = "smollm2-135m-cpu"
 """Bundled profile table the live estimators are fitted from, measured in float32. A table
 measured in another dtype carries that dtype's suffix (profile_name)."""
@@ -108,3 +126,9 @@ def engine_option_errors(kv_cache_gib: float, block_size: int, chunk_size: int) 
         errors.append(f"--chunk-size must be >= {ENGINE_MAX_NUM_SEQS} (vLLM needs at least one token "
                       f"per batched sequence, max_num_seqs={ENGINE_MAX_NUM_SEQS}), got {chunk_size}")
     return errors
+
+# The most logprobs one token may ask for (OpenAI's top_logprobs bound; vLLM's default
+# max_logprobs, which the workers' engines keep: a larger request would fail inside them).
+MAX_LOGPROBS = 20
+# The most samples (`n`) one request may ask for: each is a sequence on the decode worker.
+MAX_SAMPLES = 16

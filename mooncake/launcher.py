@@ -21,7 +21,9 @@ from dataclasses import dataclass, field
 
 from conductor.config import live_scheduler_config
 from conductor.core.config import SchedulerConfig
+from conductor.slo import SLOBounds
 from mooncake import defaults
+from mooncake.auth import TOKEN_ENV, generate_token
 from mooncake.defaults import Dtype, WorkerRole, engine_option_errors
 from mooncake.logs import uvicorn_log_config
 
@@ -41,11 +43,16 @@ class ClusterConfig:
     max_model_len: int = defaults.MAX_MODEL_LEN
     kv_cache_gib: int = defaults.KV_CACHE_GIB
     chunk_size: int = defaults.CHUNK_SIZE
-    api_key: str | None = None
+    api_keys: tuple = field(default=(), repr=False)
+    """conductor.auth.ApiKey entries of the public API (none: open)."""
+    cluster_token: str | None = field(default=None, repr=False)
+    """The internal endpoints' secret; None: serve generates one and hands it to its workers."""
     scheduler: SchedulerConfig = field(default_factory=live_scheduler_config)
     """Its block_size is also every worker's, so they cannot disagree."""
     profile: str | None = None
     """None: the bundled table measured in `dtype` (conductor.config.resolve_profile)."""
+    slo_bounds: SLOBounds = field(default_factory=SLOBounds)
+    """What a request may set itself (priority, own SLOs): the conductor's (conductor/slo.py)."""
 
     def __post_init__(self) -> None:
         if self.num_prefill < 0 or self.num_decode < 1:
@@ -126,8 +133,9 @@ def fetch_health(url: str) -> dict | None:
 
 
 class Cluster:
-    def __init__(self, config: ClusterConfig):
+    def __init__(self, config: ClusterConfig, cluster_token: str):
         self.config = config
+        self.cluster_token = cluster_token
         self.workers: list[WorkerProcess] = []
 
     def start(self) -> None:
@@ -144,7 +152,9 @@ class Cluster:
                    "--block-size", str(c.scheduler.block_size),
                    # The conductor in this process hosts the embedded registry.
                    "--registry", f"embedded+http://127.0.0.1:{c.port}"]
-            proc = subprocess.Popen(cmd, start_new_session=True, preexec_fn=_die_with_parent)
+            # The token goes by the environment, never the command line (which `ps` shows).
+            proc = subprocess.Popen(cmd, start_new_session=True, preexec_fn=_die_with_parent,
+                                    env={**os.environ, TOKEN_ENV: self.cluster_token})
             self.workers.append(WorkerProcess(role, f"http://127.0.0.1:{port}", proc))
             log.info("started %s worker on port %d (cores %s, pid %d)", role, port, cores, proc.pid)
 
@@ -196,7 +206,7 @@ def serve(config: ClusterConfig) -> int:
     from conductor.config import ConductorConfig
 
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
-    cluster = Cluster(config)
+    cluster = Cluster(config, config.cluster_token or generate_token())
     cluster.start()
     stop = threading.Event()
     failure: list[str] = []
@@ -205,8 +215,8 @@ def serve(config: ClusterConfig) -> int:
             model_path=config.model_path, served_model_name=config.served_model_name, host=config.host,
             port=config.port, prefill_urls=cluster.urls(WorkerRole.PREFILL),
             decode_urls=cluster.urls(WorkerRole.DECODE), max_model_len=config.max_model_len,
-            api_key=config.api_key, scheduler=config.scheduler, profile=config.profile,
-            dtype=config.dtype,
+            api_keys=config.api_keys, cluster_token=cluster.cluster_token, scheduler=config.scheduler,
+            profile=config.profile, dtype=config.dtype, slo_bounds=config.slo_bounds,
         ))
         server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="info",
                                                timeout_graceful_shutdown=5, log_config=uvicorn_log_config()))

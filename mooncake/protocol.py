@@ -30,6 +30,18 @@ class Sampling(msgspec.Struct, frozen=True):
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs, sorted by id
+    # Top logprobs per generated token (0: only the chosen token's); None: no logprobs at all.
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None  # the same for every prompt token but the first
+    # A structured-output constraint: (kind, spec) with kind "json" (spec: a JSON schema text,
+    # "{}" for any JSON object), "regex", "choice" (spec: a JSON list) or "grammar" (EBNF).
+    structured: tuple[str, str] | None = None
+
+
+# One position's logprobs, in vLLM's order: the chosen token first, then the top-k by rank
+# (a top token equal to the chosen one is not repeated). Entries are (token id, logprob, rank),
+# logprobs clamped to -9999.0 as vLLM's server does (JSON has no -inf).
+PositionLogprobs = list[tuple[int, float, int]]
 
 
 class GenerateRequest(msgspec.Struct, frozen=True):
@@ -53,6 +65,11 @@ class GenerateChunk(msgspec.Struct, frozen=True, omit_defaults=True):
     queued_s: float | None = None  # waiting before first scheduled
     prefill_s: float | None = None  # first scheduled to first token: the prompt, all its chunks
     decode_step_s: float | None = None  # mean time per generated token after the first
+    # Only when the request asked for them (omitted otherwise: no wire cost). One entry per
+    # token in token_ids; the prompt's (None for its first token) on the line(s) where vLLM
+    # produced them, in order.
+    logprobs: list[PositionLogprobs] | None = None
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
 
 
 class AbortRequest(msgspec.Struct, frozen=True):
@@ -76,6 +93,9 @@ class WorkerHealth(msgspec.Struct, frozen=True):
     kv_address: str = ""
     status: str = "unknown"  # "starting" | "ready" | "failed"
     error: str | None = None
+    cluster_token_accepted: bool | None = None
+    """Whether the caller's X-Mooncake-Cluster-Token would open the internal API (None: the
+    worker runs without a token). /health itself is open, for probes."""
 
 
 # One encoder and one decoder per message: built once, reused for every request and line.

@@ -4,6 +4,7 @@ cluster serves every end-to-end test that can share it."""
 from __future__ import annotations
 
 import os
+import secrets
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,6 +42,11 @@ class Cluster:
     worker_urls: dict[str, str]
     proc: Proc
     early: dict = field(default_factory=dict)  # what the conductor answered before workers were ready
+    token_file: str = ""  # the cluster token: internal endpoints refuse calls without it
+
+    @property
+    def internal_headers(self) -> dict[str, str]:
+        return {"X-Mooncake-Cluster-Token": Path(self.token_file).read_text().strip()}
 
     @property
     def api(self) -> str:
@@ -51,11 +57,13 @@ class Cluster:
 def spine_cluster(model_path, log_dir) -> Cluster:
     """`mooncake serve` exactly as the README runs it: conductor + 1 prefill + 1 decode."""
     port, worker_port = free_port(), free_port_block(2)
+    token_file = log_dir / "cluster-token"
+    token_file.write_text(secrets.token_urlsafe(32))
     proc = start("serve", ["-m", "mooncake.cli", "serve", "--port", str(port), "--worker-port", str(worker_port),
-                           "--kv-cache-gib", "1"], log_dir)
+                           "--kv-cache-gib", "1", "--cluster-token-file", str(token_file)], log_dir)
     base = f"http://127.0.0.1:{port}"
     cluster = Cluster(base, {"prefill": f"http://127.0.0.1:{worker_port}",
-                             "decode": f"http://127.0.0.1:{worker_port + 1}"}, proc)
+                             "decode": f"http://127.0.0.1:{worker_port + 1}"}, proc, token_file=str(token_file))
     try:
         wait_http(proc, base + "/health", 120, want=503)  # conductor up, engines still loading
         resp = httpx.post(base + "/v1/completions", json={"model": MODEL_NAME, "prompt": "hi"}, timeout=10)
@@ -92,11 +100,14 @@ def colocated_server(model_path, log_dir):
 def disaggregated_api(spine_cluster, model_path, log_dir):
     """A second conductor in front of the spine workers that always prefills on the prefill worker
     and decodes on the decode worker (fixed roles, never colocated): for tests that need the KV
-    pushed. Shared by the session, like the cluster."""
+    pushed. Shared by the session, like the cluster. It also has an SLO class less important than
+    `default` (batch), which leaves default requests as they are (tests/e2e/test_priority.py)."""
     port = free_port()
     proc = start("conductor-always-disaggregated",
                  ["-m", "mooncake.cli", "conductor", "--port", str(port), "--model", model_path,
                   "--served-model-name", MODEL_NAME, "--no-conditional-disaggregation", "--no-flexible-roles",
+                  "--slo-class", "batch:60000:2000:5",
+                  "--cluster-token-file", spine_cluster.token_file,
                   "--prefill-url", spine_cluster.worker_urls["prefill"],
                   "--decode-url", spine_cluster.worker_urls["decode"]], log_dir)
     try:

@@ -33,8 +33,9 @@ class EtcdServer:
     """One etcd member on 127.0.0.1 (start about 0.3 s, restart about 1.3 s). etcd's default
     heartbeat/election timings: shorter ones risk losing the leader on a loaded machine."""
 
-    def __init__(self, workdir: Path, binary: str | None = None) -> None:
+    def __init__(self, workdir: Path, binary: str | None = None, extra_args: tuple[str, ...] = ()) -> None:
         self.binary = binary or find_etcd()
+        self.extra_args = extra_args
         self.workdir = Path(workdir)
         self.data_dir = self.workdir / "data"
         self.client_port, self.peer_port = free_port(), free_port()
@@ -59,7 +60,7 @@ class EtcdServer:
              "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
              "--initial-cluster", f"test={peer}", "--initial-cluster-state", "new",
              "--heartbeat-interval", "100", "--election-timeout", "1000",
-             "--logger", "zap", "--log-level", "warn"],
+             "--logger", "zap", "--log-level", "warn", *self.extra_args],
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         log.close()
         try:

@@ -50,7 +50,9 @@ def test_cli_refuses_what_the_engine_cannot_take(argv, needle, capsys):
 
 @pytest.mark.parametrize("argv", [["serve"], ["prefill"], ["decode"], ["conductor"],
                                   ["serve", "--kv-cache-gib", "2", "--block-size", "64", "--chunk-size", "128"]])
-def test_default_and_valid_options_pass_the_check(argv):
+def test_default_and_valid_options_pass_the_check(argv, monkeypatch):
+    # A multi-host process needs the cluster token (tests/spine/test_auth.py: refused without it).
+    monkeypatch.setenv("MOONCAKE_CLUSTER_TOKEN", "t" * 32)
     args = parse(*argv)
     assert args.check(args) == []
 
@@ -93,7 +95,7 @@ def test_live_defaults_have_one_source():
     for sched in (cluster.scheduler, conductor.scheduler, *from_cli):
         assert (sched.block_size, sched.ttft_slo_s, sched.tbt_slo_s, sched.default_decode_s) == (
             defaults.KV_BLOCK_SIZE, defaults.TTFT_SLO_S, defaults.TBT_SLO_S, defaults.DEFAULT_DECODE_S)
-    worker_args = parse("decode")
+    worker_args = parse("decode", "--insecure-no-cluster-token")
     worker = worker_config(worker_args, WorkerRole.DECODE, "/models/m")
     assert (worker.block_size, worker.kv_cache_gib, worker.max_num_batched_tokens, worker.dtype) == (
         defaults.KV_BLOCK_SIZE, defaults.KV_CACHE_GIB, defaults.CHUNK_SIZE, Dtype.FLOAT32)

@@ -1,6 +1,6 @@
 """The KVCache-centric scheduler core: pure, clock-explicit, I/O-free (see docs/SCHEDULER.md)."""
 
-from conductor.core.config import Admission, Policy, SchedulerConfig
+from conductor.core.config import Admission, Policy, SchedulerConfig, SLOClass
 from conductor.core.estimators import DecodeModel, Estimators, PrefillModel
 from conductor.core.index import EventKind, KVEvent, PendingPrefixes, PrefixIndex
 from conductor.core.profile_table import ProfileTable, load_profile, paper_scale_profile
@@ -11,5 +11,6 @@ from conductor.core.types import (ClusterState, Decision, DecodeSeq, InstanceSta
 __all__ = [
     "Admission", "ClusterState", "Decision", "DecodeModel", "DecodeSeq", "Estimators", "EventKind", "InstanceState",
     "KVEvent", "PendingPrefixes", "Policy", "PrefillModel", "PrefixIndex", "ProfileTable", "Rejection",
-    "RejectReason", "Request", "Role", "Scheduler", "SchedulerConfig", "load_profile", "paper_scale_profile",
+    "RejectReason", "Request", "Role", "SLOClass", "Scheduler", "SchedulerConfig", "load_profile",
+    "paper_scale_profile",
 ]

@@ -16,18 +16,70 @@ they will carry, and refuses (or not) by a gate:
                    (6.4): sequences still running at t* plus those assigned and not done by t*.
                    When the shell knows every sequence's remaining length (lengths_known), the
                    forecast is per request instead (6.4's "request-level prediction").
+
+What a gate holds a request to (limits_for) is its own: its TTFT and TBT SLOs, and, when the
+operator has SLO classes more important than it (a lower priority number), a share
+(priority_headroom) of those classes' SLOs and of each instance's KV capacity left free for
+them. So as load rises the less important requests are refused first, at a lower threshold,
+and the important ones find the room they need. A decode instance also never takes a request
+that would push its batch past the tightest TBT SLO of the sequences it already carries
+(batch_tbt_slo_s): a request with a loose TBT SLO cannot break a tight one's.
 """
 
 from __future__ import annotations
 
 import enum
+import math
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from conductor.core.config import Admission, SchedulerConfig
 from conductor.core.estimators import Estimators
-from conductor.core.types import InstanceState, RejectReason, Role
+from conductor.core.types import InstanceState, RejectReason, Request, Role
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """What admitting one request must keep (limits_for): its predicted TTFT within ttft_s, the
+    predicted TBT of the decode batch it joins within tbt_s (and within that batch's own
+    batch_tbt_slo_s), its KV within each decode instance's capacity less the share kv_headroom
+    (applied by the early and prediction gates)."""
+
+    ttft_s: float
+    tbt_s: float
+    kv_headroom: float
+
+
+def limits_for(request: Request, cfg: SchedulerConfig) -> Limits:
+    """The request's own SLOs (the config's where it has none), each also capped at
+    (1 - priority_headroom) of the tightest SLO of the classes more important than it: the
+    operator's slo_classes, and the config's own SLOs, the default class, at priority 0. Its KV
+    headroom is the gate's, plus priority_headroom of the rest when there is such a class.
+
+    Why the cap: a prefill queue is first come, first served, and a decode batch's step slows
+    every sequence in it; so a less important request admitted up to the very SLO of a more
+    important class would leave that class no room. Capped, the less important requests are
+    refused first as load rises, and a share of each limit stays for the more important ones."""
+    ttft = cfg.ttft_slo_s if request.ttft_slo_s is None else request.ttft_slo_s
+    tbt = cfg.tbt_slo_s if request.tbt_slo_s is None else request.tbt_slo_s
+    above = [(c.ttft_slo_s, c.tbt_slo_s) for c in cfg.slo_classes if c.priority < request.priority]
+    if request.priority > 0:
+        above.append((cfg.ttft_slo_s, cfg.tbt_slo_s))
+    if not above:
+        return Limits(ttft, tbt, cfg.gate_kv_headroom)
+    keep = 1.0 - cfg.priority_headroom
+    return Limits(min(ttft, keep * min(t for t, _ in above)), min(tbt, keep * min(t for _, t in above)),
+                  1.0 - (1.0 - cfg.gate_kv_headroom) * keep)
+
+
+def batch_tbt_slo_s(inst: InstanceState, cfg: SchedulerConfig) -> float:
+    """The tightest TBT SLO among the sequences running on or coming to `inst` (one without its
+    own has the config's): a step of its batch, or a request joining it, must keep it. inf when
+    it carries none."""
+    if inst.any_config_tbt_slo:
+        return min(inst.tightest_tbt_slo_s, cfg.tbt_slo_s)
+    return inst.tightest_tbt_slo_s
 
 
 class LoadView(enum.Enum):
@@ -118,50 +170,51 @@ class DecodeChoice:
 
 
 def judge_decode(inst: InstanceState, kv_need: int, view: LoadView, h: Horizon, est: Estimators,
-                 cfg: SchedulerConfig, headroom: float = 0.0) -> DecodeChoice:
-    return DecodeChoice(inst.instance_id, *_judge(inst, kv_need, view, h, est, cfg, headroom))
+                 cfg: SchedulerConfig, lim: Limits, headroom: float = 0.0) -> DecodeChoice:
+    return DecodeChoice(inst.instance_id, *_judge(inst, kv_need, view, h, est, cfg, lim, headroom))
 
 
 def _judge(inst: InstanceState, kv_need: int, view: LoadView, h: Horizon, est: Estimators,
-           cfg: SchedulerConfig, headroom: float) -> tuple[float, RejectReason | None]:
+           cfg: SchedulerConfig, lim: Limits, headroom: float) -> tuple[float, RejectReason | None]:
     batch, kv = decode_load(inst, view, h, est)
     tbt = est.tbt_s(batch + 1, kv + kv_need, inst.decode_scale)
     if kv + kv_need > inst.kv_capacity_tokens * (1.0 - headroom):
         return tbt, RejectReason.NO_CAPACITY
-    if tbt > cfg.tbt_slo_s:
+    if tbt > lim.tbt_s or tbt > batch_tbt_slo_s(inst, cfg):
         return tbt, RejectReason.TBT_SLO
     return tbt, None
 
 
 def rank_and_gate(inst: InstanceState, kv_need: int, views: tuple[LoadView, LoadView], h: Horizon,
-                  est: Estimators, cfg: SchedulerConfig) -> DecodeChoice:
+                  est: Estimators, cfg: SchedulerConfig, lim: Limits) -> DecodeChoice:
     """TBT under the rank view; problem under the gate view (with the gate's KV headroom)."""
-    return DecodeChoice(inst.instance_id, *_rank_and_gate(inst, kv_need, views, h, est, cfg))
+    return DecodeChoice(inst.instance_id, *_rank_and_gate(inst, kv_need, views, h, est, cfg, lim))
 
 
 def _rank_and_gate(inst: InstanceState, kv_need: int, views: tuple[LoadView, LoadView], h: Horizon,
-                   est: Estimators, cfg: SchedulerConfig) -> tuple[float, RejectReason | None]:
-    tbt, problem = _judge(inst, kv_need, views[0], h, est, cfg, 0.0)
+                   est: Estimators, cfg: SchedulerConfig, lim: Limits) -> tuple[float, RejectReason | None]:
+    tbt, problem = _judge(inst, kv_need, views[0], h, est, cfg, lim, 0.0)
     gating = cfg.admission in (Admission.EARLY, Admission.PREDICTION)
-    headroom = cfg.gate_kv_headroom if gating else 0.0
+    headroom = lim.kv_headroom if gating else 0.0
     if views[1] is views[0] and headroom == 0.0:
         return tbt, problem
-    return tbt, _judge(inst, kv_need, views[1], h, est, cfg, headroom)[1]
+    return tbt, _judge(inst, kv_need, views[1], h, est, cfg, lim, headroom)[1]
 
 
-def choose_decode(pool: Sequence[InstanceState], kv_need: int, views: tuple[LoadView, LoadView], h: Horizon, est: Estimators, cfg: SchedulerConfig,
+def choose_decode(pool: Sequence[InstanceState], kv_need: int, views: tuple[LoadView, LoadView], h: Horizon,
+                  est: Estimators, cfg: SchedulerConfig, lim: Limits,
                   rng: random.Random | None = None) -> DecodeChoice:
     """Among instances that pass the gate view, the one with the lowest TBT under the rank
     view; if none passes, the lowest TBT overall, carrying its problem. With rng, a uniformly
     random instance."""
     if rng is not None:
-        return rank_and_gate(rng.choice(pool), kv_need, views, h, est, cfg)
+        return rank_and_gate(rng.choice(pool), kv_need, views, h, est, cfg, lim)
     # Plain tuples in the loop, one DecodeChoice at the end: at 1,024 instances this loop is
     # half of a decision.
     best_ok: tuple[float, InstanceState] | None = None
     best_any: tuple[bool, float, InstanceState, RejectReason | None] | None = None
     for inst in pool:
-        tbt, problem = _rank_and_gate(inst, kv_need, views, h, est, cfg)
+        tbt, problem = _rank_and_gate(inst, kv_need, views, h, est, cfg, lim)
         if problem is None:
             if best_ok is None or tbt < best_ok[0]:
                 best_ok = (tbt, inst)
@@ -177,7 +230,8 @@ def choose_decode(pool: Sequence[InstanceState], kv_need: int, views: tuple[Load
 
 
 def choose_decode_flexible(pool: Sequence[InstanceState], kv_need: int, views: tuple[LoadView, LoadView], h: Horizon,
-                           est: Estimators, cfg: SchedulerConfig, exclude: str) -> tuple[DecodeChoice, float] | None:
+                           est: Estimators, cfg: SchedulerConfig, lim: Limits,
+                           exclude: str) -> tuple[DecodeChoice, float] | None:
     """Flexible roles: the decode instance for a prefill done on `exclude`, among every other
     instance, and its role cost (cfg.role_cost_s for a prefill-labelled one). Order: passes
     the gate, then (among misfits) over the TBT SLO before over KV capacity, then the lower
@@ -186,7 +240,7 @@ def choose_decode_flexible(pool: Sequence[InstanceState], kv_need: int, views: t
     for inst in pool:
         if inst.instance_id == exclude:
             continue
-        tbt, problem = _rank_and_gate(inst, kv_need, views, h, est, cfg)
+        tbt, problem = _rank_and_gate(inst, kv_need, views, h, est, cfg, lim)
         key = (problem is not None, problem is RejectReason.NO_CAPACITY,
                cfg.role_cost_s if inst.role is Role.PREFILL else 0.0, tbt)
         if best is None or key < best[0]:
@@ -197,25 +251,34 @@ def choose_decode_flexible(pool: Sequence[InstanceState], kv_need: int, views: t
     return DecodeChoice(inst.instance_id, key[3], problem), key[2]
 
 
-def decode_admits(inst: InstanceState, kv_need: int, est: Estimators, cfg: SchedulerConfig) -> RejectReason | None:
+def decode_admits(inst: InstanceState, kv_need: int, est: Estimators, cfg: SchedulerConfig,
+                  lim: Limits | None = None) -> RejectReason | None:
     """The decode instance's own check when a prefilled request's KV arrives (baseline's only
-    decode-side check, and the last line of defence under early and prediction)."""
-    return judge_decode(inst, kv_need, LoadView.REPORTED, Horizon(0.0, 0.0, 1.0), est, cfg).problem
+    decode-side check, and the last line of defence under early and prediction). lim: the
+    request's (limits_for); None, the config's SLOs."""
+    lim = lim or Limits(cfg.ttft_slo_s, cfg.tbt_slo_s, 0.0)
+    return judge_decode(inst, kv_need, LoadView.REPORTED, Horizon(0.0, 0.0, 1.0), est, cfg, lim).problem
 
 
 def decode_drain_s(pool: Sequence[InstanceState], kv_need: int, now: float, t_d: float,
-                   est: Estimators, cfg: SchedulerConfig) -> float:
-    """Seconds until some decode instance would take kv_need more tokens within the TBT SLO,
-    if sequences end t_d after they start and nothing new arrives. inf if never."""
-    best = float("inf")
+                   est: Estimators, cfg: SchedulerConfig, lim: Limits) -> float:
+    """Seconds until some decode instance would take kv_need more tokens within the request's
+    TBT limit and the tightest TBT SLO of the sequences still there, if sequences end t_d after
+    they start and nothing new arrives. inf if never."""
+    best = math.inf
     for inst in pool:
         seqs = sorted(inst.running + inst.incoming, key=lambda s: s.start_s)
+        # tightest[k]: the tightest TBT SLO among the sequences left once the first k have ended.
+        tightest = [math.inf] * (len(seqs) + 1)
+        for k in range(len(seqs) - 1, -1, -1):
+            own = seqs[k].tbt_slo_s
+            tightest[k] = min(cfg.tbt_slo_s if own is None else own, tightest[k + 1])
         batch, kv = len(seqs), sum(s.kv_tokens for s in seqs)
-        for s in [None, *seqs]:
+        for k, s in enumerate([None, *seqs]):
             if s is not None:
                 batch, kv = batch - 1, kv - s.kv_tokens
             tbt = est.tbt_s(batch + 1, kv + kv_need, inst.decode_scale)
-            if kv + kv_need <= inst.kv_capacity_tokens and tbt <= cfg.tbt_slo_s:
+            if kv + kv_need <= inst.kv_capacity_tokens and tbt <= min(lim.tbt_s, tightest[k]):
                 best = min(best, 0.0 if s is None else max(s.start_s + t_d - now, 0.0))
                 break
     return best

@@ -6,6 +6,8 @@ import enum
 import math
 from dataclasses import dataclass
 
+from mooncake.defaults import DEFAULT_SLO_CLASS, PRIORITY_HEADROOM
+
 
 # Paper-scale values (Mooncake's 512-token blocks and a 0.1 s TBT SLO for a 70B model on
 # GPUs): the defaults of this core and of the simulator, which replays paper-scale traces.
@@ -15,6 +17,27 @@ PAPER_BLOCK_SIZE = 512
 PAPER_TTFT_SLO_S = 30.0
 PAPER_TBT_SLO_S = 0.1
 PAPER_DEFAULT_DECODE_S = 20.0
+
+
+@dataclass(frozen=True, slots=True)
+class SLOClass:
+    """An operator's class of requests: its SLOs and its priority (lower is more important, as
+    vLLM's `priority`). Requests of a less important priority keep headroom free for it (see
+    SchedulerConfig.priority_headroom)."""
+
+    name: str
+    ttft_slo_s: float
+    tbt_slo_s: float
+    priority: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise ValueError("an SLO class needs a name")
+        for name in ("ttft_slo_s", "tbt_slo_s"):
+            v = getattr(self, name)
+            if not (v > 0 and math.isfinite(v)):
+                raise ValueError(f"SLO class {self.name!r}: {name} must be a positive finite number of seconds, "
+                                 f"got {v}")
 
 
 class Policy(enum.StrEnum):
@@ -79,6 +102,13 @@ class SchedulerConfig:
     it. 0 = refuse at once (the paper's behaviour). The wait shows up in that request's TBT
     (between its first and second token). Implemented by the shell (the simulator; the live
     decode worker still refuses at once)."""
+    slo_classes: tuple[SLOClass, ...] = ()
+    """The operator's SLO classes besides the default one (ttft_slo_s and tbt_slo_s at priority
+    0). A request is admitted only within (1 - priority_headroom) of the SLOs of every class
+    more important than it (a lower priority number): admission.limits_for."""
+    priority_headroom: float = PRIORITY_HEADROOM
+    """Share of a more important class's TTFT and TBT SLOs, and of each decode instance's KV
+    capacity, that a less important request leaves free (admission.limits_for)."""
     min_retry_after_s: float = 1.0
     """Floor of Retry-After (clients should not hammer)."""
     max_retry_after_s: float = 300.0
@@ -114,5 +144,11 @@ class SchedulerConfig:
             raise ValueError(f"chunk_tokens must be positive, got {self.chunk_tokens}")
         if self.colocate_max_new_tokens < 0:
             raise ValueError("colocate_max_new_tokens must be >= 0")
+        if not 0.0 <= self.priority_headroom < 1.0:
+            raise ValueError(f"priority_headroom must be in [0, 1), got {self.priority_headroom}")
+        names = [c.name for c in self.slo_classes]
+        if len(set(names)) != len(names) or DEFAULT_SLO_CLASS in names:
+            raise ValueError(f"SLO class names must be unique and not {DEFAULT_SLO_CLASS!r} (the class of "
+                             f"ttft_slo_s and tbt_slo_s), got {names}")
         if not 0 <= self.min_retry_after_s <= self.max_retry_after_s:
             raise ValueError("need 0 <= min_retry_after_s <= max_retry_after_s")

@@ -19,6 +19,7 @@ import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
+from conductor.core.admission import batch_tbt_slo_s
 from conductor.core.config import Policy, SchedulerConfig
 from conductor.core.estimators import Estimators
 from conductor.core.types import InstanceState, Role
@@ -163,7 +164,7 @@ def flexible_prefill(prompt: int, pool: Sequence[InstanceState], matches: Prefix
     """Flexible roles: Algorithm 1 over every instance, whatever its label, for a prefill whose
     KV goes to another instance. A decode-labelled instance pays cfg.role_cost_s; one with a
     running batch prefills in chunks (chunked_prefill_s) and is a candidate only if each chunk
-    step keeps that batch within the TBT SLO. Returns (choice, its role cost), the lowest
+    step keeps that batch within its TBT SLO (batch_tbt_slo_s). Returns (choice, its role cost), the lowest
     TTFT + role cost, or None when no instance may take it."""
     holder, best_blocks = best_holder(matches.stored, pool)
     best_tokens = prefix_tokens(best_blocks, prompt, cfg.block_size)
@@ -176,7 +177,7 @@ def flexible_prefill(prompt: int, pool: Sequence[InstanceState], matches: Prefix
             price = priced[local_blocks] = _price(prompt, local_blocks, holder, best_blocks, best_tokens, est, cfg)
         if inst.running:
             prefill, longest = chunked_prefill_s(inst, prompt, price.cached_tokens, est, cfg)
-            if longest > cfg.tbt_slo_s:
+            if longest > batch_tbt_slo_s(inst, cfg):
                 continue
         else:
             prefill = price.prefill_s * inst.prefill_scale

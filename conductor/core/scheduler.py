@@ -18,6 +18,8 @@ Algorithm (paper Algorithm 1 plus sections 4 and 6):
      the lowest TTFT + role costs among those that pass admission wins.
   5. Admission: refuse when the predicted TTFT breaks the SLO (all but "none"), or when the
      decode side does not fit (early, prediction), with a Retry-After from predicted drain.
+     The SLOs are the request's own, less the headroom it keeps for more important classes
+     (admission.limits_for); every TBT check also keeps the tightest SLO of the batch joined.
 
 The scheduler is pure apart from the random policy's seeded generator; it never reads a
 clock or does I/O, so the live conductor and the simulator run the same object.
@@ -28,8 +30,8 @@ from __future__ import annotations
 import math
 import random
 
-from conductor.core.admission import DecodeChoice, Horizon, LoadView, choose_decode, choose_decode_flexible, \
-    decode_admits, decode_drain_s, rank_and_gate, views_for
+from conductor.core.admission import DecodeChoice, Horizon, Limits, LoadView, batch_tbt_slo_s, choose_decode, \
+    choose_decode_flexible, decode_admits, decode_drain_s, limits_for, rank_and_gate, views_for
 from conductor.core.config import Admission, Policy, SchedulerConfig
 from conductor.core.estimators import Estimators
 from conductor.core.policies import PrefillChoice, PrefixMatches, choose_prefill, chunked_prefill_s, flexible_prefill, \
@@ -64,29 +66,31 @@ class Scheduler:
         t_d = state.mean_decode_s or cfg.default_decode_s
         views = views_for(cfg.admission)
         rng = self._rng if cfg.policy is Policy.RANDOM else None
+        lim = limits_for(request, cfg)
 
         pchoice: PrefillChoice | None = None
         dchoice: DecodeChoice | None = None
         if flexible:
-            pchoice, dchoice = self._flexible(prompt, state, matches, views, now, t_d)
+            pchoice, dchoice = self._flexible(prompt, state, matches, views, now, t_d, lim)
         elif state.prefill:
             pchoice = choose_prefill(cfg.policy, prompt, state.prefill, state.instances, matches, est, cfg,
                                      self._rng)
-            dchoice = choose_decode(state.decode, prompt, views, self._horizon(now, pchoice.ttft_s, t_d), est, cfg, rng)
+            dchoice = choose_decode(state.decode, prompt, views, self._horizon(now, pchoice.ttft_s, t_d), est, cfg, lim,
+                                    rng)
         if not flexible and (not state.prefill
                              or (cfg.policy is Policy.KVCACHE_CENTRIC and cfg.conditional_disaggregation)):
-            coloc = self._colocated(prompt, state.decode, matches, views, now, t_d, rng, forced=not state.prefill)
+            coloc = self._colocated(prompt, state.decode, matches, views, now, t_d, lim, rng, forced=not state.prefill)
             if coloc is not None and (pchoice is None or coloc[0].ttft_s < pchoice.ttft_s):
                 pchoice, dchoice = coloc
         if pchoice is None or dchoice is None:
             return Rejection(request.request_id, RejectReason.NO_INSTANCE, cfg.max_retry_after_s)
 
         ttft = pchoice.ttft_s
-        if cfg.admission is not Admission.NONE and ttft > cfg.ttft_slo_s:
-            retry, helps = self._ttft_retry(pchoice, prefill_pool)
+        if cfg.admission is not Admission.NONE and ttft > lim.ttft_s:
+            retry, helps = self._ttft_retry(pchoice, prefill_pool, lim)
             return Rejection(request.request_id, RejectReason.TTFT_SLO, retry, ttft, dchoice.tbt_s, helps)
         if cfg.admission in (Admission.EARLY, Admission.PREDICTION) and dchoice.problem is not None:
-            drain = decode_drain_s(decode_pool, prompt, now, t_d, est, cfg)
+            drain = decode_drain_s(decode_pool, prompt, now, t_d, est, cfg, lim)
             return Rejection(request.request_id, dchoice.problem, self._clip_retry(drain - ttft), ttft, dchoice.tbt_s,
                              math.isfinite(drain))
         return Decision(
@@ -110,8 +114,8 @@ class Scheduler:
     # -- helpers --------------------------------------------------------------------------
 
     def _colocated(self, prompt: int, pool: tuple[InstanceState, ...], matches: PrefixMatches,
-                   views: tuple[LoadView, LoadView], now: float, t_d: float, rng: random.Random | None,
-                   forced: bool = False) -> tuple[PrefillChoice, DecodeChoice] | None:
+                   views: tuple[LoadView, LoadView], now: float, t_d: float, lim: Limits,
+                   rng: random.Random | None, forced: bool = False) -> tuple[PrefillChoice, DecodeChoice] | None:
         """Best 'prefill on the decode instance itself' option, if any is allowed.
 
         forced: there is no prefill pool, so this is a colocated cluster and every decode
@@ -128,12 +132,13 @@ class Scheduler:
                 continue
             prefill = est.prefill_s(prompt, cached, inst.prefill_scale)
             # The step that carries this prefill also carries the running batch: its length
-            # is every running request's TBT for that step, so it must meet the SLO itself.
+            # is every running request's TBT for that step, so it must meet their SLO itself (and,
+            # with no running batch, the config's: the one-step budget of conditional disaggregation).
             step = prefill + (est.tbt_s(inst.batch_size, inst.kv_tokens, inst.decode_scale) if inst.running else 0.0)
-            if not forced and step > cfg.tbt_slo_s:
+            if not forced and step > (batch_tbt_slo_s(inst, cfg) if inst.running else cfg.tbt_slo_s):
                 continue
             queue = est.queue_s(inst)
-            d = rank_and_gate(inst, prompt, views, self._horizon(now, queue + step, t_d), est, cfg)
+            d = rank_and_gate(inst, prompt, views, self._horizon(now, queue + step, t_d), est, cfg, lim)
             if not forced and d.problem is not None:
                 continue
             cands.append((PrefillChoice(inst.instance_id, cached, None, 0, queue, step, 0.0), d))
@@ -147,7 +152,7 @@ class Scheduler:
         return min(fitting, key=lambda c: c[0].ttft_s)
 
     def _flexible(self, prompt: int, state: ClusterState, matches: PrefixMatches, views: tuple[LoadView, LoadView],
-                  now: float, t_d: float) -> tuple[PrefillChoice | None, DecodeChoice | None]:
+                  now: float, t_d: float, lim: Limits) -> tuple[PrefillChoice | None, DecodeChoice | None]:
         """Flexible roles: the best of three kinds of candidate, by (fails the decode gate, breaks
         the TTFT SLO, predicted TTFT + role costs). Role costs only rank: admission judges the
         plain predicted TTFT. Exact ties keep the first candidate, so labels win them.
@@ -165,19 +170,19 @@ class Scheduler:
         def offer(p: PrefillChoice, d: DecodeChoice, cost: float) -> None:
             nonlocal best
             ttft = p.ttft_s
-            key = (d.problem is not None, check_ttft and ttft > cfg.ttft_slo_s, ttft + cost)
+            key = (d.problem is not None, check_ttft and ttft > lim.ttft_s, ttft + cost)
             if best is None or key < best[0]:
                 best = (key, p, d)
 
         if state.prefill and state.decode:
             p = choose_prefill(Policy.KVCACHE_CENTRIC, prompt, state.prefill, state.instances, matches, est, cfg,
                                self._rng)
-            offer(p, choose_decode(state.decode, prompt, views, self._horizon(now, p.ttft_s, t_d), est, cfg), 0.0)
+            offer(p, choose_decode(state.decode, prompt, views, self._horizon(now, p.ttft_s, t_d), est, cfg, lim), 0.0)
         flex = flexible_prefill(prompt, state.instances, matches, est, cfg)
         if flex is not None:
             p, pcost = flex
             d = choose_decode_flexible(state.instances, prompt, views, self._horizon(now, p.ttft_s, t_d), est, cfg,
-                                       exclude=p.instance_id)
+                                       lim, exclude=p.instance_id)
             if d is not None:
                 offer(p, d[0], pcost + d[1])
         budget = cfg.colocate_max_new_tokens if cfg.conditional_disaggregation else -1
@@ -189,8 +194,8 @@ class Scheduler:
             else:
                 cost = cfg.role_cost_s if prompt - cached > budget else 0.0
             queue = est.queue_s(inst)
-            d = rank_and_gate(inst, prompt, views, self._horizon(now, queue + prefill, t_d), est, cfg)
-            if longest > cfg.tbt_slo_s:
+            d = rank_and_gate(inst, prompt, views, self._horizon(now, queue + prefill, t_d), est, cfg, lim)
+            if longest > batch_tbt_slo_s(inst, cfg):
                 # A chunk step would break the running batch's TBT: kept as a misfit so that,
                 # if nothing else fits, admission refuses it for the TBT SLO, as in fixed roles.
                 d = DecodeChoice(inst.instance_id, longest, RejectReason.TBT_SLO)
@@ -202,15 +207,15 @@ class Scheduler:
     def _horizon(self, now: float, ttft: float, t_d: float) -> Horizon:
         return Horizon(now, now + ttft, t_d, self.config.decode_forecast == "fluid")
 
-    def _ttft_retry(self, choice: PrefillChoice, pool: tuple[InstanceState, ...]) -> tuple[float, bool]:
+    def _ttft_retry(self, choice: PrefillChoice, pool: tuple[InstanceState, ...], lim: Limits) -> tuple[float, bool]:
         """(Retry-After seconds, whether a retry can succeed at all)."""
         # Queues drain at one second per second; the non-queue part of the best choice is a
         # floor no wait can remove. If that floor alone breaks the SLO, waiting cannot help.
         floor = choice.ttft_s - choice.queue_s
-        if floor > self.config.ttft_slo_s:
+        if floor > lim.ttft_s:
             return self.config.max_retry_after_s, False
         shortest = min((self.estimators.queue_s(i) for i in pool), default=choice.queue_s)
-        return self._clip_retry(min(shortest, choice.queue_s) + floor - self.config.ttft_slo_s), True
+        return self._clip_retry(min(shortest, choice.queue_s) + floor - lim.ttft_s), True
 
     def _clip_retry(self, seconds: float) -> float:
         cfg = self.config

@@ -8,6 +8,7 @@ reports, hands it to ``Scheduler.schedule`` with the current time, and acts on t
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -42,12 +43,18 @@ class Request:
 
     block_hashes are the prefix keys of the prompt's full blocks (see mooncake.hashing);
     the simulator passes the trace's hash_ids instead, which name prefixes the same way.
+    priority: lower is more important (vLLM's convention); a request keeps headroom free for
+      the operator's SLO classes more important than it (SchedulerConfig.slo_classes).
+    ttft_slo_s, tbt_slo_s: this request's own SLOs; None, the config's.
     """
 
     request_id: str
     prompt_tokens: int
     block_hashes: tuple[BlockHash, ...] | tuple[int, ...]
     arrival_s: float = 0.0
+    priority: int = 0
+    ttft_slo_s: float | None = None
+    tbt_slo_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,12 +64,14 @@ class DecodeSeq:
     start_s is when it began decoding (running) or is expected to arrive (incoming);
     kv_tokens is its KV footprint in tokens. remaining_tokens is how many tokens it still has
     to generate, when the shell knows (a simulator replaying a trace with oracle lengths, or an
-    output-length predictor); None, the live default, means unknown.
+    output-length predictor); None, the live default, means unknown. tbt_slo_s is its request's
+    TBT SLO, which a request joining its batch must keep; None, the config's.
     """
 
     start_s: float
     kv_tokens: int
     remaining_tokens: int | None = None
+    tbt_slo_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +106,11 @@ class InstanceState:
     incoming_kv_tokens: int = field(init=False)
     lengths_known: bool = field(init=False)
     """Every running and incoming sequence carries remaining_tokens (derived)."""
+    tightest_tbt_slo_s: float = field(init=False)
+    """The lowest tbt_slo_s among the running and incoming sequences that carry one; inf if none
+    does (derived). See admission.batch_tbt_slo_s."""
+    any_config_tbt_slo: bool = field(init=False)
+    """Some running or incoming sequence has no tbt_slo_s of its own: the config's (derived)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kv_tokens", sum(s.kv_tokens for s in self.running))
@@ -104,6 +118,11 @@ class InstanceState:
         object.__setattr__(self, "lengths_known",  # short-circuits at the first unknown (the live case)
                            all(s.remaining_tokens is not None for s in self.running)
                            and all(s.remaining_tokens is not None for s in self.incoming))
+        seqs = (*self.running, *self.incoming)
+        object.__setattr__(self, "tightest_tbt_slo_s",
+                           min((s.tbt_slo_s for s in seqs if s.tbt_slo_s is not None), default=math.inf))
+        object.__setattr__(self, "any_config_tbt_slo",  # short-circuits at the first (the simulator's case)
+                           any(s.tbt_slo_s is None for s in seqs))
 
     @property
     def batch_size(self) -> int:

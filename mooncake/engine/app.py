@@ -8,6 +8,10 @@
   GET  /internal/kv_events  ?since=SEQ: prefix blocks stored/removed here (conductor's index)
   GET  /metrics             Prometheus text
 
+Every /internal/* route asks for the cluster token (X-Mooncake-Cluster-Token, 401 without it;
+mooncake/auth.py); /health and /metrics stay open for probes and scrapers. Bodies over
+MAX_BODY_BYTES are a 413.
+
 The HTTP server is up at once; the engine starts in the background (about 30 s on CPU), and
 /health says 503 until it is ready, so a supervisor can tell "starting" from "dead".
 """
@@ -27,6 +31,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from mooncake import defaults
+from mooncake.auth import TOKEN_HEADER, ClusterTokenGuard, token_matches
+from mooncake.body_limit import BodyLimitMiddleware
 from mooncake.control import ControlEndpoint, ControlError, control_call
 from mooncake.protocol import (ABORT_DECODER, DROP_DECODER, REQUEST_DECODER, GenerateChunk, GenerateRequest,
                                encode_chunk_line)
@@ -94,12 +101,17 @@ def create_app(config: WorkerConfig, kv_port: int, events_port: int, control: Co
 
     app = FastAPI(title=f"mooncake {config.role} worker", lifespan=lifespan)
     app.state.worker = WorkerState(config=config, kv_port=kv_port, events_port=events_port, control=control)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=defaults.MAX_BODY_BYTES)
+    # /internal/* needs the cluster token; /health and /metrics stay open for probes and scrapers.
+    app.add_middleware(ClusterTokenGuard, token=config.cluster_token)
 
     @app.get("/health")
     async def health(request: Request):
         state: WorkerState = request.app.state.worker
         body = {"instance_id": config.instance_id, "role": config.role, "model": config.served_model_name,
                 "kv_address": f"{config.public_host}:{state.kv_port}"}
+        if config.cluster_token is not None:  # so a conductor with another token knows why it is refused
+            body["cluster_token_accepted"] = token_matches(request.headers.get(TOKEN_HEADER), config.cluster_token)
         if state.engine_error:
             return JSONResponse({**body, "status": "failed", "error": state.engine_error}, status_code=503)
         if state.engine is None:
@@ -228,7 +240,8 @@ async def _register(state: WorkerState) -> None:
     from mooncake.registry.retry import retrying
 
     c = state.config
-    registry = open_registry(RegistryConfig(url=c.registry_url, ttl_s=c.registry_ttl_s))
+    registry = open_registry(RegistryConfig(url=c.registry_url, ttl_s=c.registry_ttl_s, cluster_token=c.cluster_token,
+                                            etcd_credentials=c.etcd_credentials))
     state.registry = registry
     info = InstanceInfo(
         instance_id=c.instance_id, role=c.role, http_url=c.http_url,

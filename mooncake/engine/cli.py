@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 
 from mooncake import defaults
+from mooncake.auth import add_token_arguments, token_errors, token_from_args
 from mooncake.defaults import Dtype, WorkerRole, engine_option_errors
 from mooncake.engine.config import WorkerConfig
+from mooncake.registry.config import EtcdCredentials
 
 
 def add_worker_arguments(parser: argparse.ArgumentParser, default_port: int) -> None:
@@ -41,6 +43,7 @@ def add_worker_arguments(parser: argparse.ArgumentParser, default_port: int) -> 
     parser.add_argument("--etcd", default=None, help="shorthand for --registry etcd://HOST:PORT (accepts http://)")
     parser.add_argument("--registry-ttl", type=float, default=defaults.REGISTRY_TTL_S,
                         help="seconds after which a silent worker leaves routing")
+    add_token_arguments(parser)
 
 
 def check_worker_args(args: argparse.Namespace) -> list[str]:
@@ -48,7 +51,7 @@ def check_worker_args(args: argparse.Namespace) -> list[str]:
     errors = engine_option_errors(args.kv_cache_gib, args.block_size, args.chunk_size)
     if args.max_model_len < 16:
         errors.append(f"--max-model-len must be >= 16, got {args.max_model_len}")
-    return errors
+    return errors + token_errors(args)
 
 
 def worker_config(args: argparse.Namespace, role: WorkerRole, model_path: str) -> WorkerConfig:
@@ -61,7 +64,8 @@ def worker_config(args: argparse.Namespace, role: WorkerRole, model_path: str) -
         kv_port=args.kv_port, advertise_host=args.advertise_host, dtype=args.dtype,
         max_model_len=args.max_model_len, kv_cache_gib=args.kv_cache_gib, cpu_bind=args.cpu_bind,
         max_num_batched_tokens=args.chunk_size, enable_prefix_caching=not args.no_prefix_caching,
-        block_size=args.block_size, registry_url=registry_url(args), registry_ttl_s=args.registry_ttl, **extra,
+        block_size=args.block_size, registry_url=registry_url(args), registry_ttl_s=args.registry_ttl,
+        cluster_token=token_from_args(args), etcd_credentials=EtcdCredentials.from_env(), **extra,
     )
 
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from mooncake import defaults
 from mooncake.defaults import Dtype, WorkerRole, engine_option_errors
+from mooncake.registry.config import EtcdCredentials
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,11 @@ class WorkerConfig:
     (the conductor then knows this worker only by a static --prefill-url/--decode-url)."""
     registry_ttl_s: float = defaults.REGISTRY_TTL_S
     """A worker that stops refreshing its registration disappears from routing after this."""
+    cluster_token: str | None = field(default=None, repr=False)
+    """Asked of every /internal/* caller, sent to the embedded registry, and the root of the KV
+    socket's handshake key (mooncake/auth.py). None only with --insecure-no-cluster-token."""
+    etcd_credentials: EtcdCredentials | None = None
+    """The etcd user to log in as when etcd's authentication is on (MOONCAKE_ETCD_USER/PASSWORD)."""
 
     def __post_init__(self) -> None:
         if self.role not in tuple(WorkerRole):

@@ -6,6 +6,7 @@ import os
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
+from mooncake.auth import kv_key
 from mooncake.control import ControlEndpoint
 from mooncake.engine.config import WorkerConfig
 from mooncake.protocol import GenerateChunk, GenerateRequest
@@ -58,7 +59,10 @@ def build_engine(config: WorkerConfig, kv_port: int, events_port: int, control: 
             # A lost or corrupt transfer is recomputed locally: slower, never wrong text.
             kv_load_failure_policy="recompute",
             kv_connector_extra_config={"kv_host": config.kv_host, "kv_port": kv_port,
-                                       "control_path": control.path, "control_key": control.authkey_hex},
+                                       "control_path": control.path, "control_key": control.authkey_hex,
+                                       # A key derived from the cluster token, not the token itself.
+                                       **({"kv_auth_key": kv_key(config.cluster_token).hex()}
+                                          if config.cluster_token else {})},
         ),
         # vLLM's own block stored/removed events feed the conductor's global prefix index.
         kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",
@@ -78,11 +82,34 @@ def sampling_params(request: GenerateRequest):
         presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
         repetition_penalty=s.repetition_penalty, stop_token_ids=list(s.stop_token_ids),
         ignore_eos=s.ignore_eos, logit_bias=dict(s.logit_bias) or None,
+        logprobs=s.logprobs, prompt_logprobs=s.prompt_logprobs,
+        structured_outputs=structured_outputs(s.structured),
         # The conductor detokenizes (it owns stop strings across the prefill/decode boundary).
         detokenize=False,
         output_kind=RequestOutputKind.DELTA,
         extra_args={"kv_transfer_params": request.kv_transfer_params} if request.kv_transfer_params else None,
     )
+
+
+def structured_outputs(structured: tuple[str, str] | None):
+    """vLLM's constraint for a (kind, spec) pair of Sampling.structured (see mooncake/protocol.py)."""
+    if structured is None:
+        return None
+    import json
+
+    from vllm.sampling_params import StructuredOutputsParams
+
+    kind, spec = structured
+    if kind == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if kind in ("json", "choice"):
+        return StructuredOutputsParams(**{kind: json.loads(spec)})
+    return StructuredOutputsParams(**{kind: spec})  # regex, grammar
+
+
+def position_logprobs(position) -> list[tuple[int, float, int]]:
+    """One position's {token id: Logprob} (vLLM's order: chosen token first) as wire entries."""
+    return [(token, max(lp.logprob, -9999.0), lp.rank) for token, lp in position.items()]
 
 
 async def run_request(engine: "AsyncLLM", request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
@@ -94,10 +121,19 @@ async def run_request(engine: "AsyncLLM", request: GenerateRequest) -> AsyncIter
     ):
         completion = output.outputs[0]
         times = measured_times(output.metrics) if output.finished else {}
+        logprobs = None
+        if request.sampling.logprobs is not None:
+            logprobs = [position_logprobs(p) for p in completion.logprobs or ()]
+        prompt_logprobs = None
+        # In DELTA mode vLLM hands each part of the prompt's logprobs out once (with a chunked
+        # prompt, possibly over several outputs); the conductor concatenates them.
+        if request.sampling.prompt_logprobs is not None and output.prompt_logprobs:
+            prompt_logprobs = [None if p is None else position_logprobs(p) for p in output.prompt_logprobs]
         yield GenerateChunk(
             token_ids=list(completion.token_ids),
             finish_reason=completion.finish_reason if output.finished else None,
             num_cached_tokens=output.num_cached_tokens if first else None,
+            logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             **times,
         )
         first = False

@@ -14,12 +14,12 @@ from __future__ import annotations
 
 from mooncake.registry.base import (InstanceInfo, Registry, RegistryEvent, RegistryUnavailable,
                                     Snapshot, decode_info, encode_info)
-from mooncake.registry.config import RegistryConfig
+from mooncake.registry.config import EtcdCredentials, RegistryConfig
 from mooncake.registry.memory import MemoryRegistry
 from mooncake.registry.view import ClusterView, ViewConfig
 
 __all__ = [
-    "ClusterView", "InstanceInfo", "MemoryRegistry", "Registry", "RegistryConfig",
+    "ClusterView", "EtcdCredentials", "InstanceInfo", "MemoryRegistry", "Registry", "RegistryConfig",
     "RegistryEvent", "RegistryUnavailable", "Snapshot", "ViewConfig", "decode_info",
     "encode_info", "open_registry",
 ]

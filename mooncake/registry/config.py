@@ -2,12 +2,36 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 # Schemes `open_registry` understands. Plain http:// is refused on purpose: it could mean
 # etcd's own HTTP port or the conductor, and guessing wrong fails in confusing ways.
 SCHEMES = ("memory", "etcd", "embedded+http", "embedded+https")
+
+
+ETCD_USER_ENV, ETCD_PASSWORD_ENV = "MOONCAKE_ETCD_USER", "MOONCAKE_ETCD_PASSWORD"
+
+
+@dataclass(frozen=True)
+class EtcdCredentials:
+    """An etcd user (etcd's own authentication: `etcdctl user add`, `etcdctl auth enable`)."""
+
+    user: str
+    password: str = field(repr=False)
+
+    def __post_init__(self) -> None:
+        if not self.user or not self.password:
+            raise ValueError(f"etcd credentials need both {ETCD_USER_ENV} and {ETCD_PASSWORD_ENV}")
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] = os.environ) -> "EtcdCredentials | None":
+        """From MOONCAKE_ETCD_USER and MOONCAKE_ETCD_PASSWORD (the command line's edge); None
+        when neither is set."""
+        user, password = environ.get(ETCD_USER_ENV, ""), environ.get(ETCD_PASSWORD_ENV, "")
+        return cls(user, password) if user or password else None
 
 
 @dataclass(frozen=True)
@@ -30,6 +54,11 @@ class RegistryConfig:
     etcd_prefix: str = "/mooncake/v1/"
     # How often a polling watcher (embedded+http) lists the conductor's registry.
     poll_interval_s: float = 0.5
+    # The cluster token the embedded registry (on the conductor) asks for (mooncake/auth.py).
+    # etcd has its own authentication (users, TLS): see docs/SECURITY.md.
+    cluster_token: str | None = field(default=None, repr=False)
+    # The etcd user our processes log in as, when etcd's authentication is enabled.
+    etcd_credentials: EtcdCredentials | None = None
 
     def __post_init__(self) -> None:
         scheme = urlsplit(self.url).scheme

@@ -88,8 +88,9 @@ class EtcdRegistry(Registry):
     # -- connections ----------------------------------------------------------------------
     def _new_client(self) -> aetcd.Client:
         host, port = self._endpoints[self._next_endpoint % len(self._endpoints)]
-        return aetcd.Client(host, port, timeout=self._config.request_timeout_s,
-                            options=_GRPC_OPTIONS)
+        login = self._config.etcd_credentials
+        return aetcd.Client(host, port, timeout=self._config.request_timeout_s, options=_GRPC_OPTIONS,
+                            username=login.user if login else None, password=login.password if login else None)
 
     async def _failed(self, client: aetcd.Client | None) -> None:
         """Drop a client that failed, and move to the next endpoint for the next try."""
@@ -101,7 +102,17 @@ class EtcdRegistry(Registry):
 
     async def _run(self, op: Callable[[aetcd.Client], Awaitable[T]]) -> T:
         """Run one unary operation; any failure becomes RegistryUnavailable and a fresh
-        channel next time (a channel to a restarted etcd may sit in gRPC backoff)."""
+        channel next time (a channel to a restarted etcd may sit in gRPC backoff). With etcd's
+        authentication on, a login token that expired (etcd's --auth-token-ttl since its last
+        use) is not an outage: the operation is tried once more on a fresh client, which logs in."""
+        try:
+            return await self._run_once(op)
+        except RegistryUnavailable as e:
+            if self._config.etcd_credentials is None or not isinstance(e.__cause__, aetcd.exceptions.UnauthenticatedError):
+                raise
+        return await self._run_once(op)
+
+    async def _run_once(self, op: Callable[[aetcd.Client], Awaitable[T]]) -> T:
         if self._ops is None:
             self._ops = self._new_client()
         client = self._ops

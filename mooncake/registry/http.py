@@ -19,6 +19,7 @@ import httpx
 import msgspec
 from fastapi import APIRouter, HTTPException, Request, Response
 
+from mooncake.auth import token_headers
 from mooncake.registry.base import (InstanceInfo, Registry, RegistryEvent, RegistryUnavailable,
                                     Snapshot)
 from mooncake.registry.config import RegistryConfig
@@ -103,7 +104,8 @@ class HttpRegistryClient(Registry):
         (host, port), = config.endpoints()
         scheme = config.scheme.split("+", 1)[1]
         self._http = httpx.AsyncClient(base_url=f"{scheme}://{host}:{port}{ROUTE_PREFIX}",
-                                       timeout=config.request_timeout_s)
+                                       timeout=config.request_timeout_s,
+                                       headers=token_headers(config.cluster_token))
         self._regs: dict[str, _Registration] = {}
 
     async def _call(self, method: str, path: str, **kw: Any) -> httpx.Response:

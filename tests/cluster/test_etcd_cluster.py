@@ -8,6 +8,7 @@ killed under traffic and brought back, etcd restarted under load, and SLO reject
 from __future__ import annotations
 
 import concurrent.futures as cf
+import secrets
 import signal
 import time
 import uuid
@@ -32,6 +33,9 @@ class EtcdCluster:
         self.workers: dict[str, Proc] = {}
         self.worker_ports = {name: free_port() for name in (*PREFILLS, "decode-a")}
         self.conductor: Proc | None = None
+        # Every process of a multi-host cluster shares one cluster token (secure by default).
+        self.token_file = str(log_dir / "cluster-token")
+        (log_dir / "cluster-token").write_text(secrets.token_urlsafe(32))
 
     @property
     def api(self) -> str:
@@ -42,7 +46,8 @@ class EtcdCluster:
         proc = start(f"{name}-{len(self.workers)}", [
             "-m", "mooncake.cli", role, "--model", self.model, "--served-model-name", MODEL_NAME,
             "--port", str(self.worker_ports[name]), "--instance-id", name, "--cpu-bind", cores,
-            "--kv-cache-gib", "1", "--etcd", f"http://{self.etcd.endpoint}", "--registry-ttl", str(TTL)],
+            "--kv-cache-gib", "1", "--etcd", f"http://{self.etcd.endpoint}", "--registry-ttl", str(TTL),
+            "--cluster-token-file", self.token_file],
             self.log_dir)
         self.workers[name] = proc
         return proc
@@ -53,7 +58,8 @@ class EtcdCluster:
             "--port", str(port or self.port), "--etcd", f"http://{self.etcd.endpoint}",
             # Fixed roles: these tests check prefix locality and failover among the prefill workers;
             # flexible roles have their own tests (tests/core, tests/spine, tests/e2e).
-            "--registry-ttl", str(TTL), "--no-flexible-roles", *extra], self.log_dir)
+            "--registry-ttl", str(TTL), "--no-flexible-roles", "--cluster-token-file", self.token_file, *extra],
+            self.log_dir)
 
     def health(self, port: int | None = None) -> dict:
         return httpx.get(f"http://127.0.0.1:{port or self.port}/health", timeout=5).json()
@@ -211,6 +217,6 @@ def test_request_no_instance_can_serve_within_slo_gets_429(cluster):
         assert resp.json()["error"]["code"] == "ttft_slo"
         assert int(resp.headers["retry-after"]) >= 1
         metrics = httpx.get(f"http://127.0.0.1:{port}/metrics").text
-        assert 'mooncake_rejections_total{reason="ttft_slo"} 1' in metrics
+        assert 'mooncake_rejections_total{reason="ttft_slo",slo_class="default"} 1' in metrics
     finally:
         strict.stop()

@@ -12,7 +12,7 @@ pytestmark = pytest.mark.vllm
 def test_final_chunk_carries_positive_measured_times(spine_cluster):
     request = GenerateRequest("calib-direct", list(range(1000, 1300)), Sampling(max_tokens=6, ignore_eos=True))
     with httpx.stream("POST", spine_cluster.worker_urls["decode"] + "/internal/generate",
-                      content=ENCODER.encode(request), timeout=120) as resp:
+                      content=ENCODER.encode(request), timeout=120, headers=spine_cluster.internal_headers) as resp:
         assert resp.status_code == 200
         chunks = [CHUNK_DECODER.decode(line) for line in resp.iter_lines() if line]
     last = chunks[-1]
@@ -29,7 +29,8 @@ def test_debug_estimators_show_samples_for_both_workers(spine_cluster):
         resp = httpx.post(spine_cluster.api + "/completions", json={
             "model": MODEL_NAME, "prompt": prompt, "max_tokens": 8, "ignore_eos": True}, timeout=120)
         assert resp.status_code == 200, resp.text
-    body = httpx.get(spine_cluster.base_url + "/internal/debug/estimators", timeout=10).json()
+    body = httpx.get(spine_cluster.base_url + "/internal/debug/estimators", timeout=10,
+                     headers=spine_cluster.internal_headers).json()
     instances = body["instances"]
     prefill = [name for name, fits in instances.items() if fits["prefill"]["samples"] > 0]
     decode = [name for name, fits in instances.items() if fits["decode_step"]["samples"] > 0]

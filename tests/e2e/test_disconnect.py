@@ -17,7 +17,7 @@ LONG = {"model": MODEL_NAME, "prompt": "Count slowly from one to one thousand:",
 def held(cluster) -> dict:
     """What requests still hold: conductor slots, ledger entries, pending prefixes, worker requests."""
     requests = httpx.get(cluster.base_url + "/health", timeout=10).json()["requests"]
-    workers = {role: httpx.get(url + "/internal/load", timeout=10).json()["running_requests"]
+    workers = {role: httpx.get(url + "/internal/load", timeout=10, headers=cluster.internal_headers).json()["running_requests"]
                for role, url in cluster.worker_urls.items()}
     return {"in_flight": requests["in_flight"], "pending": requests["pending_prefix_entries"],
             "ledger_entries": sum(n for ledger in requests["ledgers"].values() for n in ledger.values()),
@@ -62,7 +62,8 @@ def test_disconnect_mid_stream_of_a_long_generation(spine_cluster):
     assert chunks >= 40
     assert_released(spine_cluster)
     text = httpx.get(spine_cluster.base_url + "/metrics").text
-    assert 'mooncake_requests_total{endpoint="completions",status="499"}' in text  # counted as a client gone
+    # counted as a client gone
+    assert 'mooncake_requests_total{endpoint="completions",slo_class="default",status="499"}' in text
 
 
 def test_non_streamed_request_whose_client_times_out(spine_cluster):

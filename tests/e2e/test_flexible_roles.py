@@ -33,7 +33,8 @@ def test_a_prefill_worker_serves_whole_requests_with_identical_text(spine_cluste
     port = free_port()
     proc = start("conductor-prefill-only", ["-m", "mooncake.cli", "conductor", "--port", str(port),
                                             "--model", model_path, "--served-model-name", MODEL_NAME,
-                                            "--prefill-url", spine_cluster.worker_urls["prefill"]], log_dir)
+                                            "--prefill-url", spine_cluster.worker_urls["prefill"],
+                                            "--cluster-token-file", spine_cluster.token_file], log_dir)
     base = f"http://127.0.0.1:{port}"
     try:
         wait_http(proc, base + "/health", 120)  # 200 only once the prefill worker is seen ready

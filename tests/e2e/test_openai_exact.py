@@ -82,13 +82,14 @@ def test_chat_identical_to_colocated(reference, disaggregated_api, stream):
     assert chat_texts(disaggregated_api, stream, disaggregated=True) == reference["chat"]
 
 
-def test_decode_loaded_prompt_kv_and_computed_only_new_tokens(spine_cluster):
+def test_decode_loaded_prompt_kv_and_computed_only_new_tokens(spine_cluster, disaggregated_api):
     """The decode worker must take the whole prompt from the connector: vLLM reports every
-    prompt token as cached (not computed), and the connector counts the loaded tokens."""
+    prompt token as cached (not computed), and the connector counts the loaded tokens. Through
+    the fixed-roles conductor: with flexible roles the request may be served whole on one worker."""
     decode = spine_cluster.worker_urls["decode"]
-    before = httpx.get(decode + "/internal/kv_stats").json()["stats"]
+    before = httpx.get(decode + "/internal/kv_stats", headers=spine_cluster.internal_headers).json()["stats"]
     prompt = "A unique prompt for the recompute check: " + " ".join(f"item-{i}" for i in range(400))
-    resp = httpx.post(spine_cluster.api + "/completions", timeout=300, json={
+    resp = httpx.post(disaggregated_api + "/completions", timeout=300, json={
         "model": MODEL_NAME, "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True})
     assert resp.status_code == 200, resp.text
     body = resp.json()
@@ -98,11 +99,12 @@ def test_decode_loaded_prompt_kv_and_computed_only_new_tokens(spine_cluster):
     # vLLM's own statistic on the decode engine: all prompt tokens came from outside (the
     # decode prompt is prompt + first token; only that first token is computed).
     assert int(resp.headers["x-mooncake-decode-cached-tokens"]) == prompt_tokens
-    after = httpx.get(decode + "/internal/kv_stats").json()["stats"]
+    after = httpx.get(decode + "/internal/kv_stats", headers=spine_cluster.internal_headers).json()["stats"]
     assert after["loaded_transfers"] == before["loaded_transfers"] + 1
     assert after["loaded_tokens"] - before["loaded_tokens"] == prompt_tokens
     assert after["load_failures"] == before["load_failures"]
-    prefill = httpx.get(spine_cluster.worker_urls["prefill"] + "/internal/kv_stats").json()["stats"]
+    prefill = httpx.get(spine_cluster.worker_urls["prefill"] + "/internal/kv_stats",
+                        headers=spine_cluster.internal_headers).json()["stats"]
     assert prefill["pushed_transfers"] >= 1 and prefill["push_failures"] == 0
 
 

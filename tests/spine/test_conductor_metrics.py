@@ -8,7 +8,7 @@ from conductor.metrics import ConductorMetrics, LiveState
 def test_label_values_are_escaped_and_parse_back_to_the_original():
     odd = 'w"1\\\nx'  # a double quote, a backslash and a newline
     metrics = ConductorMetrics()
-    metrics.rejections.labels(reason=odd).inc()
+    metrics.rejections.labels(reason=odd, slo_class="default").inc()
     metrics.watch(lambda: LiveState(in_flight=0, ready_workers={}, push_bandwidth_Bps={odd: 2e9}))
     text = metrics.render().decode()
     assert odd not in text  # the raw newline would end the sample line

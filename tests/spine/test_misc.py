@@ -137,9 +137,9 @@ def test_metrics_text_declares_each_family_once():
     from conductor.metrics import LiveState
 
     metrics = ConductorMetrics()
-    metrics.requests.labels(endpoint="completions", status="200").inc()
+    metrics.requests.labels(endpoint="completions", status="200", slo_class="default").inc()
     metrics.routes.labels(kind="colocated").inc()
-    metrics.ttft.observe(0.3)
+    metrics.ttft.labels(slo_class="default").observe(0.3)
     metrics.watch(lambda: LiveState(in_flight=2, ready_workers={"prefill": 2, "decode": 1},
                                     push_bandwidth_Bps={"prefill-0": 1.5e9}))
     text = metrics.render().decode()
@@ -148,9 +148,9 @@ def test_metrics_text_declares_each_family_once():
     assert 'mooncake_ready_workers{role="decode"} 1.0' in text and 'mooncake_ready_workers{role="prefill"} 2.0' in text
     assert 'mooncake_kv_push_bandwidth_bytes_per_second{instance="prefill-0"} 1.5e+09' in text
     assert "mooncake_in_flight_requests 2.0" in text
-    assert 'mooncake_requests_total{endpoint="completions",status="200"} 1.0' in text
+    assert 'mooncake_requests_total{endpoint="completions",slo_class="default",status="200"} 1.0' in text
     assert 'mooncake_routes_total{kind="colocated"} 1.0' in text
-    assert 'mooncake_time_to_first_token_seconds_bucket{le="0.5"} 1.0' in text
+    assert 'mooncake_time_to_first_token_seconds_bucket{le="0.5",slo_class="default"} 1.0' in text
     for line in text.splitlines():
         if not line.startswith("#"):
             float(line.rsplit(" ", 1)[1])  # every sample ends in a number
@@ -173,8 +173,8 @@ def test_request_schema_sets_unknown_fields_aside_and_names_unsupported_ones():
     body = CompletionRequest(model="m", prompt="a", some_future_field=1, best_of=1, logprobs=0,
                              response_format={"type": "text"}, tool_choice="none")
     assert body.unknown_fields() == ["some_future_field"] and body.unsupported_option() is None
-    chat = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}], top_logprobs=3)
-    assert chat.unsupported_option()[0] == "top_logprobs"
+    chat = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}], tools=[{"type": "function"}])
+    assert chat.unsupported_option()[0] == "tools"
 
 
 def test_push_bandwidth_is_averaged_over_intervals_that_moved_enough_bytes():

@@ -68,7 +68,7 @@ def test_slo_rejection_is_429_with_retry_after_and_counted():
         r.pick("a", list(range(2000)), 8, now=0.0)
     assert info.value.status == 429 and info.value.code == "ttft_slo"
     assert int(info.value.headers["Retry-After"]) >= 1
-    assert r.metrics.value("mooncake_rejections_total", reason="ttft_slo") == 1
+    assert r.metrics.value("mooncake_rejections_total", reason="ttft_slo", slo_class="default") == 1
 
 
 def test_no_decode_worker_is_503_and_no_prefill_degrades_to_colocated():

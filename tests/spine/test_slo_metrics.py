@@ -9,10 +9,11 @@ import pytest
 
 from conductor.config import ConductorConfig
 from conductor.errors import APIError
-from conductor.metrics import DEFAULT_SLO_CLASS, SLO_OUTCOMES, ConductorMetrics, slo_outcome
+from conductor.metrics import SLO_OUTCOMES, ConductorMetrics, slo_outcome
 from conductor.schemas import CompletionRequest
 from conductor.serving import CompletionService
 from conductor.workers import WorkerError
+from mooncake.defaults import DEFAULT_SLO_CLASS
 from mooncake.protocol import GenerateChunk
 from tests.spine.test_lifecycle import Client, LetterTokenizer, drive
 from tests.spine.test_routing import pool_of, router

@@ -1,0 +1,103 @@
+"""One choice (one of the `n` samples) of an answer, built from the workers' chunks: its text,
+cut at stop strings, and its logprobs in the endpoint's shape. Pure: chunks in, events out."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from conductor.logprobs import CompletionLogprobs, TokenText, chat_content
+from conductor.textstream import IncrementalDetokenizer, StopStringMatcher
+from mooncake.protocol import GenerateChunk, PositionLogprobs
+
+
+@dataclass(frozen=True)
+class LogprobsWanted:
+    chat: bool
+    top: int  # completions: logprobs=N; chat: top_logprobs
+    text: TokenText
+
+
+@dataclass(frozen=True)
+class Echo:
+    """The prompt a completion echoes before its own text (`echo`)."""
+    text: str
+    token_ids: list[int]
+
+
+@dataclass
+class ChoiceEvent:
+    index: int
+    text: str
+    finish: str | None  # set on the choice's last event
+    logprobs: dict | None  # this piece's logprobs body (None when not asked)
+
+
+@dataclass
+class Choice:
+    index: int
+    tokenizer: object
+    stops: list[str]
+    wanted: LogprobsWanted | None = None
+    echo: Echo | None = None
+    count: int = 0  # tokens generated
+    done: bool = False
+    text: str = ""  # everything emitted so far
+    finish: str = "length"
+    logprobs: dict | None = None  # everything emitted so far (the non-streamed answer's)
+    _detok: IncrementalDetokenizer = field(init=False)
+    _stopper: StopStringMatcher = field(init=False)
+    _completion: CompletionLogprobs | None = field(init=False, default=None)
+    _echoed: bool = field(init=False, default=False)
+
+    def __post_init__(self):
+        self._detok = IncrementalDetokenizer(self.tokenizer)
+        self._stopper = StopStringMatcher(self.stops)
+        if self.wanted is not None:
+            if self.wanted.chat:
+                self.logprobs = {"content": []}
+            else:
+                self._completion = CompletionLogprobs(self.wanted.top, self.wanted.text)
+                self.logprobs = {"text_offset": [], "token_logprobs": [], "tokens": [], "top_logprobs": []}
+
+    def push(self, chunk: GenerateChunk, prompt_positions: list[PositionLogprobs | None]) -> ChoiceEvent | None:
+        """The event for this chunk (None when it adds nothing to send). `prompt_positions`: the
+        prompt's logprobs as far as known (needed for an echo with logprobs)."""
+        if self.done:
+            return None
+        self.count += len(chunk.token_ids)
+        prefix, ids, positions = "", list(chunk.token_ids), list(chunk.logprobs or ())
+        if self.echo is not None and not self._echoed:
+            self._echoed = True
+            prefix = self.echo.text
+            ids = self.echo.token_ids + ids
+            positions = list(prompt_positions or [None] * len(self.echo.token_ids)) + positions
+        result = self._stopper.push(self._detok.push(chunk.token_ids))
+        text, finish = result.text, None
+        if result.stopped:
+            finish = "stop"
+        elif chunk.finish_reason is not None:
+            tail = self._stopper.push(self._detok.flush())
+            text += tail.text + ("" if tail.stopped else self._stopper.flush())
+            finish = "stop" if tail.stopped else chunk.finish_reason
+        return self._event(prefix + text, finish, ids, positions)
+
+    def end(self) -> ChoiceEvent:
+        """The workers' stream ended without a finish reason for this choice."""
+        return self._event(self._stopper.flush(), "stop", [], [])
+
+    def _event(self, text: str, finish: str | None, ids: list[int], positions: list) -> ChoiceEvent | None:
+        if finish is not None:
+            self.done, self.finish = True, finish
+        self.text += text
+        piece = None
+        if self.wanted is not None and ids and positions:
+            if self._completion is not None:
+                piece = self._completion.body(ids, positions)
+                for key, values in piece.items():
+                    self.logprobs[key].extend(values)
+            else:
+                piece = {"content": chat_content(ids, positions, self.wanted.top, self.wanted.text)}
+                self.logprobs["content"].extend(piece["content"])
+        if not (text or finish or piece):
+            return None
+        return ChoiceEvent(self.index, text, finish, piece)

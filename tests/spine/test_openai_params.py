@@ -1,0 +1,235 @@
+"""The OpenAI parameters beyond plain sampling, piece by piece (no engine): request validation,
+logprobs bodies in vLLM's shapes, one choice's events, and the n-sample fan-out's order (the
+prompt prefilled once, the further samples started only once the first decodes). The real path
+is tested in tests/e2e/test_openai_params.py."""
+
+import asyncio
+
+import msgspec
+import pytest
+from pydantic import ValidationError
+
+from conductor.choices import Choice, Echo, LogprobsWanted
+from conductor.logprobs import CompletionLogprobs, TokenText, chat_content, prompt_logprobs_body
+from conductor.relay import Relay, RelayStats
+from conductor.routing import Route
+from conductor.schemas import ChatCompletionRequest, CompletionRequest
+from conductor.workers import WorkerHandle
+from mooncake.protocol import ENCODER, GenerateChunk, Sampling
+
+CHAT = [{"role": "user", "content": "x"}]
+
+
+class LetterTokenizer:
+    """Token i is the letter chr(ord('a') + i); 26 is a stop-free end marker."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(ord("a") + i) for i in ids)
+
+    def convert_ids_to_tokens(self, ids):
+        return [self.decode([i]) for i in ids]
+
+
+# -- validation ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("fields", [{"n": 0}, {"n": 17}, {"logprobs": 21}, {"logprobs": -1}, {"prompt_logprobs": 21}])
+def test_out_of_range_values_are_refused_by_the_schema(fields):
+    with pytest.raises(ValidationError):
+        CompletionRequest(model="m", prompt="a", **fields)
+
+
+@pytest.mark.parametrize("endpoint,fields,param", [
+    ("completions", {"suffix": "z"}, "suffix"),
+    ("completions", {"best_of": 2}, "best_of"),
+    ("completions", {"top_logprobs": 2}, "top_logprobs"),
+    ("completions", {"prompt_logprobs": 2, "stream": True}, "prompt_logprobs"),
+    ("chat", {"echo": True}, "echo"),
+    ("chat", {"tools": [{"type": "function"}]}, "tools"),
+    ("chat", {"tool_choice": "auto"}, "tool_choice"),
+])
+def test_options_not_implemented_are_named(endpoint, fields, param):
+    body = CompletionRequest(model="m", prompt="a", **fields) if endpoint == "completions" else \
+        ChatCompletionRequest(model="m", messages=CHAT, **fields)
+    assert body.unsupported_option()[0] == param
+
+
+def test_supported_options_pass_and_map_to_engine_values():
+    body = CompletionRequest(model="m", prompt="a", n=3, logprobs=2, echo=True, prompt_logprobs=0)
+    assert body.unsupported_option() is None
+    assert body.logprobs_top() == 2 and body.prompt_logprobs_top() == 0
+    assert CompletionRequest(model="m", prompt="a", echo=True, logprobs=4).prompt_logprobs_top() == 4
+    chat = ChatCompletionRequest(model="m", messages=CHAT, logprobs=True, top_logprobs=5, n=2)
+    assert chat.unsupported_option() is None and chat.logprobs_top() == 5
+    assert ChatCompletionRequest(model="m", messages=CHAT, logprobs=True).logprobs_top() == 0
+    assert ChatCompletionRequest(model="m", messages=CHAT).logprobs_top() is None
+
+
+def test_structured_outputs_from_every_spelling():
+    def s(**fields):
+        return ChatCompletionRequest(model="m", messages=CHAT, **fields).structured()
+
+    schema = {"type": "object"}
+    assert s() is None and s(response_format={"type": "text"}) is None
+    assert s(response_format={"type": "json_object"}) == ("json_object", "")
+    assert s(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}) == \
+        ("json", '{"type": "object"}')
+    assert s(structured_outputs={"regex": "a+"}) == ("regex", "a+")
+    assert s(structured_outputs={"choice": ["y", "n"]}) == ("choice", '["y", "n"]')
+    assert s(guided_json='{"type": "object"}') == ("json", '{"type": "object"}')
+    assert s(guided_grammar="root ::= \"a\"") == ("grammar", "root ::= \"a\"")
+    for bad, field in (({"response_format": {"type": "yaml"}}, "response_format"),
+                       ({"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format"),
+                       ({"structured_outputs": {"lark": "x"}}, "structured_outputs"),
+                       ({"structured_outputs": {"choice": []}}, "structured_outputs"),
+                       ({"guided_json": "{not json"}, "guided_json"),
+                       ({"guided_regex": "a", "structured_outputs": {"regex": "b"}}, "structured_outputs")):
+        with pytest.raises(ValueError) as info:
+            s(**bad)
+        assert str(info.value).startswith(field + ":")
+
+
+# -- wire --------------------------------------------------------------------------------------------
+
+def test_logprobs_cost_nothing_on_the_wire_when_not_asked():
+    assert ENCODER.encode(GenerateChunk([5], finish_reason="length")) == b'{"token_ids":[5],"finish_reason":"length"}'
+    chunk = GenerateChunk([5], logprobs=[[(5, -0.5, 1), (7, -1.5, 2)]])
+    back = msgspec.json.decode(ENCODER.encode(chunk), type=GenerateChunk)
+    assert back.logprobs == [[(5, -0.5, 1), (7, -1.5, 2)]]
+
+
+def test_engine_positions_keep_vllms_order_and_clamp_minus_infinity():
+    from collections import namedtuple
+
+    from mooncake.engine.engine import position_logprobs
+
+    lp = namedtuple("Logprob", "logprob rank decoded_token")
+    position = {9: lp(-2.0, 3, None), 1: lp(-0.1, 1, None), 4: lp(float("-inf"), 2, None)}
+    assert position_logprobs(position) == [(9, -2.0, 3), (1, -0.1, 1), (4, -9999.0, 2)]
+
+
+# -- bodies ------------------------------------------------------------------------------------------
+
+def test_completion_logprobs_list_k_plus_one_entries_and_continue_offsets():
+    text = TokenText(LetterTokenizer())
+    lp = CompletionLogprobs(1, text)
+    first = lp.body([2, 0], [None, [(0, -0.2, 2), (1, -0.1, 1), (3, -3.0, 3)]])
+    assert first == {"text_offset": [0, 1], "tokens": ["c", "a"], "token_logprobs": [None, -0.2],
+                     "top_logprobs": [None, {"a": -0.2, "b": -0.1}]}
+    assert lp.body([1], [[(1, -0.3, 1)]])["text_offset"] == [2]
+
+
+def test_chat_logprobs_list_k_entries_with_bytes():
+    content = chat_content([0], [[(0, -0.2, 1), (1, -1.1, 2)]], 1, TokenText(LetterTokenizer()))
+    assert content == [{"token": "a", "logprob": -0.2, "bytes": [97],
+                        "top_logprobs": [{"token": "a", "logprob": -0.2, "bytes": [97]}]}]
+    assert chat_content([0], [[(0, -0.2, 1)]], 0, TokenText(LetterTokenizer()))[0]["top_logprobs"] == []
+
+
+def test_prompt_logprobs_body_is_vllms():
+    body = prompt_logprobs_body([None, [(1, -0.5, 2), (0, -0.1, 1)]], TokenText(LetterTokenizer()))
+    assert body == [None, {"1": {"logprob": -0.5, "rank": 2, "decoded_token": "b"},
+                           "0": {"logprob": -0.1, "rank": 1, "decoded_token": "a"}}]
+
+
+def test_a_choice_echoes_cuts_at_stop_strings_and_keeps_logprobs():
+    wanted = LogprobsWanted(chat=False, top=0, text=TokenText(LetterTokenizer()))
+    choice = Choice(1, LetterTokenizer(), ["cd"], wanted, Echo("xy", [23, 24]))
+    prompt = [None, [(24, -1.0, 1)]]
+    first = choice.push(GenerateChunk([1, 2], logprobs=[[(1, -0.1, 1)], [(2, -0.2, 1)]]), prompt)
+    assert first.index == 1 and first.text == "xyb" and first.finish is None  # "c" held: it may start "cd"
+    assert first.logprobs["tokens"] == ["x", "y", "b", "c"] and first.logprobs["token_logprobs"][0] is None
+    last = choice.push(GenerateChunk([3, 4], logprobs=[[(3, -0.3, 1)], [(4, -0.4, 1)]]), prompt)
+    assert last.text == "" and last.finish == "stop" and choice.done and choice.text == "xyb"
+    assert choice.count == 4 and choice.logprobs["token_logprobs"] == [None, -1.0, -0.1, -0.2, -0.3, -0.4]
+    assert choice.push(GenerateChunk([5], finish_reason="length"), prompt) is None
+
+
+# -- n samples ---------------------------------------------------------------------------------------
+
+class FakeWorkers:
+    """Answers generate with tokens 1, 2, 3 (one per line, after a short pause), records every
+    request, and when each started relative to the first decode line."""
+
+    def __init__(self):
+        self.requests = []
+        self.decoding = False  # sample 0's decode stream has yielded a line
+        self.started_before_decoding = []
+        self.closed = 0
+
+    async def generate(self, worker, request):
+        self.requests.append((worker.name, request))
+        if "-s" in request.request_id:
+            self.started_before_decoding.append(not self.decoding)
+        tokens = [7] if request.sampling.max_tokens == 1 else [1, 2, 3]
+        try:
+            for i, token in enumerate(tokens):
+                await asyncio.sleep(0.01)
+                if request.request_id == "r-d1":
+                    self.decoding = True
+                last = i == len(tokens) - 1
+                yield GenerateChunk([token], finish_reason="length" if last else None,
+                                    num_cached_tokens=300 if i == 0 else None)
+        finally:
+            self.closed += 1
+
+    async def drop_transfer(self, worker, transfer_id):
+        pass
+
+
+def handle(name):
+    h = WorkerHandle(http_url=f"http://{name}", instance_id=name, kv_address=f"{name}:1")
+    return h
+
+
+def test_n_samples_prefill_once_and_siblings_wait_for_the_decode_worker():
+    async def main():
+        workers = FakeWorkers()
+        relay = Relay(workers, 5.0, lambda tried: None)
+        route = Route(handle("p"), handle("d"))
+        stats = RelayStats()
+        sampling = Sampling(max_tokens=4, seed=10, prompt_logprobs=1)
+        seen = [item async for item in relay.samples("r", [5] * 300, sampling, route, stats, 3)]
+        names = [r.request_id for _, r in workers.requests]
+        assert names.count("r-p") == 1 and sorted(names) == ["r-d1", "r-p", "r-s1-d1", "r-s2-d1"]
+        assert workers.started_before_decoding == [False, False]
+        for worker, request in workers.requests:
+            if "-s" in request.request_id:
+                index = int(request.request_id.split("-s")[1][0])
+                assert worker == route.decode.name and request.prompt_token_ids == [5] * 300
+                assert request.kv_transfer_params == {} and request.sampling.seed == 10 + index
+                assert request.sampling.prompt_logprobs is None
+        by_index = {i: [t for j, c in seen if j == i for t in c.token_ids] for i in range(3)}
+        assert by_index == {0: [7, 1, 2, 3], 1: [1, 2, 3], 2: [1, 2, 3]}
+        assert stats.sibling_cached_tokens == [300, 300]
+    asyncio.run(main())
+
+
+def test_closing_the_n_samples_stream_closes_every_worker_stream():
+    async def main():
+        workers = FakeWorkers()
+        relay = Relay(workers, 5.0, lambda tried: None)
+        stream = relay.samples("r", [5] * 10, Sampling(max_tokens=40), Route(handle("p"), handle("d")),
+                               RelayStats(), 3)
+        got = 0
+        async for _ in stream:
+            got += 1
+            if got == 4:
+                break
+        await stream.aclose()
+        assert workers.closed == len(workers.requests)
+    asyncio.run(main())
+
+
+def test_with_a_grammar_the_decode_worker_samples_every_token_from_the_loaded_prompt():
+    async def main():
+        workers = FakeWorkers()
+        relay = Relay(workers, 5.0, lambda tried: None)
+        sampling = Sampling(max_tokens=4, structured=("regex", "[0-9]+"), prompt_logprobs=0)
+        chunks = [c async for c in relay.run("r", [5] * 20, sampling, Route(handle("p"), handle("d")), RelayStats())]
+        (_, prefill), (_, decode) = workers.requests
+        assert prefill.sampling.structured is None and prefill.kv_transfer_params["mooncake_push"]["num_tokens"] == 20
+        assert decode.sampling.structured == ("regex", "[0-9]+") and decode.prompt_token_ids == [5] * 20
+        assert decode.kv_transfer_params["mooncake_pull"]["num_tokens"] == 20 and decode.sampling.max_tokens == 4
+        assert decode.sampling.prompt_logprobs is None
+        assert [t for c in chunks for t in c.token_ids] == [1, 2, 3]  # P's token (7) is not part of the answer
+    asyncio.run(main())
