@@ -136,3 +136,17 @@ def test_every_outcome_series_exists_at_zero_before_any_request():
     ("200", 1.0, None, "met"), ("200", 2.0, 0.5, "met")])
 def test_slo_outcome(status, ttft, tbt, want):
     assert slo_outcome(status, ttft, tbt, TTFT_SLO, TBT_SLO) == want
+
+
+def test_a_request_is_judged_by_its_own_slo():
+    """The same pace misses the default TBT SLO (0.5 s) and meets a request's own 1 s one."""
+    clock = Clock()
+    service = service_with(TimedRelay(clock, tokens=6, ttft=1.0, tbt=0.8))
+
+    async def main():
+        for headers in ({}, {"X-Mooncake-SLO-TBT-Ms": "1000"}):
+            req = await service.prepare(CompletionRequest(model="m", prompt=PROMPT, max_tokens=6), headers)
+            await service.serve(req, "completions")
+
+    asyncio.run(main())
+    assert outcomes(service.metrics) == {"met": 1, "missed_tbt": 1}
