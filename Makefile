@@ -10,7 +10,7 @@ ENGINE_EXTRA := $(if $(GPU),gpu,cpu)
 PORT      ?= 8000
 ARGS      ?=
 
-.PHONY: setup serve test test-fast etcd helm-tools model clean help
+.PHONY: setup serve test test-fast etcd helm-tools monitoring-tools model clean help
 
 help:
 	@echo "make serve   set up, then serve SmolLM2-135M on http://127.0.0.1:$(PORT)/v1 (Ctrl-C stops)"
@@ -42,13 +42,19 @@ helm-tools:
 	@{ command -v go && test -d /usr/share/gocode/src/github.com/Masterminds/sprig && test -d /usr/share/gocode/src/sigs.k8s.io/yaml; } >/dev/null 2>&1 || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq golang-go golang-github-masterminds-sprig-dev golang-k8s-sigs-yaml-dev >/dev/null; }
 	@go version
 
+# promtool checks and unit-tests deploy/prometheus/ (tests/deploy/); the prometheus server itself
+# is what README's "Watching a running cluster" runs.
+monitoring-tools:
+	@command -v promtool >/dev/null 2>&1 || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null; }
+	@promtool --version 2>&1 | head -1
+
 serve: setup
 	$(PY) -m mooncake.cli serve --port $(PORT) $(ARGS)
 
-test: setup etcd helm-tools
+test: setup etcd helm-tools monitoring-tools
 	$(PY) -m pytest -q -rs $(ARGS)
 
-test-fast: setup helm-tools
+test-fast: setup helm-tools monitoring-tools
 	$(PY) -m pytest -q -m "not vllm and not etcd" $(ARGS)
 
 clean:

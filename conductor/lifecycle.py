@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator, Callable
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from conductor.metrics import ConductorMetrics
+from conductor.metrics import ConductorMetrics, slo_outcome
 from conductor.relay import RelayStats
 from conductor.routing import Route, Router
 from conductor.slo import RequestSLO
@@ -43,6 +43,8 @@ class RequestLife:
         self.slo = slo  # its class, priority and SLOs (conductor/slo.py); slo_class labels its metrics
         self.status: str | None = None  # the HTTP status answered, once known; None: the client left
         self.first_token_at: float | None = None
+        self.last_token_at: float | None = None
+        self.tokens = 0  # generated so far, as relayed to the client
         self.chunks: AsyncIterator[GenerateChunk] | None = None  # the workers' stream, once started
         self.stats: RelayStats | None = None  # what the relay saw, measured times included
         self.released = False
@@ -77,6 +79,22 @@ class RequestLife:
             self._metrics.ttft_prediction.observe(ttft / decision.predicted_ttft_s)
         return now
 
+    def relayed(self, tokens: int, now: float) -> None:
+        """`tokens` generated so far, the last of them relayed at `now` (for the mean TBT)."""
+        self.tokens, self.last_token_at = tokens, now
+
+    def slo_targets(self) -> tuple[str, float, float]:
+        """(SLO class, TTFT SLO s, mean TBT SLO s) this request is judged by: its own."""
+        return self.slo.slo_class, self.slo.ttft_s, self.slo.tbt_s
+
+    def _count_slo(self) -> None:
+        slo_class, ttft_slo_s, tbt_slo_s = self.slo_targets()
+        ttft = None if self.first_token_at is None else self.first_token_at - self.arrived
+        mean_tbt = None
+        if self.tokens >= 2 and self.last_token_at is not None and self.first_token_at is not None:
+            mean_tbt = (self.last_token_at - self.first_token_at) / (self.tokens - 1)
+        self._metrics.count_slo(slo_class, slo_outcome(self.status, ttft, mean_tbt, ttft_slo_s, tbt_slo_s))
+
     async def release(self) -> None:
         """Give everything back; idempotent. The accounting is done before the one await (closing
         the workers' stream aborts their requests), so a cancellation there cannot skip it."""
@@ -95,6 +113,7 @@ class RequestLife:
             self._metrics.e2e.labels(slo_class=self.slo_class).observe(now - self.arrived)
         self._metrics.requests.labels(endpoint=self.endpoint, status=self.status or CLIENT_GONE,
                                       slo_class=self.slo_class).inc()
+        self._count_slo()
         chunks, self.chunks = self.chunks, None
         if chunks is not None:
             await chunks.aclose()  # aborts the workers' requests if they are still running

@@ -1,4 +1,5 @@
-"""The conductor's own metrics: what users saw (status codes, TTFT, TBT, end-to-end latency).
+"""The conductor's own metrics: what users saw (status codes, TTFT, TBT, end-to-end latency),
+whether each request met its SLO (goodput), and how long scheduling took.
 
 Each app builds its own ConductorMetrics, with its own CollectorRegistry: nothing is registered
 in prometheus_client's process-wide default registry, so two conductors in one process (tests)
@@ -15,9 +16,20 @@ from typing import Any
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
+from mooncake import defaults
+
 _LATENCY_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0)
 _TBT_S = (0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 1.0, 2.0)
 _RATIO = (0.25, 0.5, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0)
+_SCHEDULE_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)
+
+SLO_OUTCOMES = ("met", "missed_ttft", "missed_tbt", "failed", "refused", "cancelled")
+"""How a request ended, judged against its SLO (mooncake_slo_requests_total's `outcome`):
+met: answered in full with TTFT and mean TBT within the SLO (this is goodput); missed_ttft: the
+first token came too late; missed_tbt: it did not, but the mean gap between tokens was too long;
+failed: an error answer after admission (a worker failed); refused: 429/503 before any work
+(admission, no capacity, no worker); cancelled: the client left before the end (not judged:
+attainment leaves it out)."""
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -130,6 +142,28 @@ class ConductorMetrics:
             "the profile table is optimistic for this hardware, and SLO admission lets through requests "
             "that will miss).", buckets=_RATIO, registry=r)
 
+        self.slo_requests = Counter(
+            "mooncake_slo_requests", "Requests by SLO class and outcome: met, missed_ttft, missed_tbt, failed, "
+            "refused, cancelled (conductor/metrics.py SLO_OUTCOMES says what each means).",
+            ["slo_class", "outcome"], registry=r)
+        self.goodput = Counter(
+            "mooncake_goodput_requests", "Requests answered in full with TTFT and mean TBT within their SLO, by "
+            "SLO class; rate() is goodput in requests per second.", ["slo_class"], registry=r)
+        self.schedule = Histogram(
+            "mooncake_schedule_seconds", "Time to choose a request's route: hash its blocks, snapshot the cluster, "
+            "ask the scheduling core; refusals included (seconds).", buckets=_SCHEDULE_S, registry=r)
+        # The default class's series are present from the first scrape, at zero: a rate over a series that appears only with its
+        # first event misses that event, and alerts on a ratio see no data instead of zero.
+        for outcome in SLO_OUTCOMES:
+            self.slo_requests.labels(slo_class=defaults.DEFAULT_SLO_CLASS, outcome=outcome)
+        self.goodput.labels(slo_class=defaults.DEFAULT_SLO_CLASS)
+
+    def count_slo(self, slo_class: str, outcome: str) -> None:
+        """One request's SLO outcome (one of SLO_OUTCOMES); a met one is goodput too."""
+        self.slo_requests.labels(slo_class=slo_class, outcome=outcome).inc()
+        if outcome == "met":
+            self.goodput.labels(slo_class=slo_class).inc()
+
     def watch(self, read: Callable[[], LiveState]) -> None:
         """Serve the scrape-time gauges from `read` (called once per scrape). Call once per app."""
         self.registry.register(_LiveCollector(read))
@@ -141,3 +175,19 @@ class ConductorMetrics:
     def value(self, name: str, **labels: str) -> float:
         """One sample's current value by its exposed name (0 when never set); for tests and tools."""
         return self.registry.get_sample_value(name, labels) or 0.0
+
+
+def slo_outcome(status: str | None, ttft_s: float | None, mean_tbt_s: float | None, ttft_slo_s: float,
+                tbt_slo_s: float) -> str:
+    """How an admitted request ended, against its SLO (SLO_OUTCOMES). `status` is the HTTP
+    status answered (None: the client left first); `mean_tbt_s` is None with fewer than two
+    tokens, which has no gap to judge."""
+    if status is None:
+        return "cancelled"
+    if status != "200" or ttft_s is None:
+        return "failed"
+    if ttft_s > ttft_slo_s:
+        return "missed_ttft"
+    if mean_tbt_s is not None and mean_tbt_s > tbt_slo_s:
+        return "missed_tbt"
+    return "met"

@@ -185,9 +185,12 @@ class CompletionService:
                 raise APIError(429, f"{self.in_flight} requests are in progress (limit "
                                     f"{self.config.max_in_flight}); retry shortly",
                                code="overloaded", headers={"Retry-After": "1"})
-            route = self.router.pick(req.request_id, req.prompt, req.sampling.max_tokens, self.clock(), slo=req.slo)
+            with self.metrics.schedule.time():
+                route = self.router.pick(req.request_id, req.prompt, req.sampling.max_tokens, self.clock(),
+                                         slo=req.slo)
         except APIError as exc:
             self.metrics.requests.labels(endpoint=endpoint, status=str(exc.status), slo_class=req.slo.slo_class).inc()
+            self.metrics.count_slo(req.slo.slo_class, "refused")  # 429 or 503: refused before any work
             raise
         return RequestLife(req.request_id, endpoint, req.arrived, route, self.router, self.metrics, self.live,
                            self.clock, req.slo)
@@ -283,6 +286,7 @@ class CompletionService:
             last = now
             prompt_positions.extend(chunk.prompt_logprobs or ())
             event = choices[index].push(chunk, prompt_positions)
+            life.relayed(max(c.count for c in choices), now)  # n > 1: the longest choice's pace
             if event is not None:
                 yield event
             if all(c.done for c in choices):

@@ -19,6 +19,7 @@ import xxhash
 
 from decode.load_planner import LoadSpec
 from decode.staging import KVStaging, StagedLayer, StagedTransfer, StagingConfig
+from messenger.stats import TransportStats
 from messenger.tcp import TcpConfig, TcpServer
 
 # Under "vllm." so the messages show in vLLM's worker processes, whose logging vLLM configures.
@@ -47,10 +48,11 @@ class _PendingLoad:
 
 
 class KVReceiver:
-    def __init__(self, host: str, port: int, block_size: int, staging: StagingConfig, tcp: TcpConfig):
+    def __init__(self, host: str, port: int, block_size: int, staging: StagingConfig, tcp: TcpConfig,
+                 transport: TransportStats | None = None):
         self._block_size = block_size
         self._staging = KVStaging(staging)
-        self._server = TcpServer(host, port, self._on_frame, tcp)
+        self._server = TcpServer(host, port, self._on_frame, tcp, transport)
         self._kv_caches: dict[str, torch.Tensor] = {}
         self._layer_index: dict[str, int] = {}
         self._pending: dict[str, _PendingLoad] = {}

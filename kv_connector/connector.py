@@ -29,6 +29,7 @@ from decode.kv_receiver import KVReceiver
 from decode.load_planner import LoadPlanner
 from decode.staging import StagingConfig
 from kv_connector.metadata import ServeConnectorMetadata
+from messenger.stats import TransportStats
 from messenger.tcp import TcpConfig
 from mooncake.control import ControlEndpoint, ControlServer
 from prefill.kv_sender import KVSender
@@ -55,16 +56,18 @@ class MooncakeServeConnector(KVConnectorBase_V1):
         self._sender: KVSender | None = None
         self._receiver: KVReceiver | None = None
         self._control: ControlServer | None = None
+        self._transport: TransportStats | None = None
         if role == KVConnectorRole.SCHEDULER:
             self._pushes, self._loads = PushPlanner(block_size), LoadPlanner(block_size)
             return
         # With a cluster token, every KV connection proves a key derived from it (messenger/handshake.py).
         auth_key = extra.get("kv_auth_key")
         tcp = TcpConfig(auth_key=bytes.fromhex(auth_key) if auth_key else None)
-        self._sender = KVSender(tcp)
+        self._transport = TransportStats()  # both directions of this engine's KV traffic
+        self._sender = KVSender(tcp, self._transport)
         self._receiver = KVReceiver(
             host=str(extra.get("kv_host", "127.0.0.1")), port=int(extra.get("kv_port", 0)),
-            block_size=block_size, tcp=tcp,
+            block_size=block_size, tcp=tcp, transport=self._transport,
             staging=StagingConfig(capacity_bytes=int(extra.get("staging_bytes", 4 << 30)),
                                   ttl_s=float(extra.get("staging_ttl_s", 120.0))),
         )
@@ -122,7 +125,8 @@ class MooncakeServeConnector(KVConnectorBase_V1):
         op = request.get("op")
         if op == "stats":
             stats = {**self._sender.stats(), **self._receiver.stats()}
-            return {"ok": True, "stats": stats, "staged_bytes": stats.pop("staged_bytes")}
+            return {"ok": True, "stats": stats, "staged_bytes": stats.pop("staged_bytes"),
+                    "messenger": {"tcp": self._transport.snapshot()}}
         if op == "drop":
             self._receiver.drop(str(request.get("transfer_id")))
             return {"ok": True}

@@ -11,11 +11,13 @@ from __future__ import annotations
 import logging
 import socket
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from messenger.handshake import HandshakeError, client_handshake, server_handshake
+from messenger.stats import TransportStats
 from messenger.wire import WireError, recv_frame, send_frame
 
 log = logging.getLogger(__name__)
@@ -67,9 +69,11 @@ def _tune(sock: socket.socket) -> None:
 class TcpServer:
     """Accepts connections on HOST:PORT and answers each frame with `handler`'s reply."""
 
-    def __init__(self, host: str, port: int, handler: Handler, config: TcpConfig = TcpConfig()):
+    def __init__(self, host: str, port: int, handler: Handler, config: TcpConfig = TcpConfig(),
+                 stats: TransportStats | None = None):
         self._handler = handler
         self._config = config
+        self.stats = stats or TransportStats()
         self._listener = socket.create_server((host, port), reuse_port=False, backlog=64)
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._accept_loop, name="kv-tcp-accept", daemon=True)
@@ -111,18 +115,19 @@ class TcpServer:
                 return
             while not self._closed.is_set():
                 try:
-                    header, payload = recv_frame(conn)
+                    header, payload, size = recv_frame(conn)
                 except (WireError, OSError) as exc:
                     if not isinstance(exc, WireError) or "after 0 of" not in str(exc):
                         log.debug("connection from %s ended: %s", peer, exc)
                     return
+                self.stats.moved(received=size)
                 try:
                     reply = self._handler(header, payload)
                 except Exception as exc:  # the peer must get an answer, never a hang
                     log.exception("handler failed for %s", header.get("op"))
                     reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
                 try:
-                    send_frame(conn, reply)
+                    self.stats.moved(sent=send_frame(conn, reply))
                 except OSError:
                     return
 
@@ -142,8 +147,9 @@ class TcpServer:
 class TcpClient:
     """Sends frames to peers and waits for their reply. Thread-safe; one connection per peer."""
 
-    def __init__(self, config: TcpConfig = TcpConfig()):
+    def __init__(self, config: TcpConfig = TcpConfig(), stats: TransportStats | None = None):
         self._config = config
+        self.stats = stats or TransportStats()
         self._conns: dict[str, socket.socket] = {}
         self._locks: dict[str, threading.Lock] = {}
         self._guard = threading.Lock()
@@ -164,8 +170,11 @@ class TcpClient:
                     if sock is None:
                         sock = self._connect(address)
                         self._conns[address] = sock
-                    send_frame(sock, header, payload)
-                    reply, _ = recv_frame(sock)
+                    started = time.perf_counter()
+                    sent = send_frame(sock, header, payload)
+                    reply, _, received = recv_frame(sock)
+                    self.stats.request(time.perf_counter() - started)
+                    self.stats.moved(sent=sent, received=received)
                     break
                 except (OSError, WireError) as exc:
                     self._drop(address)

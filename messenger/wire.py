@@ -46,13 +46,15 @@ def decode_prefix(prefix: bytes) -> tuple[int, int]:
     return header_len, payload_len
 
 
-def send_frame(sock: socket.socket, header: dict[str, Any], payload: Any = b"") -> None:
-    """Send one frame. `payload` is anything exposing the buffer protocol (bytes, numpy, memoryview)."""
+def send_frame(sock: socket.socket, header: dict[str, Any], payload: Any = b"") -> int:
+    """Send one frame; returns its size in bytes. `payload` is anything exposing the buffer
+    protocol (bytes, numpy, memoryview)."""
     header_bytes = json.dumps(header, separators=(",", ":")).encode()
     view = memoryview(payload).cast("B") if payload is not None else memoryview(b"")
     sock.sendall(encode_prefix(header_bytes, view.nbytes) + header_bytes)
     if view.nbytes:
         sock.sendall(view)
+    return PREFIX_SIZE + len(header_bytes) + view.nbytes
 
 
 def recv_exactly(sock: socket.socket, n: int) -> bytearray:
@@ -67,8 +69,9 @@ def recv_exactly(sock: socket.socket, n: int) -> bytearray:
     return buf
 
 
-def recv_frame(sock: socket.socket) -> tuple[dict[str, Any], bytearray]:
-    """Read one frame. Raises WireError on a closed or misbehaving peer."""
+def recv_frame(sock: socket.socket) -> tuple[dict[str, Any], bytearray, int]:
+    """Read one frame: (header, payload, the frame's size in bytes). Raises WireError on a
+    closed or misbehaving peer."""
     header_len, payload_len = decode_prefix(bytes(recv_exactly(sock, PREFIX_SIZE)))
     try:
         header = json.loads(recv_exactly(sock, header_len))
@@ -77,4 +80,4 @@ def recv_frame(sock: socket.socket) -> tuple[dict[str, Any], bytearray]:
     if not isinstance(header, dict):
         raise WireError("frame header is not a JSON object")
     payload = recv_exactly(sock, payload_len) if payload_len else bytearray()
-    return header, payload
+    return header, payload, PREFIX_SIZE + header_len + payload_len

@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass
 import torch
 import xxhash
 
+from messenger.stats import TransportStats
 from messenger.tcp import TcpClient, TcpConfig
 from prefill.push_planner import SaveSpec
 
@@ -41,8 +42,8 @@ class SenderStats:
 
 
 class KVSender:
-    def __init__(self, tcp: TcpConfig):
-        self._client = TcpClient(tcp)
+    def __init__(self, tcp: TcpConfig, transport: TransportStats | None = None):
+        self._client = TcpClient(tcp, transport)
         self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-push")
         self._layer_index: dict[str, int] = {}
         self._in_flight: list[tuple[SaveSpec, Future]] = []

@@ -41,6 +41,7 @@ from mooncake.engine.config import WorkerConfig
 from mooncake.engine.engine import build_engine, kv_capacity_tokens, run_request
 from mooncake.engine.kv_events import BlockEventLog, BlockHashTranslator, KVEventSubscriber
 from mooncake.engine.metrics import WorkerMetrics
+from mooncake.engine.stat_logger import engine_stat_logger
 
 log = logging.getLogger(__name__)
 
@@ -141,7 +142,7 @@ def create_app(config: WorkerConfig, kv_port: int, events_port: int, control: Co
         # state.load() reads in_flight without racing _stream's changes to it (and takes microseconds).
         # A connector that does not answer gives empty stats: its counters are left out of this scrape.
         stats = await asyncio.to_thread(_connector_stats, state.control)
-        body = state.metrics.render(state.load(), stats.get("stats", {}))
+        body = state.metrics.render(state.load(), stats.get("stats", {}), stats.get("messenger", {}))
         return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     @app.post("/internal/abort")
@@ -206,7 +207,8 @@ async def _stream(state: WorkerState, gen: GenerateRequest):
 async def _start_engine(state: WorkerState) -> None:
     try:
         # Building the engine blocks for tens of seconds; keep the event loop (and /health) free.
-        engine = await asyncio.to_thread(build_engine, state.config, state.kv_port, state.events_port, state.control)
+        engine = await asyncio.to_thread(build_engine, state.config, state.kv_port, state.events_port, state.control,
+                                         [engine_stat_logger(state.metrics)])
         state.block_size, state.kv_capacity_tokens = kv_capacity_tokens(engine)
         state.subscriber = KVEventSubscriber(f"tcp://127.0.0.1:{state.events_port}", state.event_log,
                                              BlockHashTranslator()).start()

@@ -29,7 +29,10 @@ def set_engine_environment(config: WorkerConfig) -> None:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO")
 
 
-def build_engine(config: WorkerConfig, kv_port: int, events_port: int, control: ControlEndpoint) -> "AsyncLLM":
+def build_engine(config: WorkerConfig, kv_port: int, events_port: int, control: ControlEndpoint,
+                 stat_loggers: list | None = None) -> "AsyncLLM":
+    """`stat_loggers`: vLLM stat logger factories, called with the engine's figures after each
+    step (mooncake/engine/stat_logger.py)."""
     set_engine_environment(config)
     # Imported here: importing vLLM takes seconds and must follow the environment above.
     from vllm.config import KVEventsConfig, KVTransferConfig
@@ -65,7 +68,7 @@ def build_engine(config: WorkerConfig, kv_port: int, events_port: int, control: 
         kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",
                                         endpoint=f"tcp://127.0.0.1:{events_port}", topic="kv"),
     )
-    return AsyncLLM.from_engine_args(args)
+    return AsyncLLM.from_engine_args(args, stat_loggers=stat_loggers)
 
 
 def sampling_params(request: GenerateRequest):

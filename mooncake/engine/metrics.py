@@ -2,15 +2,17 @@
 
 Each WorkerMetrics owns its own CollectorRegistry (never the library's global one), so two
 workers in one process, or two tests, never share values. The request counters and the
-first-token histogram live in that registry. The load gauges and the connector's counters are
-not instruments: they are read fresh at each scrape and handed to `render`, which wraps them in
-one-shot collectors.
+first-token histogram live in that registry, and so do the engine's own figures (its running
+batch, its queue, its KV cache usage, the tokens it prefilled and decoded), which vLLM hands to
+EngineStatLogger after each engine step. The load gauges, the connector's counters and the
+messenger's are not instruments: they are read fresh at each scrape and handed to `render`,
+which wraps them in one-shot collectors.
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 _TTFT_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 # Connector counters (ConnectorStats field -> metric name, help text). prometheus_client drops the
@@ -28,6 +30,8 @@ _KV_COUNTERS = {
     "load_timeouts": ("mooncake_kv_load_timeouts_total", "Loads whose KV never arrived in time."),
     "checksum_failures": ("mooncake_kv_checksum_failures_total", "Layers refused for a bad checksum."),
 }
+# Where the KV of a prompt token the engine did not compute came from (vLLM's PromptTokenStats).
+CACHE_SOURCES = ("local_cache_hit", "external_kv_transfer")
 # WorkerState.load() field -> gauge name, help text.
 _LOAD_GAUGES = {
     "running_requests": ("mooncake_worker_running_requests", "Requests in the engine now."),
@@ -60,6 +64,38 @@ class ConnectorCounters:
                 yield CounterMetricFamily(name, help_text, value=self._stats[key])
 
 
+class MessengerMetrics:
+    """The messenger's transport counters (messenger/stats.py snapshots, by transport, fetched
+    with the connector's stats at scrape time) as a byte counter and a request latency
+    histogram per transport. Left out, like the connector's, when the connector did not answer."""
+
+    def __init__(self, transports: dict):
+        self._transports = transports
+
+    def collect(self):
+        if not self._transports:
+            return
+        moved = CounterMetricFamily("mooncake_messenger_bytes", "Bytes moved by the KV messenger (frames whole: "
+                                    "prefix, header, payload), by transport and direction (sent, received).",
+                                    labels=["transport", "direction"])
+        latency = HistogramMetricFamily(
+            "mooncake_messenger_request_seconds", "Round trip of one messenger request, from the first byte sent "
+            "to the reply (a pushed KV layer: send, the receiver's checksum and staging, the acknowledgement; "
+            "seconds).", labels=["transport"])
+        for transport, snap in sorted(self._transports.items()):
+            moved.add_metric([transport, "sent"], snap["sent_bytes"])
+            moved.add_metric([transport, "received"], snap["received_bytes"])
+            seconds = snap["request_seconds"]
+            buckets = [(_le(bound), count) for bound, count in zip(seconds["le"], seconds["cumulative"])]
+            latency.add_metric([transport], buckets + [("+Inf", seconds["count"])], sum_value=seconds["sum"])
+        yield moved
+        yield latency
+
+
+def _le(bound: float) -> str:
+    return repr(float(bound))  # prometheus_client's own spelling of a bucket bound: 0.001, 1.0
+
+
 class WorkerMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
@@ -73,12 +109,34 @@ class WorkerMetrics:
         self.first_token = Histogram("mooncake_worker_first_token_seconds",
                                      "Arrival to first token on this worker (seconds).",
                                      buckets=_TTFT_BUCKETS_S, registry=self.registry)
+        # The engine's own figures (EngineStatLogger sets them after each engine step).
+        self.engine_running = Gauge("mooncake_worker_engine_running_requests",
+                                    "Requests in the engine's running batch (vLLM's scheduler).", registry=self.registry)
+        self.engine_waiting = Gauge("mooncake_worker_engine_waiting_requests",
+                                    "Requests waiting in the engine's queue (vLLM's scheduler).", registry=self.registry)
+        self.kv_cache_usage = Gauge("mooncake_worker_kv_cache_usage_ratio",
+                                    "Fraction of the engine's KV cache blocks in use (ratio, 0 to 1).",
+                                    registry=self.registry)
+        self.prefill_tokens = Counter(
+            "mooncake_worker_prefill_tokens", "Prompt tokens the engine computed: neither found in its prefix "
+            "cache nor loaded from pushed KV (tokens; rate() is prefill tokens per second).", registry=self.registry)
+        self.decode_tokens = Counter(
+            "mooncake_worker_decode_tokens", "Tokens the engine generated (tokens; rate() is decode tokens per "
+            "second).", registry=self.registry)
+        self.cached_prompt_tokens = Counter(
+            "mooncake_worker_cached_prompt_tokens", "Prompt tokens the engine did not compute, by where their KV "
+            "came from: local_cache_hit (its own prefix cache), external_kv_transfer (pushed by a prefill "
+            "worker) (tokens).", ["source"], registry=self.registry)
+        for source in CACHE_SOURCES:
+            self.cached_prompt_tokens.labels(source=source)
 
-    def render(self, load: dict, kv: dict) -> bytes:
-        """The Prometheus text for one scrape: the instruments plus `load` and `kv`, read by the
-        caller just now. The scrape's registry is thrown away after; only self.registry persists."""
+    def render(self, load: dict, kv: dict, messenger: dict | None = None) -> bytes:
+        """The Prometheus text for one scrape: the instruments plus `load`, `kv` and `messenger`
+        (transport -> snapshot), read by the caller just now. The scrape's registry is thrown away
+        after; only self.registry persists."""
         scrape = CollectorRegistry()
         scrape.register(self.registry)
         scrape.register(LoadGauges(load))
         scrape.register(ConnectorCounters(kv))
+        scrape.register(MessengerMetrics(messenger or {}))
         return generate_latest(scrape)
