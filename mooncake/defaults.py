@@ -46,6 +46,9 @@ KV_CACHE_GIB = 1
 """KV cache per worker, whole GiB (VLLM_CPU_KVCACHE_SPACE)."""
 REGISTRY_TTL_S = 5.0
 """A worker that stops refreshing its registration leaves routing after this."""
+DRAIN_TIMEOUT_S = 20.0
+"""On SIGTERM a worker or conductor stops taking work and waits this long at most for the
+requests in flight (mooncake/drain.py); keep an orchestrator's kill grace above it + 10 s."""
 
 # --- ports ---------------------------------------------------------------------------------
 CONDUCTOR_PORT = 8000

@@ -74,7 +74,7 @@ class WorkerHealth(msgspec.Struct, frozen=True):
     role: str = ""  # "prefill" | "decode" | "both"
     model: str = ""
     kv_address: str = ""
-    status: str = "unknown"  # "starting" | "ready" | "failed"
+    status: str = "unknown"  # "starting" | "ready" | "failed" | "draining" (SIGTERM, mooncake/drain.py)
     error: str | None = None
 
 
