@@ -76,9 +76,14 @@ class Replicas(EtcdCluster):
         raise AssertionError(f"prefix indexes differ: A {a} blocks, B {b} blocks (want >= {at_least})")
 
     def stop(self) -> None:
-        super().stop()
-        if self.conductor_b is not None:
-            self.conductor_b.stop()
+        """All at once (each drains on SIGTERM; one by one they would wait for each other)."""
+        procs = [p for p in (*self.workers.values(), self.conductor, self.conductor_b) if p is not None and p.alive()]
+        for proc in procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.process.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 20
+        for proc in procs:
+            proc.stop(grace_s=max(0.1, deadline - time.monotonic()))  # waits, then SIGKILLs the group
 
 
 @pytest.fixture(scope="module")
