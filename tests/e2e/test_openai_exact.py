@@ -82,13 +82,15 @@ def test_chat_identical_to_colocated(reference, disaggregated_api, stream):
     assert chat_texts(disaggregated_api, stream, disaggregated=True) == reference["chat"]
 
 
-def test_decode_loaded_prompt_kv_and_computed_only_new_tokens(spine_cluster):
+def test_decode_loaded_prompt_kv_and_computed_only_new_tokens(spine_cluster, disaggregated_api):
     """The decode worker must take the whole prompt from the connector: vLLM reports every
-    prompt token as cached (not computed), and the connector counts the loaded tokens."""
+    prompt token as cached (not computed), and the connector counts the loaded tokens.
+    Through the fixed-roles conductor: with flexible roles the decode worker may prefill the
+    request itself (it does once the prefix index shows it holding prompts it decoded)."""
     decode = spine_cluster.worker_urls["decode"]
     before = httpx.get(decode + "/internal/kv_stats").json()["stats"]
     prompt = "A unique prompt for the recompute check: " + " ".join(f"item-{i}" for i in range(400))
-    resp = httpx.post(spine_cluster.api + "/completions", timeout=300, json={
+    resp = httpx.post(disaggregated_api + "/completions", timeout=300, json={
         "model": MODEL_NAME, "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True})
     assert resp.status_code == 200, resp.text
     body = resp.json()
