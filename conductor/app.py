@@ -28,6 +28,7 @@ from conductor.serving import CompletionService
 from conductor.workers import WorkerClient, WorkerPool
 from mooncake.auth import ClusterTokenGuard, token_headers
 from mooncake.body_limit import BodyLimitMiddleware
+from mooncake.drain import Drain, wait_idle
 from mooncake.registry import ClusterView, MemoryRegistry, RegistryConfig, ViewConfig, open_registry
 from mooncake.registry.http import registry_router
 
@@ -83,6 +84,7 @@ def create_app(config: ConductorConfig) -> FastAPI:
     app.state.config = config
     app.state.metrics = ConductorMetrics()
     app.state.started = int(time.time())
+    app.state.drain = Drain()
     install_error_handlers(app)
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes)
     # Added last, so they run first: an unauthenticated request is refused before its body is read.
@@ -125,7 +127,9 @@ def create_app(config: ConductorConfig) -> FastAPI:
         # Ready to serve when some worker can decode: with flexible roles, any ready worker can.
         ok = bool(pool.ready("decode")) or (config.scheduler.flexible_roles and any(h.ready for h in pool.all()))
         view = request.app.state.view
-        body = {"status": "ok" if ok else "unavailable", "ready": {"prefill": len(pool.ready("prefill")),
+        draining = request.app.state.drain.active  # SIGTERM: a balancer takes this replica out
+        ok = ok and not draining
+        body = {"status": "draining" if draining else "ok" if ok else "unavailable", "ready": {"prefill": len(pool.ready("prefill")),
                 "decode": len(pool.ready("decode"))}, "workers": workers,
                 "registry": {"url": config.registry_url or "embedded", "instances": len(view),
                              "outage_since": view.outage_since},
@@ -146,6 +150,19 @@ def create_app(config: ConductorConfig) -> FastAPI:
         return {"profile": request.app.state.profile, "instances": estimators_report(router)}
 
     return app
+
+
+async def drain_conductor(app: FastAPI) -> None:
+    """SIGTERM (mooncake/drain.py): /health turns 503 while requests still reaching this replica
+    are answered; returns when none is in flight, or when the grace period ends."""
+    config: ConductorConfig = app.state.config
+    app.state.drain.begin(time.monotonic())
+    service = getattr(app.state, "service", None)  # None: SIGTERM before the lifespan started
+    busy = (lambda: service.in_flight) if service is not None else (lambda: 0)
+    log.info("draining: %d requests in flight, waiting up to %.0f s", busy(), config.drain_timeout_s)
+    left = await wait_idle(busy, config.drain_timeout_s)
+    if left:
+        log.warning("drain grace of %.0f s over with %d requests in flight", config.drain_timeout_s, left)
 
 
 def estimators_report(router: Router) -> dict:

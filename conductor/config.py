@@ -103,6 +103,9 @@ class ConductorConfig:
     slo_bounds: SLOBounds = field(default_factory=SLOBounds)
     """What a request may set itself: its priority and its TTFT and TBT SLOs (conductor/slo.py).
     The SLO classes it may name are the scheduler's (slo_classes) and `default`."""
+    drain_timeout_s: float = defaults.DRAIN_TIMEOUT_S
+    """On SIGTERM: /health says 503 draining, and the server waits this long at most for the
+    requests in flight before it exits (mooncake/drain.py)."""
 
     def __post_init__(self) -> None:
         if not self.served_model_name:
@@ -113,3 +116,5 @@ class ConductorConfig:
             raise ValueError("max_model_len, max_body_bytes and max_in_flight are too small")
         if self.token_timeout_s <= 0 or self.kv_wait_timeout_s <= 0 or self.health_interval_s <= 0:
             raise ValueError("timeouts and intervals must be positive")
+        if self.drain_timeout_s < 0:
+            raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")

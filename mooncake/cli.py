@@ -60,7 +60,10 @@ def _check_serve(args: argparse.Namespace) -> list[str]:
 def _check_conductor(args: argparse.Namespace) -> list[str]:
     from conductor.cli_args import check_scheduler_args
 
-    return check_scheduler_args(args) + _auth_errors(args)
+    errors = check_scheduler_args(args) + _auth_errors(args)
+    if args.drain_timeout < 0:
+        errors.append(f"--drain-timeout must be >= 0 seconds, got {args.drain_timeout:g}")
+    return errors
 
 
 def _auth_errors(args: argparse.Namespace) -> list[str]:
@@ -78,8 +81,9 @@ def _auth_errors(args: argparse.Namespace) -> list[str]:
 def _cmd_conductor(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from conductor.app import create_app
+    from conductor.app import create_app, drain_conductor
     from conductor.config import ConductorConfig
+    from mooncake.drain import DrainingServer
 
     from conductor.auth import load_api_keys
     from conductor.cli_args import scheduler_config, slo_bounds
@@ -96,9 +100,11 @@ def _cmd_conductor(args: argparse.Namespace) -> int:
         kv_wait_timeout_s=args.kv_wait_timeout,
         registry_url=registry_url(args), registry_ttl_s=args.registry_ttl, scheduler=scheduler_config(args),
         profile=args.profile, dtype=Dtype(args.dtype), slo_bounds=slo_bounds(args),
+        drain_timeout_s=args.drain_timeout,
     )
-    uvicorn.run(create_app(config), host=args.host, port=args.port, log_level="info",
-                log_config=uvicorn_log_config())
+    app = create_app(config)
+    DrainingServer(uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
+                                  log_config=uvicorn_log_config()), drain=lambda: drain_conductor(app)).run()
     return 0
 
 
@@ -186,6 +192,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="seconds before a silent worker leaves routing")
     cond.add_argument("--dtype", default=str(defaults.DTYPE), choices=[str(d) for d in Dtype],
                       help="the workers' dtype: picks the bundled profile table measured in it")
+    cond.add_argument("--drain-timeout", type=float, default=defaults.DRAIN_TIMEOUT_S,
+                      help="on SIGTERM, /health turns 503 and the conductor waits this long at most for "
+                           "the requests in flight")
     add_scheduler_arguments(cond)
     cond.set_defaults(func=_cmd_conductor, check=_check_conductor, subparser=cond)
 

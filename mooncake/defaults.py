@@ -48,6 +48,9 @@ REGISTRY_TTL_S = 5.0
 """A worker that stops refreshing its registration leaves routing after this."""
 MAX_BODY_BYTES = 16 << 20
 """Larger HTTP request bodies are refused with 413 before they are parsed (conductor and workers)."""
+DRAIN_TIMEOUT_S = 20.0
+"""On SIGTERM a worker or conductor stops taking work and waits this long at most for the
+requests in flight (mooncake/drain.py); keep an orchestrator's kill grace above it + 10 s."""
 
 # --- ports ---------------------------------------------------------------------------------
 CONDUCTOR_PORT = 8000

@@ -91,7 +91,7 @@ class WorkerHealth(msgspec.Struct, frozen=True):
     role: str = ""  # "prefill" | "decode" | "both"
     model: str = ""
     kv_address: str = ""
-    status: str = "unknown"  # "starting" | "ready" | "failed"
+    status: str = "unknown"  # "starting" | "ready" | "failed" | "draining" (SIGTERM, mooncake/drain.py)
     error: str | None = None
     cluster_token_accepted: bool | None = None
     """Whether the caller's X-Mooncake-Cluster-Token would open the internal API (None: the

@@ -2,7 +2,7 @@
 
   POST /internal/generate   GenerateRequest JSON -> NDJSON stream of GenerateChunk
   POST /internal/abort      {"request_id": ...}
-  GET  /health              200 when the engine is ready, 503 while it starts or after it died
+  GET  /health              200 when the engine is ready, 503 while it starts, after it died, or draining
   GET  /internal/load       what is queued and running here (for routing)
   GET  /internal/kv_stats   the KV connector's counters
   GET  /internal/kv_events  ?since=SEQ: prefix blocks stored/removed here (conductor's index)
@@ -35,6 +35,7 @@ from mooncake import defaults
 from mooncake.auth import TOKEN_HEADER, ClusterTokenGuard, token_matches
 from mooncake.body_limit import BodyLimitMiddleware
 from mooncake.control import ControlEndpoint, ControlError, control_call
+from mooncake.drain import Drain, wait_idle
 from mooncake.protocol import (ABORT_DECODER, DROP_DECODER, REQUEST_DECODER, GenerateChunk, GenerateRequest,
                                encode_chunk_line)
 from mooncake.engine.config import WorkerConfig
@@ -69,6 +70,7 @@ class WorkerState:
     engine_error: str | None = None
     in_flight: dict[str, InFlight] = field(default_factory=dict)
     metrics: WorkerMetrics = field(default_factory=WorkerMetrics)
+    drain: Drain = field(default_factory=Drain)
 
     def load(self) -> dict:
         queued = sum(r.prompt_tokens for r in self.in_flight.values() if r.first_token_at is None)
@@ -112,6 +114,8 @@ def create_app(config: WorkerConfig, kv_port: int, events_port: int, control: Co
                 "kv_address": f"{config.public_host}:{state.kv_port}"}
         if config.cluster_token is not None:  # so a conductor with another token knows why it is refused
             body["cluster_token_accepted"] = token_matches(request.headers.get(TOKEN_HEADER), config.cluster_token)
+        if state.drain.active:  # leaving: the conductors stop routing here
+            return JSONResponse({**body, "status": "draining"}, status_code=503)
         if state.engine_error:
             return JSONResponse({**body, "status": "failed", "error": state.engine_error}, status_code=503)
         if state.engine is None:
@@ -169,8 +173,9 @@ def create_app(config: WorkerConfig, kv_port: int, events_port: int, control: Co
     @app.post("/internal/generate")
     async def generate(request: Request):
         state: WorkerState = request.app.state.worker
-        if state.engine is None:
-            return JSONResponse({"error": "engine is not ready"}, status_code=503)
+        if state.engine is None or state.drain.active:  # the conductor retries it on another worker
+            return JSONResponse({"error": "worker is draining" if state.drain.active else "engine is not ready"},
+                                status_code=503)
         try:
             gen = REQUEST_DECODER.decode(await request.body())
         except msgspec.DecodeError as exc:  # ValidationError too; its text names the field
@@ -215,7 +220,7 @@ async def _start_engine(state: WorkerState) -> None:
         state.engine = engine
         log.info("%s worker %s ready (block size %d, KV capacity %d tokens)", state.config.role,
                  state.config.instance_id, state.block_size, state.kv_capacity_tokens)
-        if state.config.registry_url:
+        if state.config.registry_url and not state.drain.active:
             state.register_task = asyncio.create_task(_register(state))
     except Exception as exc:  # noqa: BLE001 - surfaced by /health
         log.exception("engine failed to start")
@@ -251,6 +256,25 @@ async def _register(state: WorkerState) -> None:
     # The registry (etcd, or the conductor) may not be up yet: keep trying, 0.2 s to 5 s apart.
     await retrying(0.2, 5.0, RegistryUnavailable)(registry.register, info, ttl_s=c.registry_ttl_s)
     log.info("registered %s at %s", c.instance_id, c.registry_url)
+
+
+async def drain_worker(state: WorkerState) -> None:
+    """SIGTERM (mooncake/drain.py): leave routing, then wait for the requests in flight."""
+    state.drain.begin(time.monotonic())
+    log.info("draining %s: %d requests in flight, waiting up to %.0f s", state.config.instance_id,
+             len(state.in_flight), state.config.drain_timeout_s)
+    if state.register_task is not None:
+        state.register_task.cancel()  # still retrying a first registration: never complete it
+    if state.registry is not None:
+        try:  # every conductor's watch drops this instance now, not at its lease's end
+            await asyncio.wait_for(state.registry.deregister(state.config.instance_id), 5.0)
+        except Exception as exc:  # noqa: BLE001 - /health already says draining; the lease expires anyway
+            log.warning("deregistering %s failed: %r", state.config.instance_id, exc)
+    left = await wait_idle(lambda: len(state.in_flight), state.config.drain_timeout_s)
+    if left:
+        log.warning("drain grace of %.0f s over with %d requests in flight", state.config.drain_timeout_s, left)
+    else:
+        log.info("drained %s", state.config.instance_id)
 
 
 async def _close_registry(state: WorkerState) -> None:

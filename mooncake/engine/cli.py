@@ -44,6 +44,8 @@ def add_worker_arguments(parser: argparse.ArgumentParser, default_port: int) -> 
     parser.add_argument("--registry-ttl", type=float, default=defaults.REGISTRY_TTL_S,
                         help="seconds after which a silent worker leaves routing")
     add_token_arguments(parser)
+    parser.add_argument("--drain-timeout", type=float, default=defaults.DRAIN_TIMEOUT_S,
+                        help="on SIGTERM, leave routing and wait this long at most for requests in flight")
 
 
 def check_worker_args(args: argparse.Namespace) -> list[str]:
@@ -51,6 +53,8 @@ def check_worker_args(args: argparse.Namespace) -> list[str]:
     errors = engine_option_errors(args.kv_cache_gib, args.block_size, args.chunk_size)
     if args.max_model_len < 16:
         errors.append(f"--max-model-len must be >= 16, got {args.max_model_len}")
+    if args.drain_timeout < 0:
+        errors.append(f"--drain-timeout must be >= 0 seconds, got {args.drain_timeout:g}")
     return errors + token_errors(args)
 
 
@@ -65,7 +69,8 @@ def worker_config(args: argparse.Namespace, role: WorkerRole, model_path: str) -
         max_model_len=args.max_model_len, kv_cache_gib=args.kv_cache_gib, cpu_bind=args.cpu_bind,
         max_num_batched_tokens=args.chunk_size, enable_prefix_caching=not args.no_prefix_caching,
         block_size=args.block_size, registry_url=registry_url(args), registry_ttl_s=args.registry_ttl,
-        cluster_token=token_from_args(args), etcd_credentials=EtcdCredentials.from_env(), **extra,
+        cluster_token=token_from_args(args), etcd_credentials=EtcdCredentials.from_env(),
+        drain_timeout_s=args.drain_timeout, **extra,
     )
 
 

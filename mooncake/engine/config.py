@@ -50,6 +50,8 @@ class WorkerConfig:
     socket's handshake key (mooncake/auth.py). None only with --insecure-no-cluster-token."""
     etcd_credentials: EtcdCredentials | None = None
     """The etcd user to log in as when etcd's authentication is on (MOONCAKE_ETCD_USER/PASSWORD)."""
+    drain_timeout_s: float = defaults.DRAIN_TIMEOUT_S
+    """On SIGTERM: how long to wait for the requests in flight after leaving routing."""
 
     def __post_init__(self) -> None:
         if self.role not in tuple(WorkerRole):
@@ -60,6 +62,8 @@ class WorkerConfig:
         object.__setattr__(self, "dtype", Dtype(self.dtype))
         if not 0 <= self.port < 65536 or not 0 <= self.kv_port < 65536:
             raise ValueError("ports must be in 0..65535")
+        if self.drain_timeout_s < 0:
+            raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
         if self.max_model_len < 16:
             raise ValueError(f"max_model_len must be >= 16, got {self.max_model_len}")
         errors = engine_option_errors(self.kv_cache_gib, self.block_size, self.max_num_batched_tokens)

@@ -102,7 +102,13 @@ class BlockEventLog:
 
 
 class KVEventSubscriber:
-    """Reads the engine's ZMQ event stream in a thread and feeds the log."""
+    """Reads the engine's ZMQ event stream in a thread and feeds the log.
+
+    This side binds the loopback endpoint and vLLM's publisher connects to it: vLLM binds only a
+    wildcard (`tcp://*:P`, every interface) or ipc endpoint and connects to any other, so with
+    both sides connecting (as before) no event ever arrived and the conductors' prefix index
+    stayed empty. The publisher retries its connection until this side listens (it is started once
+    the engine is up), and the engine stores no block before it serves a request."""
 
     def __init__(self, endpoint: str, log_: BlockEventLog, translator: BlockHashTranslator):
         self._endpoint = endpoint
@@ -128,7 +134,13 @@ class KVEventSubscriber:
         sock = ctx.socket(zmq.SUB)
         sock.setsockopt(zmq.SUBSCRIBE, b"")
         sock.setsockopt(zmq.RCVTIMEO, 500)
-        sock.connect(self._endpoint)
+        try:
+            sock.bind(self._endpoint)
+        except zmq.ZMQError:
+            log.exception("cannot listen for KV events on %s; the conductors will not see this "
+                          "worker's cache", self._endpoint)
+            sock.close(linger=0)
+            return
         last_seq = -1
         while not self._stop.is_set():
             try:

@@ -9,7 +9,8 @@ import uvicorn
 from mooncake.net import free_port
 from mooncake.control import ControlEndpoint
 from mooncake.logs import configure_logging
-from mooncake.engine.app import create_app
+from mooncake.drain import DrainingServer
+from mooncake.engine.app import create_app, drain_worker
 from mooncake.engine.config import WorkerConfig
 
 
@@ -22,5 +23,8 @@ def run_worker(config: WorkerConfig) -> None:
     logging.getLogger(__name__).info(
         "%s worker %s: http %s, kv %s:%d, model %s", config.role, config.instance_id,
         config.http_url, config.public_host, kv_port, config.model)
-    uvicorn.run(create_app(config, kv_port, events_port, ControlEndpoint.new()), host=config.host, port=config.port,
-                log_level="warning", timeout_graceful_shutdown=5)
+    app = create_app(config, kv_port, events_port, ControlEndpoint.new())
+    server = DrainingServer(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
+                                           timeout_graceful_shutdown=5),
+                            drain=lambda: drain_worker(app.state.worker))
+    server.run()

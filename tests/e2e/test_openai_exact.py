@@ -84,8 +84,9 @@ def test_chat_identical_to_colocated(reference, disaggregated_api, stream):
 
 def test_decode_loaded_prompt_kv_and_computed_only_new_tokens(spine_cluster, disaggregated_api):
     """The decode worker must take the whole prompt from the connector: vLLM reports every
-    prompt token as cached (not computed), and the connector counts the loaded tokens. Through
-    the fixed-roles conductor: with flexible roles the request may be served whole on one worker."""
+    prompt token as cached (not computed), and the connector counts the loaded tokens.
+    Through the fixed-roles conductor: with flexible roles the decode worker may prefill the
+    request itself (it does once the prefix index shows it holding prompts it decoded)."""
     decode = spine_cluster.worker_urls["decode"]
     before = httpx.get(decode + "/internal/kv_stats", headers=spine_cluster.internal_headers).json()["stats"]
     prompt = "A unique prompt for the recompute check: " + " ".join(f"item-{i}" for i in range(400))
