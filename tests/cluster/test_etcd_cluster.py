@@ -124,6 +124,7 @@ def test_shared_prefix_goes_to_the_prefill_instance_that_holds_it(cluster):
     deadline = time.monotonic() + 10
     while cluster.health()["prefix_index_blocks"] < 5 and time.monotonic() < deadline:
         time.sleep(0.2)
+    assert cluster.health()["prefix_index_blocks"] >= 5, "the workers' KV events never reached the index"
     for i in range(3):
         resp = complete(cluster.api, prefix + f" Another question number {i}?")
         assert resp.status_code == 200, resp.text

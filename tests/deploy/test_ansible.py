@@ -140,13 +140,6 @@ def test_rendered_units_are_valid_and_run_options_the_cli_takes(tmp_path):
     assert set(units) == {"mooncake-etcd", "mooncake-conductor", "mooncake-prefill", "mooncake-decode"}
     assert not (deploy / "etc" / "supervisord.conf").exists()  # nothing started, no stand-in
 
-    analyze = shutil.which("systemd-analyze")
-    if analyze is None:
-        pytest.skip("systemd-analyze not installed: the units' commands were checked, not the unit files")
-    checked = [p for name, p in units.items() if name != "mooncake-etcd" or os.access(etcd, os.X_OK)]
-    proc = subprocess.run([analyze, "verify", "--man=no", *map(str, checked)], capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 0 and not proc.stderr.strip(), proc.stderr
-
     token_file, keys_file = deploy / "etc" / "cluster-token", deploy / "etc" / "api-keys"
     assert token_file.exists() == HAS_TOKEN and keys_file.exists() == HAS_KEYS
     if HAS_TOKEN:
@@ -165,10 +158,21 @@ def test_rendered_units_are_valid_and_run_options_the_cli_takes(tmp_path):
         assert getattr(namespace, "api_keys_file", None) == (str(keys_file) if HAS_KEYS and role == "conductor" else None)
         env = dict(shlex.split(e)[0].split("=", 1) for e in settings["Environment"])
         assert env["MOONCAKE_CACHE_DIR"] and env["HOME"] == str(deploy / "state")
+        # SIGTERM reaches the main process only (it drains while vLLM's engine keeps serving), and
+        # SIGKILL waits longer than the drain.
+        assert settings["KillMode"] == ["mixed"]
+        assert float(settings["TimeoutStopSec"][0]) >= namespace.drain_timeout + 10
     conductor = parse_cli(shlex.split(unit_settings(units["mooncake-conductor"])["ExecStart"][0])[1:])
     assert conductor.port == 8300 and conductor.ttft_slo == 10
     prefill = parse_cli(shlex.split(unit_settings(units["mooncake-prefill"])["ExecStart"][0])[1:])
     assert prefill.cpu_bind == "0-3" and prefill.instance_id == "prefill-localhost"
+
+    analyze = shutil.which("systemd-analyze")
+    if analyze is None:
+        pytest.skip("systemd-analyze not installed: the units' commands were checked, not the unit files")
+    checked = [p for name, p in units.items() if name != "mooncake-etcd" or os.access(etcd, os.X_OK)]
+    proc = subprocess.run([analyze, "verify", "--man=no", *map(str, checked)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and not proc.stderr.strip(), proc.stderr
 
 
 def test_install_tasks_put_the_project_into_a_fresh_venv_once(tmp_path):

@@ -35,12 +35,9 @@ RULE_FILES = ("recording.yml", "alerts.yml")
 DASHBOARD = ROOT / "deploy" / "grafana" / "mooncake-dashboard.json"
 KUBE_VERSIONS = ("1.27.0", kubernetes_validate.latest_version())  # the chart's kubeVersion floor; the newest
 MOONCAKE_COMPONENTS = ("conductor", "prefill", "decode")
-# Decided names (helper brief) whose options land with the auth work; until the CLI has them, the
-# command-line check lets these two through unparsed, and checks them like the rest once it does.
-# A worker or conductor drains for up to this long on SIGTERM (the drain lands with the replicas
-# work; its default is 20 s); Kubernetes must not kill it sooner.
 SECRETS_DIR = "/etc/mooncake/secrets"  # the chart's mooncake.secretsDir
-DRAIN_TIMEOUT_S = getattr(defaults, "DRAIN_TIMEOUT_S", 20.0)
+# A worker or conductor drains for up to this long on SIGTERM; Kubernetes must not kill it sooner.
+DRAIN_TIMEOUT_S = defaults.DRAIN_TIMEOUT_S
 
 VARIANTS = {
     "default": None,
