@@ -6,11 +6,9 @@ ready workers and the conductor's own ledger, asks the core, and turns the answe
 or an HTTP refusal (429 with Retry-After, counted by reason). It also keeps the ledger current
 as requests pass their first token and finish (each admitted request's RequestLife calls it).
 
-A kvcache-centric decision may carry `fetch_from`: the core priced pulling the prefix from a
-hot instance, but the cluster cannot move blocks between instances yet (that needs the KVCache
-store), so the prefill instance recomputes what it does not hold. The predicted TTFT of such a
-decision (the x-mooncake-predicted-ttft-ms header, the TTFT prediction ratio) assumes a fetch
-that does not happen, and is optimistic by the difference.
+The live scheduler config has `remote_fetch` off: the cluster cannot move blocks between
+instances until the KVCache pool lands (store/), so a decision never carries `fetch_from` and
+each instance is priced by the prefix it holds itself.
 
 Each instance is priced with its own calibrated estimators: the router feeds the prefill and
 decode-step times the workers measured (`measured`) to that instance's calibration

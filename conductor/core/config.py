@@ -72,6 +72,11 @@ class SchedulerConfig:
     kvcache_balancing_threshold: float = 1.5
     """Algorithm 1: fetch the best holder's longer prefix when best_len / local_len reaches
     this ratio; below it, recompute locally (a short extra prefix is not worth a transfer)."""
+    remote_fetch: bool = True
+    """Whether an instance can pull another's prefix blocks (Algorithm 1's fetch_from). The
+    simulator models it; the live cluster cannot carry it out until the KVCache pool lands
+    (store/, issue #14), so there it is off and an instance is priced by what it holds itself:
+    pricing a fetch that never happens routes prompts away from the instance that caches them."""
     conditional_disaggregation: bool = True
     """Let kvcache-centric prefill a short prompt on its decode instance (section 4)."""
     colocate_max_new_tokens: int = 2048

@@ -115,7 +115,7 @@ def _price(prompt: int, local_blocks: int, holder: InstanceState | None, best_bl
     are applied (prefill_s is the prior's):
     fetch the best holder's longer prefix if best/local reaches the threshold (or it holds
     none), else recompute beyond its own prefix."""
-    fetch = holder is not None and best_blocks > local_blocks and (
+    fetch = cfg.remote_fetch and holder is not None and best_blocks > local_blocks and (
         local_blocks == 0 or best_blocks / local_blocks >= cfg.kvcache_balancing_threshold)
     if fetch:
         assert holder is not None

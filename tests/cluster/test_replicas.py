@@ -48,12 +48,9 @@ class Replicas(EtcdCluster):
         # A generous TTFT SLO: these tests are about routing and failures on two shared cores.
         # Never prefilled on the decode worker: it holds every prompt it decoded too, and a prompt
         # whose uncached tail fits one step would be served there, whichever prefill worker holds it.
-        # cache-aware: each prefill worker priced with what it holds itself. kvcache-centric also
-        # prices a worker holding none of the prefix as if it fetched it from the holder (a fetch
-        # the cluster cannot make before the KVCache store exists), so two workers whose calibrated
-        # speeds differ (one just restarted) may tie the other way, and the prefix is recomputed.
-        proc = self.start_conductor("--ttft-slo", "600", "--no-conditional-disaggregation",
-                                    "--policy", "cache-aware", port=port)
+        # The default policy (kvcache-centric): with no KVCache pool yet the live conductor never
+        # prices a fetch from the holder (remote_fetch off), so the holder is the cheapest choice.
+        proc = self.start_conductor("--ttft-slo", "600", "--no-conditional-disaggregation", port=port)
         if port == self.port:
             self.conductor = proc
         else:

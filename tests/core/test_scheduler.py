@@ -41,6 +41,25 @@ def test_kvcache_centric_fetches_hot_prefix_from_busy_holder():
     assert d.predicted_ttft_s == pytest.approx(0.09 + 0.1)
 
 
+def test_without_remote_fetch_an_instance_is_priced_by_what_it_holds():
+    """The live cluster (no KVCache pool yet) cannot fetch: p0 would recompute all 1000 tokens
+    (1 s), so the holder wins while its queue is shorter than that, and p0 only past it."""
+    s = state(prefill("p0"), prefill("p1", queued=0.5), decode("d0"), index=idx(p1=90))
+    d = scheduler(policy="kvcache-centric", admission="none", remote_fetch=False).schedule(request(1000), s, 0.0)
+    assert (d.prefill_instance, d.fetch_from, d.cached_prefix_tokens, d.fetched_blocks) == ("p1", None, 900, 0)
+    assert d.predicted_ttft_s == pytest.approx(0.5 + 0.1)
+    s = state(prefill("p0"), prefill("p1", queued=5.0), decode("d0"), index=idx(p1=90))
+    d = scheduler(policy="kvcache-centric", admission="none", remote_fetch=False).schedule(request(1000), s, 0.0)
+    assert (d.prefill_instance, d.fetch_from, d.cached_prefix_tokens) == ("p0", None, 0)
+
+
+def test_the_live_scheduler_never_prices_a_fetch():
+    from conductor.config import live_scheduler_config
+
+    assert live_scheduler_config().remote_fetch is False
+    assert SchedulerConfig().remote_fetch is True  # the simulator models fetches
+
+
 def test_threshold_below_ratio_recomputes_locally():
     # p0 holds 60 blocks, best holder 90: ratio 1.5. Threshold 2 -> p0 recomputes the 30 extra blocks.
     s = state(prefill("p0"), prefill("p1", queued=5.0), decode("d0"), index=idx(p0=60, p1=90))
