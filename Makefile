@@ -41,6 +41,8 @@ etcd:
 helm-tools:
 	@{ command -v go && test -d /usr/share/gocode/src/github.com/Masterminds/sprig && test -d /usr/share/gocode/src/sigs.k8s.io/yaml; } >/dev/null 2>&1 || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq golang-go golang-github-masterminds-sprig-dev golang-k8s-sigs-yaml-dev >/dev/null; }
 	@go version
+	@# systemd-analyze verifies the ansible role's unit files (tests/deploy/test_ansible.py); nothing starts systemd.
+	@command -v systemd-analyze >/dev/null 2>&1 || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends systemd >/dev/null; }
 
 # promtool checks and unit-tests deploy/prometheus/ (tests/deploy/); the prometheus server itself
 # is what README's "Watching a running cluster" runs.
