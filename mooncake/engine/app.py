@@ -58,7 +58,7 @@ class InFlight:
 class WorkerState:
     config: WorkerConfig
     kv_port: int
-    events_port: int
+    events_port: int  # where vLLM publishes KV events: the subscriber's port (0 = any, until it binds)
     control: ControlEndpoint
     engine: object | None = None
     block_size: int = 0
@@ -87,6 +87,12 @@ def create_app(config: WorkerConfig, kv_port: int, events_port: int, control: Co
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         state: WorkerState = app.state.worker
+        # Listen for the engine's KV events before it is built and told the port, so nothing can
+        # take the port in between; a bind that fails raises here and uvicorn stops the start-up.
+        # (Its reading thread starts once the engine is up, since it imports vLLM; ZMQ queues what
+        # arrives meanwhile.)
+        state.subscriber = KVEventSubscriber(state.event_log, BlockHashTranslator(), state.events_port)
+        state.events_port = state.subscriber.port
         starter = asyncio.create_task(_start_engine(state))
         yield
         starter.cancel()
@@ -95,7 +101,7 @@ def create_app(config: WorkerConfig, kv_port: int, events_port: int, control: Co
         if state.registry is not None:
             await _close_registry(state)
         if state.subscriber is not None:
-            state.subscriber.stop()
+            await asyncio.to_thread(state.subscriber.stop)  # its thread notices within 0.5 s
         engine = state.engine
         if engine is not None:
             engine.shutdown()
@@ -215,8 +221,7 @@ async def _start_engine(state: WorkerState) -> None:
         engine = await asyncio.to_thread(build_engine, state.config, state.kv_port, state.events_port, state.control,
                                          [engine_stat_logger(state.metrics)])
         state.block_size, state.kv_capacity_tokens = kv_capacity_tokens(engine)
-        state.subscriber = KVEventSubscriber(f"tcp://127.0.0.1:{state.events_port}", state.event_log,
-                                             BlockHashTranslator()).start()
+        state.subscriber.start()
         state.engine = engine
         log.info("%s worker %s ready (block size %d, KV capacity %d tokens)", state.config.role,
                  state.config.instance_id, state.block_size, state.kv_capacity_tokens)

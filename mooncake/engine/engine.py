@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from mooncake.auth import kv_key
 from mooncake.control import ControlEndpoint
 from mooncake.engine.config import WorkerConfig
+from mooncake.engine.kv_events import publisher_endpoint
 from mooncake.protocol import GenerateChunk, GenerateRequest
 
 if TYPE_CHECKING:
@@ -66,7 +67,7 @@ def build_engine(config: WorkerConfig, kv_port: int, events_port: int, control: 
         ),
         # vLLM's own block stored/removed events feed the conductor's global prefix index.
         kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",
-                                        endpoint=f"tcp://127.0.0.1:{events_port}", topic="kv"),
+                                        endpoint=publisher_endpoint(events_port), topic="kv"),
     )
     return AsyncLLM.from_engine_args(args, stat_loggers=stat_loggers)
 

@@ -101,46 +101,82 @@ class BlockEventLog:
         return len(self._held)
 
 
+EVENTS_HOST = "127.0.0.1"  # the engine runs on this worker's machine; nothing else may publish here
+
+
+def publisher_endpoint(port: int) -> str:
+    """The endpoint handed to vLLM's KVEventsConfig: a plain (non-wildcard) tcp address, which
+    vLLM's ZmqEventPublisher connects to, so this worker's subscriber must be the side that binds."""
+    return f"tcp://{EVENTS_HOST}:{port}"
+
+
+class KVEventsUnavailable(RuntimeError):
+    """The worker cannot listen for its engine's KV events: without them no conductor would ever
+    see this worker's cache, so the worker must not start as if all were well."""
+
+
 class KVEventSubscriber:
     """Reads the engine's ZMQ event stream in a thread and feeds the log.
 
     This side binds the loopback endpoint and vLLM's publisher connects to it: vLLM binds only a
     wildcard (`tcp://*:P`, every interface) or ipc endpoint and connects to any other, so with
     both sides connecting (as before) no event ever arrived and the conductors' prefix index
-    stayed empty. The publisher retries its connection until this side listens (it is started once
-    the engine is up), and the engine stores no block before it serves a request."""
+    stayed empty. The socket is bound here, in the constructor, BEFORE the engine is built and
+    told the port: a port picked earlier and bound later could be taken in between, and a bind
+    that fails raises KVEventsUnavailable instead of leaving a worker that looks ready but is
+    missing from every conductor's index. `port=0` lets the OS pick a free one (`.port` says which).
 
-    def __init__(self, endpoint: str, log_: BlockEventLog, translator: BlockHashTranslator):
-        self._endpoint = endpoint
+    One owner, one release: whoever constructs it calls stop(), which ends the reading thread and
+    closes the socket (the thread closes it on its way out, since a ZMQ socket must not be used by
+    two threads at once; stop() closes it itself when the thread never started)."""
+
+    def __init__(self, log_: BlockEventLog, translator: BlockHashTranslator, port: int = 0):
+        import zmq
+
         self._log = log_
         self._translator = translator
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kv-events", daemon=True)
+        self._sock = zmq.Context.instance().socket(zmq.SUB)
+        self._sock.setsockopt(zmq.SUBSCRIBE, b"")
+        self._sock.setsockopt(zmq.RCVTIMEO, 500)
+        try:
+            if port == 0:
+                port = self._sock.bind_to_random_port(f"tcp://{EVENTS_HOST}")
+            else:
+                self._sock.bind(publisher_endpoint(port))
+        except zmq.ZMQError as exc:
+            self._sock.close(linger=0)
+            raise KVEventsUnavailable(
+                f"cannot listen for the engine's KV events on {publisher_endpoint(port)}: {exc}; "
+                "the conductors would not see this worker's cache") from exc
+        self.port = port
+        self.endpoint = publisher_endpoint(port)
 
     def start(self) -> "KVEventSubscriber":
         self._thread.start()
         return self
 
-    def stop(self) -> None:
+    def stop(self, timeout_s: float = 5.0) -> None:
         self._stop.set()
+        if self._thread.ident is None:  # never started: nobody else holds the socket
+            self._sock.close(linger=0)
+        else:
+            self._thread.join(timeout_s)  # it polls every 0.5 s, then closes the socket
 
     def _run(self) -> None:
+        try:
+            self._receive()
+        finally:
+            self._sock.close(linger=0)
+
+    def _receive(self) -> None:
         import msgspec
         import zmq
         from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 
         decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
-        ctx = zmq.Context.instance()
-        sock = ctx.socket(zmq.SUB)
-        sock.setsockopt(zmq.SUBSCRIBE, b"")
-        sock.setsockopt(zmq.RCVTIMEO, 500)
-        try:
-            sock.bind(self._endpoint)
-        except zmq.ZMQError:
-            log.exception("cannot listen for KV events on %s; the conductors will not see this "
-                          "worker's cache", self._endpoint)
-            sock.close(linger=0)
-            return
+        sock = self._sock
         last_seq = -1
         while not self._stop.is_set():
             try:
@@ -162,4 +198,3 @@ class KVEventSubscriber:
                 elif isinstance(event, AllBlocksCleared):
                     self._translator.cleared()
                     self._log.cleared()
-        sock.close(linger=0)

@@ -19,11 +19,12 @@ def run_worker(config: WorkerConfig) -> None:
     # The conductor must know where to push KV before the engine (which binds it) is up, so
     # the port is chosen here rather than by the engine.
     kv_port = config.kv_port or free_port(config.kv_host)
-    events_port = free_port()  # vLLM publishes its KV events here; only this worker listens
     logging.getLogger(__name__).info(
         "%s worker %s: http %s, kv %s:%d, model %s", config.role, config.instance_id,
         config.http_url, config.public_host, kv_port, config.model)
-    app = create_app(config, kv_port, events_port, ControlEndpoint.new())
+    # Events port 0: the worker binds a free one for vLLM's KV events itself, before it builds the
+    # engine (mooncake/engine/kv_events.py), so no other process can take it in between.
+    app = create_app(config, kv_port, 0, ControlEndpoint.new())
     server = DrainingServer(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
                                            timeout_graceful_shutdown=5),
                             drain=lambda: drain_worker(app.state.worker))
