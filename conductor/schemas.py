@@ -125,7 +125,8 @@ class _SamplingFields(BaseModel):
             if kind == "json_object":
                 found.append(("response_format", "json_object", True))
             elif kind == "json_schema":
-                schema = (rf.get("json_schema") or {}).get("schema")
+                spec = rf.get("json_schema")
+                schema = spec.get("schema") if isinstance(spec, dict) else None
                 if not isinstance(schema, dict):
                     raise ValueError("response_format: json_schema.schema must be a JSON schema object")
                 found.append(("response_format", "json", schema))
@@ -152,6 +153,8 @@ class _SamplingFields(BaseModel):
                 value = json.loads(value)
             except ValueError as exc:
                 raise ValueError(f"{field_name}: the JSON schema is not valid JSON: {exc}") from None
+        if kind == "json" and not isinstance(value, dict):
+            raise ValueError(f"{field_name}: the JSON schema must be a JSON object")
         if kind == "choice" and not (isinstance(value, list) and value and all(isinstance(v, str) for v in value)):
             raise ValueError(f"{field_name}: choice must be a non-empty list of strings")
         if kind in ("regex", "grammar") and not isinstance(value, str):

@@ -82,6 +82,12 @@ def test_structured_outputs_from_every_spelling():
                        ({"structured_outputs": {"lark": "x"}}, "structured_outputs"),
                        ({"structured_outputs": {"choice": []}}, "structured_outputs"),
                        ({"guided_json": "{not json"}, "guided_json"),
+                       # a json_schema, or a schema, of the wrong JSON type: a 400, not a crash
+                       ({"response_format": {"type": "json_schema", "json_schema": "x"}}, "response_format"),
+                       ({"response_format": {"type": "json_schema", "json_schema": 5}}, "response_format"),
+                       ({"response_format": {"type": "json_schema", "json_schema": [1]}}, "response_format"),
+                       ({"guided_json": 5}, "guided_json"), ({"guided_json": "[1]"}, "guided_json"),
+                       ({"structured_outputs": {"json": True}}, "structured_outputs"),
                        ({"guided_regex": "a", "structured_outputs": {"regex": "b"}}, "structured_outputs")):
         with pytest.raises(ValueError) as info:
             s(**bad)
