@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -86,7 +87,7 @@ class _SamplingFields(BaseModel):
     @classmethod
     def _bias_range(cls, value: dict[str, float] | None) -> dict[str, float] | None:
         for key, bias in (value or {}).items():
-            if not key.lstrip("-").isdigit():
+            if not re.fullmatch(r"-?[0-9]+", key):  # ASCII digits: str.isdigit takes "²", int() does not
                 raise ValueError(f"keys must be token ids, got {key!r}")
             if not -100.0 <= bias <= 100.0:
                 raise ValueError(f"bias of token {key} must be in [-100, 100], got {bias}")

@@ -38,6 +38,14 @@ def test_out_of_range_values_are_refused_by_the_schema(fields):
         CompletionRequest(model="m", prompt="a", **fields)
 
 
+@pytest.mark.parametrize("key", ["\u00b2", "\u0663", "1\u00b2", "+1", " 1", "", "-"])
+def test_logit_bias_keys_must_be_ascii_token_ids(key):
+    # "²" and "٣" pass str.isdigit() but not int(): they must be a 400 here, not a 500 later.
+    with pytest.raises(ValidationError, match="token ids"):
+        CompletionRequest(model="m", prompt="a", logit_bias={key: 1.0})
+    assert CompletionRequest(model="m", prompt="a", logit_bias={"-3": 1.0, "12": -1.0}).logit_bias
+
+
 @pytest.mark.parametrize("endpoint,fields,param", [
     ("completions", {"suffix": "z"}, "suffix"),
     ("completions", {"best_of": 2}, "best_of"),
