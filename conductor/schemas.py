@@ -103,7 +103,7 @@ class _SamplingFields(BaseModel):
         tools = "tool calling is not supported by this server"
         checks = (
             ("best_of", self.best_of not in (None, 1), "best_of is not supported; use n for several samples"),
-            ("prompt_logprobs", bool(self.prompt_logprobs) and self.stream,
+            ("prompt_logprobs", self.prompt_logprobs is not None and self.stream,
              "prompt_logprobs are not available when stream=True"),
             ("tools", bool(self.tools), tools),
             ("functions", bool(self.functions), tools),

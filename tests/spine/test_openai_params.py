@@ -51,6 +51,7 @@ def test_logit_bias_keys_must_be_ascii_token_ids(key):
     ("completions", {"best_of": 2}, "best_of"),
     ("completions", {"top_logprobs": 2}, "top_logprobs"),
     ("completions", {"prompt_logprobs": 2, "stream": True}, "prompt_logprobs"),
+    ("completions", {"prompt_logprobs": 0, "stream": True}, "prompt_logprobs"),
     ("chat", {"echo": True}, "echo"),
     ("chat", {"tools": [{"type": "function"}]}, "tools"),
     ("chat", {"tool_choice": "auto"}, "tool_choice"),
