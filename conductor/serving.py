@@ -26,7 +26,7 @@ from conductor.routing import Router
 from conductor.schemas import ChatCompletionRequest, CompletionRequest
 from conductor.logprobs import TokenText, prompt_logprobs_body
 from conductor.slo import RequestSLO, SLOError, SLOPolicy
-from conductor.workers import WorkerError
+from conductor.workers import RequestRefused, WorkerError
 from mooncake.protocol import GenerateChunk, Sampling
 
 log = logging.getLogger(__name__)
@@ -256,6 +256,10 @@ class CompletionService:
                 life.chunks = self.relay.samples(req.request_id, req.prompt, req.sampling, route, stats, req.n)
             try:
                 return await life.chunks.__anext__()
+            except RequestRefused as exc:  # the request itself is invalid: no other worker would take it
+                chunks, life.chunks = life.chunks, None
+                await chunks.aclose()
+                raise APIError(400, f"the engine refused the request: {exc}", code="invalid_value") from exc
             except WorkerError as exc:
                 chunks, life.chunks = life.chunks, None
                 await chunks.aclose()

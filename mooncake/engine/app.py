@@ -39,7 +39,7 @@ from mooncake.drain import Drain, wait_idle
 from mooncake.protocol import (ABORT_DECODER, DROP_DECODER, REQUEST_DECODER, GenerateChunk, GenerateRequest,
                                encode_chunk_line)
 from mooncake.engine.config import WorkerConfig
-from mooncake.engine.engine import build_engine, kv_capacity_tokens, run_request
+from mooncake.engine.engine import build_engine, kv_capacity_tokens, refusal, run_request
 from mooncake.engine.kv_events import BlockEventLog, BlockHashTranslator, KVEventSubscriber
 from mooncake.engine.metrics import WorkerMetrics
 from mooncake.engine.stat_logger import engine_stat_logger
@@ -189,8 +189,10 @@ async def _stream(state: WorkerState, gen: GenerateRequest):
     entry = InFlight(prompt_tokens=len(gen.prompt_token_ids), started_at=time.monotonic())
     state.in_flight[gen.request_id] = entry
     outcome = "error"
+    sent = False
     try:
         async for chunk in run_request(state.engine, gen):
+            sent = True
             if entry.first_token_at is None and chunk.token_ids:
                 entry.first_token_at = time.monotonic()
                 state.metrics.first_token.observe(entry.first_token_at - entry.started_at)
@@ -201,6 +203,11 @@ async def _stream(state: WorkerState, gen: GenerateRequest):
         outcome = "cancelled"  # the conductor went away; vLLM aborts the request itself
         raise
     except Exception as exc:  # noqa: BLE001 - reported to the conductor as a final line
+        refused = None if sent else refusal(exc)
+        if refused is not None:  # the client's error: the conductor answers 400 and retries nowhere
+            log.info("request %s refused as invalid: %s", gen.request_id, refused)
+            yield encode_chunk_line(GenerateChunk([], finish_reason="error", error=refused, refused=True))
+            return
         log.exception("request %s failed", gen.request_id)
         yield encode_chunk_line(GenerateChunk([], finish_reason="error", error=str(exc)))
     finally:

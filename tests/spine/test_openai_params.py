@@ -248,3 +248,69 @@ def test_with_a_grammar_the_decode_worker_samples_every_token_from_the_loaded_pr
         assert decode.sampling.prompt_logprobs is None
         assert [t for c in chunks for t in c.token_ids] == [1, 2, 3]  # P's token (7) is not part of the answer
     asyncio.run(main())
+
+
+# -- a request the engine refuses -------------------------------------------------------------------
+
+class EngineGenerateError(Exception):
+    """Named as vLLM's: AsyncLLM.generate wraps a ValueError from its validation in one."""
+
+
+def refusing_worker_app(monkeypatch, seen: list):
+    """The worker's real HTTP app whose engine refuses any structured request as vLLM does (an
+    invalid regex), and streams one token for any other."""
+    import mooncake.engine.app as worker_app
+    from mooncake.control import ControlEndpoint
+    from mooncake.engine.config import WorkerConfig
+
+    async def fake_run_request(engine, request):
+        seen.append(request.request_id)
+        if request.sampling.structured is not None:
+            raise EngineGenerateError() from ValueError("Failed to transform regex into a grammar: (")
+        if request.sampling.seed == 99:
+            raise RuntimeError("the engine broke")
+        yield GenerateChunk([7], finish_reason="length")
+
+    monkeypatch.setattr(worker_app, "run_request", fake_run_request)
+    app = worker_app.create_app(WorkerConfig(role="both", model="m", served_model_name="m"), 1, 2,
+                                ControlEndpoint("/nonexistent/connector.sock", "00" * 16))
+    class Engine:
+        async def abort(self, request_id):
+            pass
+
+    app.state.worker.engine = Engine()
+    return app
+
+
+def test_a_request_the_engine_refuses_is_a_400_tried_on_no_other_worker(monkeypatch):
+    import httpx
+
+    from conductor.errors import APIError
+    from conductor.relay import Relay
+    from conductor.workers import WorkerClient
+    from tests.spine.test_lifecycle import PROMPT, make_service
+
+    async def main():
+        seen: list = []
+        client = WorkerClient(token_timeout_s=5.0)
+        await client._http.aclose()
+        client._http = httpx.AsyncClient(transport=httpx.ASGITransport(app=refusing_worker_app(monkeypatch, seen)))
+        pool = []
+        relay = Relay(client, 5.0, lambda tried: next((h for h in pool if h.name not in tried), None))
+        service = make_service(relay, (("p1", "prefill"), ("p2", "prefill"), ("d1", "decode"), ("d2", "decode")))
+        pool.extend(service.router.pool.all())
+        body = CompletionRequest(model="m", prompt=PROMPT, max_tokens=4, guided_regex="(")
+        with pytest.raises(APIError) as info:
+            await service.serve(await service.prepare(body), "completions")
+        assert info.value.status == 400 and info.value.code == "invalid_value", info.value.body()
+        assert "Failed to transform regex" in info.value.message
+        assert len(seen) == 2 and seen[0].endswith("-p") and seen[1].endswith("-d1"), seen  # no retry
+        assert service.snapshot()["in_flight"] == 0
+        # Any other failure before the first token is still the worker's: retried, then a 503.
+        seen.clear()
+        body = CompletionRequest(model="m", prompt=PROMPT, max_tokens=4, seed=99)
+        with pytest.raises(APIError) as info:
+            await service.serve(await service.prepare(body), "completions")
+        assert info.value.status == 503 and len(seen) > 2, seen
+        await client.close()
+    asyncio.run(main())
