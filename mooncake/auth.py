@@ -120,10 +120,11 @@ def kv_key(token: str) -> bytes:
 
 
 # The OpenAI error shape and types, as the conductor's other errors (conductor/errors.py) have them.
-_ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 413: "request_too_large"}
+_ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+                413: "request_too_large", 500: "internal_error", 503: "service_unavailable"}
 
 
-def _error_json(status: int, message: str, code: str | None, param: str | None = None) -> bytes:
+def error_json(status: int, message: str, code: str | None, param: str | None = None) -> bytes:
     kind = _ERROR_TYPES.get(status, "invalid_request_error")
     return json.dumps({"error": {"message": message, "type": kind, "param": param, "code": code}}).encode()
 
@@ -131,7 +132,7 @@ def _error_json(status: int, message: str, code: str | None, param: str | None =
 async def send_error(send, status: int, message: str, code: str | None, param: str | None = None) -> None:
     """Answer an HTTP request from ASGI middleware with an OpenAI-style error; the connection is
     closed after it (the body, if any, was not read)."""
-    body = _error_json(status, message, code, param)
+    body = error_json(status, message, code, param)
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                             (b"connection", b"close")]})

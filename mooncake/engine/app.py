@@ -10,7 +10,7 @@
 
 Every /internal/* route asks for the cluster token (X-Mooncake-Cluster-Token, 401 without it;
 mooncake/auth.py); /health and /metrics stay open for probes and scrapers. Bodies over
-MAX_BODY_BYTES are a 413.
+MAX_BODY_BYTES are a 413. Every error is in OpenAI's shape (mooncake/http_errors.py).
 
 The HTTP server is up at once; the engine starts in the background (about 30 s on CPU), and
 /health says 503 until it is ready, so a supervisor can tell "starting" from "dead".
@@ -36,6 +36,7 @@ from mooncake.auth import TOKEN_HEADER, ClusterTokenGuard, token_matches
 from mooncake.body_limit import BodyLimitMiddleware
 from mooncake.control import ControlEndpoint, ControlError, control_call
 from mooncake.drain import Drain, wait_idle
+from mooncake.http_errors import error_response, install_error_handlers
 from mooncake.protocol import (ABORT_DECODER, DROP_DECODER, REQUEST_DECODER, GenerateChunk, GenerateRequest,
                                encode_chunk_line)
 from mooncake.engine.config import WorkerConfig
@@ -103,6 +104,7 @@ def create_app(config: WorkerConfig, kv_port: int, events_port: int, control: Co
 
     app = FastAPI(title=f"mooncake {config.role} worker", lifespan=lifespan)
     app.state.worker = WorkerState(config=config, kv_port=kv_port, events_port=events_port, control=control)
+    install_error_handlers(app)  # every error in OpenAI's shape, validation a 400 (as the conductor's)
     app.add_middleware(BodyLimitMiddleware, max_bytes=defaults.MAX_BODY_BYTES)
     # /internal/* needs the cluster token; /health and /metrics stay open for probes and scrapers.
     app.add_middleware(ClusterTokenGuard, token=config.cluster_token)
@@ -155,7 +157,7 @@ def create_app(config: WorkerConfig, kv_port: int, events_port: int, control: Co
         try:
             body = ABORT_DECODER.decode(await request.body())
         except msgspec.DecodeError as exc:
-            return JSONResponse({"error": f"bad abort request: {exc}"}, status_code=400)
+            return error_response(400, f"bad abort request: {exc}", "invalid_value")
         if state.engine is not None:
             await state.engine.abort(body.request_id)
         return {"ok": True}
@@ -165,7 +167,7 @@ def create_app(config: WorkerConfig, kv_port: int, events_port: int, control: Co
         try:
             body = DROP_DECODER.decode(await request.body())
         except msgspec.DecodeError as exc:
-            return JSONResponse({"error": f"bad kv_drop request: {exc}"}, status_code=400)
+            return error_response(400, f"bad kv_drop request: {exc}", "invalid_value")
         state: WorkerState = request.app.state.worker
         await asyncio.to_thread(_connector_call, state.control, {"op": "drop", "transfer_id": body.transfer_id})
         return {"ok": True}
@@ -174,12 +176,12 @@ def create_app(config: WorkerConfig, kv_port: int, events_port: int, control: Co
     async def generate(request: Request):
         state: WorkerState = request.app.state.worker
         if state.engine is None or state.drain.active:  # the conductor retries it on another worker
-            return JSONResponse({"error": "worker is draining" if state.drain.active else "engine is not ready"},
-                                status_code=503)
+            return error_response(503, "worker is draining" if state.drain.active else "engine is not ready",
+                                  "draining" if state.drain.active else "not_ready")
         try:
             gen = REQUEST_DECODER.decode(await request.body())
         except msgspec.DecodeError as exc:  # ValidationError too; its text names the field
-            return JSONResponse({"error": f"bad generate request: {exc}"}, status_code=400)
+            return error_response(400, f"bad generate request: {exc}", "invalid_value")
         return StreamingResponse(_stream(state, gen), media_type="application/x-ndjson")
 
     return app

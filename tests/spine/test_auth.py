@@ -164,24 +164,41 @@ def test_a_worker_without_a_token_is_open_and_says_nothing_about_tokens(tmp_path
     asyncio.run(run())
 
 
+def openai_error(resp, status: int, code: str | None = None) -> dict:
+    """The error of `resp`, asserted to be `status` in OpenAI's shape (with `code` if given)."""
+    assert resp.status_code == status, resp.text
+    error = resp.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"], error
+    assert code is None or error["code"] == code, error
+    return error
+
+
 def test_worker_refuses_malformed_and_oversized_bodies_and_keeps_serving(tmp_path):
     async def run():
         async with asgi(ready_worker_app(tmp_path)) as c:
             big = b"[" + b"1," * (10 << 20) + b"1]"  # 20 MB: over the 16 MiB limit
             for path in ("/internal/generate", "/internal/abort", "/internal/kv_drop"):
                 for body in (b"{", b"[1, 2]", b'{"request_id": 5}', b"\xff\xfe", b""):
-                    resp = await c.post(path, content=body, headers=GOOD)
-                    assert resp.status_code == 400, (path, body, resp.text)
-                resp = await c.post(path, content=big, headers=GOOD)
-                assert resp.status_code == 413, (path, resp.text)
+                    openai_error(await c.post(path, content=body, headers=GOOD), 400, "invalid_value")
+                openai_error(await c.post(path, content=big, headers=GOOD), 413, "request_too_large")
 
                 async def chunks():  # no Content-Length: the limit is counted while reading
                     for _ in range(20):
                         yield b"x" * (1 << 20)
-                resp = await c.post(path, content=chunks(), headers=GOOD)
-                assert resp.status_code == 413, (path, resp.text)
-                assert (await c.post(path, content=big)).status_code == 401  # no token: refused first
+                openai_error(await c.post(path, content=chunks(), headers=GOOD), 413, "request_too_large")
+                openai_error(await c.post(path, content=big), 401)  # no token: refused first
+            # FastAPI's own answers too: a query parameter of the wrong type is a 400 (not a 422
+            # {"detail"}), an unknown route a 404, in the same shape.
+            error = openai_error(await c.get("/internal/kv_events?since=notanumber", headers=GOOD), 400,
+                                 "invalid_value")
+            assert error["param"] == "since"
+            openai_error(await c.get("/internal/no-such-route", headers=GOOD), 404)
+            openai_error(await c.post("/internal/load", headers=GOOD), 405)
             assert (await c.get("/internal/load", headers=GOOD)).status_code == 200
+        app = worker_app(tmp_path)  # its engine not started: the conductor tries another worker
+        async with asgi(app) as c:
+            body = b'{"request_id": "r", "prompt_token_ids": [1], "sampling": {"max_tokens": 1}}'
+            openai_error(await c.post("/internal/generate", content=body, headers=GOOD), 503, "not_ready")
     asyncio.run(run())
 
 
