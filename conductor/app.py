@@ -63,9 +63,7 @@ def create_app(config: ConductorConfig) -> FastAPI:
             push_bandwidth_Bps={h.name: h.push_bandwidth.estimate_Bps for h in pool.all()
                                 if h.push_bandwidth.estimate_Bps},
             estimators=estimators_report(router)))
-        registry = app.state.registry if config.registry_url is None else open_registry(
-            RegistryConfig(url=config.registry_url, ttl_s=config.registry_ttl_s,
-                           etcd_credentials=config.etcd_credentials))
+        registry = app.state.registry if config.registry_url is None else followed_registry(config)
         view = ClusterView(ViewConfig(expire_after_s=2 * config.registry_ttl_s))
         tasks = [asyncio.create_task(poll_health(pool, client, index, config.health_interval_s)),
                  asyncio.create_task(poll_kv_events(pool, index, config.kv_events_interval_s,
@@ -163,6 +161,14 @@ async def drain_conductor(app: FastAPI) -> None:
     left = await wait_idle(busy, config.drain_timeout_s)
     if left:
         log.warning("drain grace of %.0f s over with %d requests in flight", config.drain_timeout_s, left)
+
+
+def followed_registry(config: ConductorConfig):
+    """The registry this conductor follows (etcd, or another conductor's embedded one, which asks
+    for the cluster token like every internal endpoint)."""
+    return open_registry(RegistryConfig(url=config.registry_url, ttl_s=config.registry_ttl_s,
+                                        cluster_token=config.cluster_token,
+                                        etcd_credentials=config.etcd_credentials))
 
 
 def estimators_report(router: Router) -> dict:

@@ -283,6 +283,24 @@ def test_registry_client_sends_the_token_and_a_wrong_one_is_refused():
     asyncio.run(run())
 
 
+def test_a_conductor_following_another_ones_embedded_registry_sends_the_token(tmp_path):
+    from conductor.app import create_app, followed_registry
+    from conductor.config import ConductorConfig
+
+    async def run():
+        leader = create_app(ConductorConfig(model_path=str(tmp_path), served_model_name="m", cluster_token=TOKEN))
+        config = ConductorConfig(model_path=str(tmp_path), served_model_name="m", cluster_token=TOKEN,
+                                 registry_url="embedded+http://leader:8000")
+        follower = followed_registry(config)
+        http = follower._http  # the same client, its requests carried to the leader's app in-process
+        follower._http = httpx.AsyncClient(transport=httpx.ASGITransport(app=leader), base_url=http.base_url,
+                                           headers=http.headers)
+        await http.aclose()
+        assert await follower.snapshot() == {}  # a 401 would raise RegistryUnavailable
+        await follower.close()
+    asyncio.run(run())
+
+
 # -- the KV socket ------------------------------------------------------------------------------
 
 def echo(header, payload):
