@@ -54,9 +54,11 @@ def load_token(path: str | None, environ: Mapping[str, str] = os.environ) -> str
         token, source = environ[TOKEN_ENV].strip(), TOKEN_ENV
     else:
         return None
-    if len(token) < MIN_TOKEN_CHARS or any(c.isspace() for c in token) or not token.isprintable():
+    # ASCII only: the token travels in an HTTP header, which httpx cannot encode otherwise.
+    if len(token) < MIN_TOKEN_CHARS or not token.isascii() or any(c.isspace() for c in token) \
+            or not token.isprintable():
         raise ClusterTokenError(f"{source} must hold one token of at least {MIN_TOKEN_CHARS} printable "
-                                f"characters without spaces")
+                                f"ASCII characters without spaces")
     return token
 
 
@@ -114,8 +116,10 @@ def token_headers(token: str | None) -> dict[str, str]:
 
 
 def kv_key(token: str) -> bytes:
-    """The key of the KV socket's handshake, derived from the token rather than the token itself:
-    it travels in vLLM's configuration (kv_connector_extra_config), which vLLM may print."""
+    """The key of the KV socket's handshake, derived from the token rather than the token itself.
+    It travels in vLLM's configuration (kv_connector_extra_config), which vLLM may print or log:
+    whoever reads it cannot call the HTTP internal endpoints, but can use the KV socket (push KV
+    into a decode worker, or receive a prefill worker's), so it is as secret as the token there."""
     return hmac.new(token.encode(), b"mooncake kv socket v1", hashlib.sha256).digest()
 
 

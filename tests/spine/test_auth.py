@@ -40,6 +40,11 @@ def test_token_comes_from_the_file_then_the_environment(tmp_path):
     path.write_text("two words-but-long-enough-anyway")
     with pytest.raises(ClusterTokenError, match="without spaces"):
         load_token(str(path), {})
+    # Printable but not ASCII: an HTTP header could not carry it (httpx refuses to encode it).
+    with pytest.raises(ClusterTokenError, match="ASCII"):
+        load_token(None, {"MOONCAKE_CLUSTER_TOKEN": "t\u00f6ken-" + "\u00e9" * 20})
+    with pytest.raises(UnicodeEncodeError):
+        httpx.Request("GET", "http://w/", headers={TOKEN_HEADER: "t\u00f6ken-" + "\u00e9" * 20})
     assert len(generate_token()) >= 32 and generate_token() != generate_token()
     assert token_matches(TOKEN, TOKEN) and not token_matches(TOKEN[:-1], TOKEN) and not token_matches(None, TOKEN)
     assert kv_key(TOKEN) != TOKEN.encode() and len(kv_key(TOKEN)) == 32
