@@ -20,7 +20,7 @@ from conductor.core.profile_table import load_profile
 from conductor.core.scheduler import Scheduler
 from conductor.errors import APIError, install_error_handlers
 from conductor.membership import follow_registry, poll_health, poll_kv_events
-from conductor.metrics import CONTENT_TYPE, ConductorMetrics, LiveState
+from conductor.metrics import CONTENT_TYPE, ConductorMetrics, LiveState, RefusalCounter
 from conductor.relay import Relay
 from conductor.routing import Router
 from conductor.schemas import ChatCompletionRequest, CompletionRequest
@@ -88,6 +88,7 @@ def create_app(config: ConductorConfig) -> FastAPI:
     # Added last, so they run first: an unauthenticated request is refused before its body is read.
     app.add_middleware(ClusterTokenGuard, token=config.cluster_token)
     app.add_middleware(ApiKeyGuard, keys=config.api_keys)
+    app.add_middleware(RefusalCounter, state=app.state)  # counts what the middleware and validation refuse
     if config.registry_url is None:
         # The embedded registry: workers on this machine register here over HTTP.
         app.state.registry = MemoryRegistry(RegistryConfig(url="memory://", ttl_s=config.registry_ttl_s))
@@ -179,6 +180,7 @@ def estimators_report(router: Router) -> dict:
 
 
 async def _serve(service: CompletionService, body, endpoint: str, request: Request):
+    request.state.served = True  # counted here from now on, not by RefusalCounter
     try:
         check_model_access(request, body.model)
         prepared = await service.prepare(body, request.headers)

@@ -2,6 +2,7 @@
 
   POST /internal/generate   GenerateRequest JSON -> NDJSON stream of GenerateChunk
   POST /internal/abort      {"request_id": ...}
+  POST /internal/kv_drop    {"transfer_id": ...}: free KV pushed here for a request that will not decode here
   GET  /health              200 when the engine is ready, 503 while it starts, after it died, or draining
   GET  /internal/load       what is queued and running here (for routing)
   GET  /internal/kv_stats   the KV connector's counters

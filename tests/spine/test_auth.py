@@ -248,6 +248,30 @@ def test_conductor_asks_api_keys_on_v1_and_the_token_on_internal(tmp_path):
     asyncio.run(run())
 
 
+def test_conductor_counts_the_requests_refused_before_its_handler(tmp_path):
+    async def run():
+        app = conductor_app(tmp_path)  # no lifespan: nothing valid could be served
+        key = {"Authorization": "Bearer k-all"}
+        async with asgi(app, "http://c") as c:
+            assert (await c.post("/v1/completions", json={"model": "m", "prompt": "a"})).status_code == 401
+            assert (await c.post("/v1/chat/completions", headers=key, json={"model": "m"})).status_code == 400
+            assert (await c.post("/v1/completions", headers=key,
+                                 json={"model": "m", "prompt": "a", "n": 0})).status_code == 400
+            assert (await c.post("/v1/completions", headers=key, content=b"x" * (17 << 20))).status_code == 413
+
+            async def chunks():  # no Content-Length: refused while the handler reads it
+                for _ in range(20):
+                    yield b"x" * (1 << 20)
+            assert (await c.post("/v1/completions", headers=key, content=chunks())).status_code == 413
+            assert (await c.get("/v1/models", headers={})).status_code == 401  # not a counted endpoint
+        m = app.state.metrics
+        assert m.value("mooncake_requests_total", endpoint="completions", status="401", slo_class="default") == 1
+        assert m.value("mooncake_requests_total", endpoint="chat", status="400", slo_class="default") == 1
+        assert m.value("mooncake_requests_total", endpoint="completions", status="400", slo_class="default") == 1
+        assert m.value("mooncake_requests_total", endpoint="completions", status="413", slo_class="default") == 2
+    asyncio.run(run())
+
+
 # -- the embedded registry over a real socket ---------------------------------------------------
 
 def test_registry_client_sends_the_token_and_a_wrong_one_is_refused():
