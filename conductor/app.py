@@ -20,7 +20,7 @@ from conductor.core.profile_table import load_profile
 from conductor.core.scheduler import Scheduler
 from conductor.errors import APIError, install_error_handlers
 from conductor.membership import follow_registry, poll_health, poll_kv_events
-from conductor.metrics import CONTENT_TYPE, ConductorMetrics, LiveState
+from conductor.metrics import CONTENT_TYPE, ConductorMetrics, LiveState, RefusalCounter
 from conductor.relay import Relay
 from conductor.routing import Router
 from conductor.schemas import ChatCompletionRequest, CompletionRequest
@@ -63,9 +63,7 @@ def create_app(config: ConductorConfig) -> FastAPI:
             push_bandwidth_Bps={h.name: h.push_bandwidth.estimate_Bps for h in pool.all()
                                 if h.push_bandwidth.estimate_Bps},
             estimators=estimators_report(router)))
-        registry = app.state.registry if config.registry_url is None else open_registry(
-            RegistryConfig(url=config.registry_url, ttl_s=config.registry_ttl_s,
-                           etcd_credentials=config.etcd_credentials))
+        registry = app.state.registry if config.registry_url is None else followed_registry(config)
         view = ClusterView(ViewConfig(expire_after_s=2 * config.registry_ttl_s))
         tasks = [asyncio.create_task(poll_health(pool, client, index, config.health_interval_s)),
                  asyncio.create_task(poll_kv_events(pool, index, config.kv_events_interval_s,
@@ -90,6 +88,7 @@ def create_app(config: ConductorConfig) -> FastAPI:
     # Added last, so they run first: an unauthenticated request is refused before its body is read.
     app.add_middleware(ClusterTokenGuard, token=config.cluster_token)
     app.add_middleware(ApiKeyGuard, keys=config.api_keys)
+    app.add_middleware(RefusalCounter, state=app.state)  # counts what the middleware and validation refuse
     if config.registry_url is None:
         # The embedded registry: workers on this machine register here over HTTP.
         app.state.registry = MemoryRegistry(RegistryConfig(url="memory://", ttl_s=config.registry_ttl_s))
@@ -165,6 +164,14 @@ async def drain_conductor(app: FastAPI) -> None:
         log.warning("drain grace of %.0f s over with %d requests in flight", config.drain_timeout_s, left)
 
 
+def followed_registry(config: ConductorConfig):
+    """The registry this conductor follows (etcd, or another conductor's embedded one, which asks
+    for the cluster token like every internal endpoint)."""
+    return open_registry(RegistryConfig(url=config.registry_url, ttl_s=config.registry_ttl_s,
+                                        cluster_token=config.cluster_token,
+                                        etcd_credentials=config.etcd_credentials))
+
+
 def estimators_report(router: Router) -> dict:
     """Calibration.describe() of the instances still in the pool."""
     router.forget_departed()
@@ -173,6 +180,7 @@ def estimators_report(router: Router) -> dict:
 
 
 async def _serve(service: CompletionService, body, endpoint: str, request: Request):
+    request.state.served = True  # counted here from now on, not by RefusalCounter
     try:
         check_model_access(request, body.model)
         prepared = await service.prepare(body, request.headers)

@@ -41,7 +41,10 @@ def add_scheduler_arguments(parser: argparse.ArgumentParser) -> None:
         "by its own SLOs, less --priority-headroom of those of every more important class; metrics carry "
         "its class (label slo_class).")
     g.add_argument("--slo-class", action="append", default=[], metavar="NAME:TTFT_MS:TBT_MS:PRIORITY",
-                   help="define an SLO class (repeatable), e.g. interactive:2000:200:-1 or batch:30000:2000:10")
+                   help="define an SLO class (repeatable), e.g. batch:30000:2000:10. Classes are not tied to API "
+                        "keys: any client may name any class (X-Mooncake-SLO-Class), so define none more "
+                        "important than default (priority below 0) unless every client is trusted. Priority "
+                        "acts on admission only, not on the engines' queue order")
     g.add_argument("--priority-headroom", type=float, default=defaults.PRIORITY_HEADROOM, metavar="SHARE",
                    help="share of a more important class's TTFT and TBT SLOs, and of each decode worker's KV, that "
                         "a less important request may not use (default: %(default)s)")

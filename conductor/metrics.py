@@ -191,3 +191,37 @@ def slo_outcome(status: str | None, ttft_s: float | None, mean_tbt_s: float | No
     if mean_tbt_s is not None and mean_tbt_s > tbt_slo_s:
         return "missed_tbt"
     return "met"
+
+
+ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
+"""The paths counted in mooncake_requests_total, by their endpoint label."""
+
+
+class RefusalCounter:
+    """ASGI middleware: counts in mooncake_requests_total the answers of the completion endpoints
+    that never reached the app's handler, which counts every other answer itself (the handler
+    marks the request state `served`): an API key refused (401), a body over the limit (413)
+    or one that fails validation (400). The SLO class label is read from the header, as for
+    any request refused before its SLO is resolved."""
+
+    def __init__(self, app, state):
+        self.app = app
+        self.state = state  # the FastAPI app's state: its metrics, and its service once started
+
+    async def __call__(self, scope, receive, send):
+        endpoint = ENDPOINTS.get(scope["path"]) if scope["type"] == "http" else None
+        if endpoint is None:
+            return await self.app(scope, receive, send)
+
+        async def counting_send(message):
+            if message["type"] == "http.response.start" and not scope.get("state", {}).get("served"):
+                from starlette.datastructures import Headers
+
+                service = getattr(self.state, "service", None)
+                slo_class = (service.slo_policy.label(Headers(scope=scope)) if service is not None
+                             else defaults.DEFAULT_SLO_CLASS)
+                self.state.metrics.requests.labels(endpoint=endpoint, status=str(message["status"]),
+                                                   slo_class=slo_class).inc()
+            await send(message)
+
+        await self.app(scope, receive, counting_send)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -86,7 +87,7 @@ class _SamplingFields(BaseModel):
     @classmethod
     def _bias_range(cls, value: dict[str, float] | None) -> dict[str, float] | None:
         for key, bias in (value or {}).items():
-            if not key.lstrip("-").isdigit():
+            if not re.fullmatch(r"-?[0-9]+", key):  # ASCII digits: str.isdigit takes "²", int() does not
                 raise ValueError(f"keys must be token ids, got {key!r}")
             if not -100.0 <= bias <= 100.0:
                 raise ValueError(f"bias of token {key} must be in [-100, 100], got {bias}")
@@ -102,7 +103,7 @@ class _SamplingFields(BaseModel):
         tools = "tool calling is not supported by this server"
         checks = (
             ("best_of", self.best_of not in (None, 1), "best_of is not supported; use n for several samples"),
-            ("prompt_logprobs", bool(self.prompt_logprobs) and self.stream,
+            ("prompt_logprobs", self.prompt_logprobs is not None and self.stream,
              "prompt_logprobs are not available when stream=True"),
             ("tools", bool(self.tools), tools),
             ("functions", bool(self.functions), tools),
@@ -125,7 +126,8 @@ class _SamplingFields(BaseModel):
             if kind == "json_object":
                 found.append(("response_format", "json_object", True))
             elif kind == "json_schema":
-                schema = (rf.get("json_schema") or {}).get("schema")
+                spec = rf.get("json_schema")
+                schema = spec.get("schema") if isinstance(spec, dict) else None
                 if not isinstance(schema, dict):
                     raise ValueError("response_format: json_schema.schema must be a JSON schema object")
                 found.append(("response_format", "json", schema))
@@ -152,6 +154,8 @@ class _SamplingFields(BaseModel):
                 value = json.loads(value)
             except ValueError as exc:
                 raise ValueError(f"{field_name}: the JSON schema is not valid JSON: {exc}") from None
+        if kind == "json" and not isinstance(value, dict):
+            raise ValueError(f"{field_name}: the JSON schema must be a JSON object")
         if kind == "choice" and not (isinstance(value, list) and value and all(isinstance(v, str) for v in value)):
             raise ValueError(f"{field_name}: choice must be a non-empty list of strings")
         if kind in ("regex", "grammar") and not isinstance(value, str):

@@ -26,7 +26,7 @@ from conductor.routing import Router
 from conductor.schemas import ChatCompletionRequest, CompletionRequest
 from conductor.logprobs import TokenText, prompt_logprobs_body
 from conductor.slo import RequestSLO, SLOError, SLOPolicy
-from conductor.workers import WorkerError
+from conductor.workers import RequestRefused, WorkerError
 from mooncake.protocol import GenerateChunk, Sampling
 
 log = logging.getLogger(__name__)
@@ -256,6 +256,10 @@ class CompletionService:
                 life.chunks = self.relay.samples(req.request_id, req.prompt, req.sampling, route, stats, req.n)
             try:
                 return await life.chunks.__anext__()
+            except RequestRefused as exc:  # the request itself is invalid: no other worker would take it
+                chunks, life.chunks = life.chunks, None
+                await chunks.aclose()
+                raise APIError(400, f"the engine refused the request: {exc}", code="invalid_value") from exc
             except WorkerError as exc:
                 chunks, life.chunks = life.chunks, None
                 await chunks.aclose()
@@ -275,15 +279,17 @@ class CompletionService:
         """Each choice's pieces (text cut at stop strings, logprobs), as the workers' chunks come.
         Ends when every choice has ended; the life closes the workers' streams (aborting what
         still runs, e.g. a choice cut at a stop string) when it is released."""
-        last = first_at
+        # Each choice's last chunk time: a gap between tokens is within one sample (n > 1
+        # interleaves the samples' chunks; their first chunks are no gap).
+        last = {first[0]: first_at}
         item: tuple[int, GenerateChunk] | None = first
         while item is not None:
             index, chunk = item
             self.metrics.generated_tokens.inc(len(chunk.token_ids))
             now = self.clock()
-            if item is not first:
-                self.metrics.tbt.labels(slo_class=req.slo.slo_class).observe(now - last)
-            last = now
+            if item is not first and index in last:
+                self.metrics.tbt.labels(slo_class=req.slo.slo_class).observe(now - last[index])
+            last[index] = now
             prompt_positions.extend(chunk.prompt_logprobs or ())
             event = choices[index].push(chunk, prompt_positions)
             life.relayed(max(c.count for c in choices), now)  # n > 1: the longest choice's pace

@@ -10,6 +10,10 @@ a value outside them, or one given twice with two values, is refused (400) namin
 with is a RequestSLO: the scheduling core admits it by those SLOs and priority
 (conductor/core/admission.py limits_for), and the metrics carry its class, which, unlike a
 free-form SLO, has few values.
+
+Any client may name any class: classes are not tied to API keys, so a class more important than
+`default` is open to every client (the --slo-class help says so). Priority acts on admission
+only; it is not passed to the engines, whose queues stay first come, first served.
 """
 
 from __future__ import annotations

@@ -34,6 +34,11 @@ class WorkerError(RuntimeError):
         self.started = started  # True when tokens were already relayed before the failure
 
 
+class RequestRefused(WorkerError):
+    """The worker's engine refused the request itself as invalid (a regex it cannot compile...):
+    a client error, the same on every worker, so it is answered with a 400 and never retried."""
+
+
 @dataclass
 class WorkerHandle:
     http_url: str
@@ -140,6 +145,8 @@ class WorkerClient:
                     if not line:
                         continue
                     chunk = CHUNK_DECODER.decode(line)
+                    if chunk.error and chunk.refused and not started:
+                        raise RequestRefused(chunk.error)
                     if chunk.error:
                         raise WorkerError(f"{handle.name}: {chunk.error}", started=started)
                     started = started or bool(chunk.token_ids)

@@ -54,9 +54,11 @@ def load_token(path: str | None, environ: Mapping[str, str] = os.environ) -> str
         token, source = environ[TOKEN_ENV].strip(), TOKEN_ENV
     else:
         return None
-    if len(token) < MIN_TOKEN_CHARS or any(c.isspace() for c in token) or not token.isprintable():
+    # ASCII only: the token travels in an HTTP header, which httpx cannot encode otherwise.
+    if len(token) < MIN_TOKEN_CHARS or not token.isascii() or any(c.isspace() for c in token) \
+            or not token.isprintable():
         raise ClusterTokenError(f"{source} must hold one token of at least {MIN_TOKEN_CHARS} printable "
-                                f"characters without spaces")
+                                f"ASCII characters without spaces")
     return token
 
 
@@ -114,16 +116,19 @@ def token_headers(token: str | None) -> dict[str, str]:
 
 
 def kv_key(token: str) -> bytes:
-    """The key of the KV socket's handshake, derived from the token rather than the token itself:
-    it travels in vLLM's configuration (kv_connector_extra_config), which vLLM may print."""
+    """The key of the KV socket's handshake, derived from the token rather than the token itself.
+    It travels in vLLM's configuration (kv_connector_extra_config), which vLLM may print or log:
+    whoever reads it cannot call the HTTP internal endpoints, but can use the KV socket (push KV
+    into a decode worker, or receive a prefill worker's), so it is as secret as the token there."""
     return hmac.new(token.encode(), b"mooncake kv socket v1", hashlib.sha256).digest()
 
 
 # The OpenAI error shape and types, as the conductor's other errors (conductor/errors.py) have them.
-_ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 413: "request_too_large"}
+_ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+                413: "request_too_large", 500: "internal_error", 503: "service_unavailable"}
 
 
-def _error_json(status: int, message: str, code: str | None, param: str | None = None) -> bytes:
+def error_json(status: int, message: str, code: str | None, param: str | None = None) -> bytes:
     kind = _ERROR_TYPES.get(status, "invalid_request_error")
     return json.dumps({"error": {"message": message, "type": kind, "param": param, "code": code}}).encode()
 
@@ -131,7 +136,7 @@ def _error_json(status: int, message: str, code: str | None, param: str | None =
 async def send_error(send, status: int, message: str, code: str | None, param: str | None = None) -> None:
     """Answer an HTTP request from ASGI middleware with an OpenAI-style error; the connection is
     closed after it (the body, if any, was not read)."""
-    body = _error_json(status, message, code, param)
+    body = error_json(status, message, code, param)
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                             (b"connection", b"close")]})

@@ -60,6 +60,9 @@ class GenerateChunk(msgspec.Struct, frozen=True, omit_defaults=True):
     finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
     num_cached_tokens: int | None = None  # prompt tokens vLLM did not compute (local or loaded)
     error: str | None = None
+    # With error: the engine refused the request itself as invalid (a regex, grammar or JSON
+    # schema it cannot compile...), before any token. A client error, the same on every worker.
+    refused: bool = False
     # Measured by the engine, on the last line only (the conductor calibrates its estimators
     # with them; see conductor/core/calibration.py). Seconds.
     queued_s: float | None = None  # waiting before first scheduled

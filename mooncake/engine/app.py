@@ -2,6 +2,7 @@
 
   POST /internal/generate   GenerateRequest JSON -> NDJSON stream of GenerateChunk
   POST /internal/abort      {"request_id": ...}
+  POST /internal/kv_drop    {"transfer_id": ...}: free KV pushed here for a request that will not decode here
   GET  /health              200 when the engine is ready, 503 while it starts, after it died, or draining
   GET  /internal/load       what is queued and running here (for routing)
   GET  /internal/kv_stats   the KV connector's counters
@@ -10,7 +11,7 @@
 
 Every /internal/* route asks for the cluster token (X-Mooncake-Cluster-Token, 401 without it;
 mooncake/auth.py); /health and /metrics stay open for probes and scrapers. Bodies over
-MAX_BODY_BYTES are a 413.
+MAX_BODY_BYTES are a 413. Every error is in OpenAI's shape (mooncake/http_errors.py).
 
 The HTTP server is up at once; the engine starts in the background (about 30 s on CPU), and
 /health says 503 until it is ready, so a supervisor can tell "starting" from "dead".
@@ -36,10 +37,11 @@ from mooncake.auth import TOKEN_HEADER, ClusterTokenGuard, token_matches
 from mooncake.body_limit import BodyLimitMiddleware
 from mooncake.control import ControlEndpoint, ControlError, control_call
 from mooncake.drain import Drain, wait_idle
+from mooncake.http_errors import error_response, install_error_handlers
 from mooncake.protocol import (ABORT_DECODER, DROP_DECODER, REQUEST_DECODER, GenerateChunk, GenerateRequest,
                                encode_chunk_line)
 from mooncake.engine.config import WorkerConfig
-from mooncake.engine.engine import build_engine, kv_capacity_tokens, run_request
+from mooncake.engine.engine import build_engine, kv_capacity_tokens, refusal, run_request
 from mooncake.engine.kv_events import BlockEventLog, BlockHashTranslator, KVEventSubscriber
 from mooncake.engine.metrics import WorkerMetrics
 from mooncake.engine.stat_logger import engine_stat_logger
@@ -109,6 +111,7 @@ def create_app(config: WorkerConfig, kv_port: int, events_port: int, control: Co
 
     app = FastAPI(title=f"mooncake {config.role} worker", lifespan=lifespan)
     app.state.worker = WorkerState(config=config, kv_port=kv_port, events_port=events_port, control=control)
+    install_error_handlers(app)  # every error in OpenAI's shape, validation a 400 (as the conductor's)
     app.add_middleware(BodyLimitMiddleware, max_bytes=defaults.MAX_BODY_BYTES)
     # /internal/* needs the cluster token; /health and /metrics stay open for probes and scrapers.
     app.add_middleware(ClusterTokenGuard, token=config.cluster_token)
@@ -161,7 +164,7 @@ def create_app(config: WorkerConfig, kv_port: int, events_port: int, control: Co
         try:
             body = ABORT_DECODER.decode(await request.body())
         except msgspec.DecodeError as exc:
-            return JSONResponse({"error": f"bad abort request: {exc}"}, status_code=400)
+            return error_response(400, f"bad abort request: {exc}", "invalid_value")
         if state.engine is not None:
             await state.engine.abort(body.request_id)
         return {"ok": True}
@@ -171,7 +174,7 @@ def create_app(config: WorkerConfig, kv_port: int, events_port: int, control: Co
         try:
             body = DROP_DECODER.decode(await request.body())
         except msgspec.DecodeError as exc:
-            return JSONResponse({"error": f"bad kv_drop request: {exc}"}, status_code=400)
+            return error_response(400, f"bad kv_drop request: {exc}", "invalid_value")
         state: WorkerState = request.app.state.worker
         await asyncio.to_thread(_connector_call, state.control, {"op": "drop", "transfer_id": body.transfer_id})
         return {"ok": True}
@@ -180,12 +183,12 @@ def create_app(config: WorkerConfig, kv_port: int, events_port: int, control: Co
     async def generate(request: Request):
         state: WorkerState = request.app.state.worker
         if state.engine is None or state.drain.active:  # the conductor retries it on another worker
-            return JSONResponse({"error": "worker is draining" if state.drain.active else "engine is not ready"},
-                                status_code=503)
+            return error_response(503, "worker is draining" if state.drain.active else "engine is not ready",
+                                  "draining" if state.drain.active else "not_ready")
         try:
             gen = REQUEST_DECODER.decode(await request.body())
         except msgspec.DecodeError as exc:  # ValidationError too; its text names the field
-            return JSONResponse({"error": f"bad generate request: {exc}"}, status_code=400)
+            return error_response(400, f"bad generate request: {exc}", "invalid_value")
         return StreamingResponse(_stream(state, gen), media_type="application/x-ndjson")
 
     return app
@@ -195,8 +198,10 @@ async def _stream(state: WorkerState, gen: GenerateRequest):
     entry = InFlight(prompt_tokens=len(gen.prompt_token_ids), started_at=time.monotonic())
     state.in_flight[gen.request_id] = entry
     outcome = "error"
+    sent = False
     try:
         async for chunk in run_request(state.engine, gen):
+            sent = True
             if entry.first_token_at is None and chunk.token_ids:
                 entry.first_token_at = time.monotonic()
                 state.metrics.first_token.observe(entry.first_token_at - entry.started_at)
@@ -207,6 +212,11 @@ async def _stream(state: WorkerState, gen: GenerateRequest):
         outcome = "cancelled"  # the conductor went away; vLLM aborts the request itself
         raise
     except Exception as exc:  # noqa: BLE001 - reported to the conductor as a final line
+        refused = None if sent else refusal(exc)
+        if refused is not None:  # the client's error: the conductor answers 400 and retries nowhere
+            log.info("request %s refused as invalid: %s", gen.request_id, refused)
+            yield encode_chunk_line(GenerateChunk([], finish_reason="error", error=refused, refused=True))
+            return
         log.exception("request %s failed", gen.request_id)
         yield encode_chunk_line(GenerateChunk([], finish_reason="error", error=str(exc)))
     finally:

@@ -140,6 +140,18 @@ async def run_request(engine: "AsyncLLM", request: GenerateRequest) -> AsyncIter
         first = False
 
 
+def refusal(exc: BaseException) -> str | None:
+    """What vLLM said when it refused a request as invalid (a client error: a regex, grammar or
+    JSON schema it cannot compile, a parameter out of its range); None for any other failure.
+    Its validation raises VLLMClientError or ValueError, which AsyncLLM.generate re-raises as is
+    or wraps in EngineGenerateError. Matched by class name: importing vLLM here costs seconds."""
+    if any(c.__name__ == "EngineGenerateError" for c in type(exc).__mro__) and exc.__cause__ is not None:
+        exc = exc.__cause__
+    if isinstance(exc, ValueError) or any(c.__name__ == "VLLMClientError" for c in type(exc).__mro__):
+        return str(exc) or type(exc).__name__
+    return None
+
+
 def measured_times(stats) -> dict[str, float]:
     """queued_s, prefill_s and decode_step_s of a finished request, from vLLM's RequestStateStats
     (engine-core monotonic timestamps; 0.0 means not recorded). A time that was not recorded, or

@@ -152,10 +152,13 @@ def test_metrics_have_units_and_count_requests(spine_cluster):
     served = httpx.post(spine_cluster.base_url + "/v1/completions", timeout=120, json={
         "model": MODEL_NAME, "prompt": "One, two, three,", "max_tokens": 2, "temperature": 0})
     assert served.status_code == 200, served.text
-    # Refused by the conductor itself (not by request validation), so it is counted.
+    # Refused by the conductor itself, and by request validation before its handler: both counted.
     bad = httpx.post(spine_cluster.api + "/completions", timeout=60,
                      json={"model": MODEL_NAME, "prompt": "hi", "max_tokens": 100_000})
     assert_openai_error(bad, 400, "context_length_exceeded")
+    invalid = httpx.post(spine_cluster.api + "/completions", timeout=60,
+                         json={"model": MODEL_NAME, "prompt": "hi", "n": 0})
+    assert_openai_error(invalid, 400, "invalid_value")
     text = httpx.get(metrics).text
     assert "mooncake_time_to_first_token_seconds_bucket" in text
 
@@ -164,7 +167,7 @@ def test_metrics_have_units_and_count_requests(spine_cluster):
 
     assert delta("mooncake_ttft_prediction_ratio_count") >= 1
     assert delta('mooncake_requests_total{endpoint="completions",slo_class="default",status="200"}') == 1
-    assert delta('mooncake_requests_total{endpoint="completions",slo_class="default",status="400"}') == 1
+    assert delta('mooncake_requests_total{endpoint="completions",slo_class="default",status="400"}') == 2
     # The served request was routed one way or the other; the refused one was not routed.
     assert delta("mooncake_routes_total{kind=") == 1
     # The worker's text comes from prometheus_client: parse it rather than match its number format.

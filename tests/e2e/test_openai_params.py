@@ -250,3 +250,24 @@ def test_unsupported_option_is_a_400_naming_it(disaggregated_api):
     with pytest.raises(openai.BadRequestError) as info:
         client(disaggregated_api).completions.create(model=MODEL_NAME, prompt=PROMPT, suffix="!")
     assert info.value.body["code"] == "unsupported_option" and info.value.body["param"] == "suffix"
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+def test_a_constraint_the_engine_cannot_compile_is_a_400_not_retried(disaggregated_api, stream):
+    # The conductor cannot compile a regex or grammar; the decode worker's vLLM refuses it, and
+    # that refusal is the client's error: a 400, not a retry on every worker ending in a 503.
+    def retries() -> float:
+        text = httpx.get(disaggregated_api.removesuffix("/v1") + "/metrics", timeout=10).text
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("mooncake_retries_total"))
+
+    before = retries()
+    for field, spec in (("guided_regex", "("), ("guided_grammar", "root ::= (")):
+        with pytest.raises(openai.BadRequestError) as info:
+            completion(disaggregated_api, stream, prompt=PROMPT, max_tokens=4, extra_body={field: spec})
+        assert info.value.body["code"] == "invalid_value", info.value.body
+        assert set(info.value.body) == {"message", "type", "param", "code"}
+    assert retries() == before
+    ours, _ = completion(disaggregated_api, stream, prompt="A year:", max_tokens=8, temperature=0,
+                         extra_body={"guided_regex": "(19|20)[0-9][0-9]"})
+    assert len(ours["choices"][0]["text"]) == 4  # the workers still serve

@@ -40,6 +40,11 @@ def test_token_comes_from_the_file_then_the_environment(tmp_path):
     path.write_text("two words-but-long-enough-anyway")
     with pytest.raises(ClusterTokenError, match="without spaces"):
         load_token(str(path), {})
+    # Printable but not ASCII: an HTTP header could not carry it (httpx refuses to encode it).
+    with pytest.raises(ClusterTokenError, match="ASCII"):
+        load_token(None, {"MOONCAKE_CLUSTER_TOKEN": "t\u00f6ken-" + "\u00e9" * 20})
+    with pytest.raises(UnicodeEncodeError):
+        httpx.Request("GET", "http://w/", headers={TOKEN_HEADER: "t\u00f6ken-" + "\u00e9" * 20})
     assert len(generate_token()) >= 32 and generate_token() != generate_token()
     assert token_matches(TOKEN, TOKEN) and not token_matches(TOKEN[:-1], TOKEN) and not token_matches(None, TOKEN)
     assert kv_key(TOKEN) != TOKEN.encode() and len(kv_key(TOKEN)) == 32
@@ -164,24 +169,41 @@ def test_a_worker_without_a_token_is_open_and_says_nothing_about_tokens(tmp_path
     asyncio.run(run())
 
 
+def openai_error(resp, status: int, code: str | None = None) -> dict:
+    """The error of `resp`, asserted to be `status` in OpenAI's shape (with `code` if given)."""
+    assert resp.status_code == status, resp.text
+    error = resp.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"], error
+    assert code is None or error["code"] == code, error
+    return error
+
+
 def test_worker_refuses_malformed_and_oversized_bodies_and_keeps_serving(tmp_path):
     async def run():
         async with asgi(ready_worker_app(tmp_path)) as c:
             big = b"[" + b"1," * (10 << 20) + b"1]"  # 20 MB: over the 16 MiB limit
             for path in ("/internal/generate", "/internal/abort", "/internal/kv_drop"):
                 for body in (b"{", b"[1, 2]", b'{"request_id": 5}', b"\xff\xfe", b""):
-                    resp = await c.post(path, content=body, headers=GOOD)
-                    assert resp.status_code == 400, (path, body, resp.text)
-                resp = await c.post(path, content=big, headers=GOOD)
-                assert resp.status_code == 413, (path, resp.text)
+                    openai_error(await c.post(path, content=body, headers=GOOD), 400, "invalid_value")
+                openai_error(await c.post(path, content=big, headers=GOOD), 413, "request_too_large")
 
                 async def chunks():  # no Content-Length: the limit is counted while reading
                     for _ in range(20):
                         yield b"x" * (1 << 20)
-                resp = await c.post(path, content=chunks(), headers=GOOD)
-                assert resp.status_code == 413, (path, resp.text)
-                assert (await c.post(path, content=big)).status_code == 401  # no token: refused first
+                openai_error(await c.post(path, content=chunks(), headers=GOOD), 413, "request_too_large")
+                openai_error(await c.post(path, content=big), 401)  # no token: refused first
+            # FastAPI's own answers too: a query parameter of the wrong type is a 400 (not a 422
+            # {"detail"}), an unknown route a 404, in the same shape.
+            error = openai_error(await c.get("/internal/kv_events?since=notanumber", headers=GOOD), 400,
+                                 "invalid_value")
+            assert error["param"] == "since"
+            openai_error(await c.get("/internal/no-such-route", headers=GOOD), 404)
+            openai_error(await c.post("/internal/load", headers=GOOD), 405)
             assert (await c.get("/internal/load", headers=GOOD)).status_code == 200
+        app = worker_app(tmp_path)  # its engine not started: the conductor tries another worker
+        async with asgi(app) as c:
+            body = b'{"request_id": "r", "prompt_token_ids": [1], "sampling": {"max_tokens": 1}}'
+            openai_error(await c.post("/internal/generate", content=body, headers=GOOD), 503, "not_ready")
     asyncio.run(run())
 
 
@@ -226,6 +248,30 @@ def test_conductor_asks_api_keys_on_v1_and_the_token_on_internal(tmp_path):
     asyncio.run(run())
 
 
+def test_conductor_counts_the_requests_refused_before_its_handler(tmp_path):
+    async def run():
+        app = conductor_app(tmp_path)  # no lifespan: nothing valid could be served
+        key = {"Authorization": "Bearer k-all"}
+        async with asgi(app, "http://c") as c:
+            assert (await c.post("/v1/completions", json={"model": "m", "prompt": "a"})).status_code == 401
+            assert (await c.post("/v1/chat/completions", headers=key, json={"model": "m"})).status_code == 400
+            assert (await c.post("/v1/completions", headers=key,
+                                 json={"model": "m", "prompt": "a", "n": 0})).status_code == 400
+            assert (await c.post("/v1/completions", headers=key, content=b"x" * (17 << 20))).status_code == 413
+
+            async def chunks():  # no Content-Length: refused while the handler reads it
+                for _ in range(20):
+                    yield b"x" * (1 << 20)
+            assert (await c.post("/v1/completions", headers=key, content=chunks())).status_code == 413
+            assert (await c.get("/v1/models", headers={})).status_code == 401  # not a counted endpoint
+        m = app.state.metrics
+        assert m.value("mooncake_requests_total", endpoint="completions", status="401", slo_class="default") == 1
+        assert m.value("mooncake_requests_total", endpoint="chat", status="400", slo_class="default") == 1
+        assert m.value("mooncake_requests_total", endpoint="completions", status="400", slo_class="default") == 1
+        assert m.value("mooncake_requests_total", endpoint="completions", status="413", slo_class="default") == 2
+    asyncio.run(run())
+
+
 # -- the embedded registry over a real socket ---------------------------------------------------
 
 def test_registry_client_sends_the_token_and_a_wrong_one_is_refused():
@@ -263,6 +309,24 @@ def test_registry_client_sends_the_token_and_a_wrong_one_is_refused():
         finally:
             server.should_exit = True
             await serving
+    asyncio.run(run())
+
+
+def test_a_conductor_following_another_ones_embedded_registry_sends_the_token(tmp_path):
+    from conductor.app import create_app, followed_registry
+    from conductor.config import ConductorConfig
+
+    async def run():
+        leader = create_app(ConductorConfig(model_path=str(tmp_path), served_model_name="m", cluster_token=TOKEN))
+        config = ConductorConfig(model_path=str(tmp_path), served_model_name="m", cluster_token=TOKEN,
+                                 registry_url="embedded+http://leader:8000")
+        follower = followed_registry(config)
+        http = follower._http  # the same client, its requests carried to the leader's app in-process
+        follower._http = httpx.AsyncClient(transport=httpx.ASGITransport(app=leader), base_url=http.base_url,
+                                           headers=http.headers)
+        await http.aclose()
+        assert await follower.snapshot() == {}  # a 401 would raise RegistryUnavailable
+        await follower.close()
     asyncio.run(run())
 
 

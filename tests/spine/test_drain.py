@@ -88,7 +88,7 @@ def test_a_draining_worker_leaves_the_registry_refuses_new_work_and_finishes_wha
             health = await c.get("/health")
             assert health.status_code == 503 and health.json()["status"] == "draining"
             refused = await c.post("/internal/generate", json={**GENERATE, "request_id": "r2"})
-            assert refused.status_code == 503 and refused.json()["error"] == "worker is draining"
+            assert refused.status_code == 503 and refused.json()["error"]["message"] == "worker is draining"
             assert "p1" not in await registry.snapshot()  # gone from every conductor's watch now
             assert not draining.done()  # still waiting for r1
             release.set()

@@ -305,3 +305,27 @@ def test_refused_at_admission_holds_nothing_and_is_counted_once():
         assert_all_released(service, "503", first_token=False)
 
     asyncio.run(main())
+
+
+def test_time_between_tokens_is_measured_within_each_sample():
+    class Interleaved:
+        """Two samples whose chunks alternate, one clock second apart."""
+
+        def __init__(self, clock):
+            self.clock = clock
+
+        async def samples(self, request_id, prompt, sampling, route, stats, n):
+            for i, index in enumerate((0, 1, 0, 1, 0, 1)):
+                self.clock[0] += 1.0
+                yield index, GenerateChunk([5], finish_reason="length" if i >= 4 else None)
+
+    async def main():
+        now = [0.0]
+        service = make_service(Interleaved(now))
+        service.clock = lambda: now[0]
+        await service.serve(await prepared(service, max_tokens=3, n=2), "completions")
+        m = service.metrics
+        # Sample 0 at t=1, 3, 5 and sample 1 at t=2, 4, 6: four gaps of 2 s (not five of 1 s).
+        assert m.value("mooncake_time_between_tokens_seconds_count", slo_class="default") == 4
+        assert m.value("mooncake_time_between_tokens_seconds_sum", slo_class="default") == 8.0
+    asyncio.run(main())

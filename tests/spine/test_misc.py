@@ -220,13 +220,13 @@ def test_worker_answers_400_naming_the_field_of_a_malformed_generate_body(monkey
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://w") as c:
             bad = {"request_id": "r", "prompt_token_ids": [1, "x"], "sampling": {"max_tokens": 2}}
             resp = await c.post("/internal/generate", json=bad)
-            assert resp.status_code == 400 and "$.prompt_token_ids[1]" in resp.json()["error"]
+            assert resp.status_code == 400 and "$.prompt_token_ids[1]" in resp.json()["error"]["message"]
             resp = await c.post("/internal/generate", content=b"{")
-            assert resp.status_code == 400 and "truncated" in resp.json()["error"]
+            assert resp.status_code == 400 and "truncated" in resp.json()["error"]["message"]
             resp = await c.post("/internal/abort", json={"request": "r"})
-            assert resp.status_code == 400 and "request_id" in resp.json()["error"]
+            assert resp.status_code == 400 and "request_id" in resp.json()["error"]["message"]
             resp = await c.post("/internal/kv_drop", json={"transfer_id": 5})
-            assert resp.status_code == 400 and "$.transfer_id" in resp.json()["error"]
+            assert resp.status_code == 400 and "$.transfer_id" in resp.json()["error"]["message"]
     asyncio.run(main())
 
 

@@ -38,11 +38,20 @@ def test_out_of_range_values_are_refused_by_the_schema(fields):
         CompletionRequest(model="m", prompt="a", **fields)
 
 
+@pytest.mark.parametrize("key", ["\u00b2", "\u0663", "1\u00b2", "+1", " 1", "", "-"])
+def test_logit_bias_keys_must_be_ascii_token_ids(key):
+    # "²" and "٣" pass str.isdigit() but not int(): they must be a 400 here, not a 500 later.
+    with pytest.raises(ValidationError, match="token ids"):
+        CompletionRequest(model="m", prompt="a", logit_bias={key: 1.0})
+    assert CompletionRequest(model="m", prompt="a", logit_bias={"-3": 1.0, "12": -1.0}).logit_bias
+
+
 @pytest.mark.parametrize("endpoint,fields,param", [
     ("completions", {"suffix": "z"}, "suffix"),
     ("completions", {"best_of": 2}, "best_of"),
     ("completions", {"top_logprobs": 2}, "top_logprobs"),
     ("completions", {"prompt_logprobs": 2, "stream": True}, "prompt_logprobs"),
+    ("completions", {"prompt_logprobs": 0, "stream": True}, "prompt_logprobs"),
     ("chat", {"echo": True}, "echo"),
     ("chat", {"tools": [{"type": "function"}]}, "tools"),
     ("chat", {"tool_choice": "auto"}, "tool_choice"),
@@ -82,6 +91,12 @@ def test_structured_outputs_from_every_spelling():
                        ({"structured_outputs": {"lark": "x"}}, "structured_outputs"),
                        ({"structured_outputs": {"choice": []}}, "structured_outputs"),
                        ({"guided_json": "{not json"}, "guided_json"),
+                       # a json_schema, or a schema, of the wrong JSON type: a 400, not a crash
+                       ({"response_format": {"type": "json_schema", "json_schema": "x"}}, "response_format"),
+                       ({"response_format": {"type": "json_schema", "json_schema": 5}}, "response_format"),
+                       ({"response_format": {"type": "json_schema", "json_schema": [1]}}, "response_format"),
+                       ({"guided_json": 5}, "guided_json"), ({"guided_json": "[1]"}, "guided_json"),
+                       ({"structured_outputs": {"json": True}}, "structured_outputs"),
                        ({"guided_regex": "a", "structured_outputs": {"regex": "b"}}, "structured_outputs")):
         with pytest.raises(ValueError) as info:
             s(**bad)
@@ -232,4 +247,70 @@ def test_with_a_grammar_the_decode_worker_samples_every_token_from_the_loaded_pr
         assert decode.kv_transfer_params["mooncake_pull"]["num_tokens"] == 20 and decode.sampling.max_tokens == 4
         assert decode.sampling.prompt_logprobs is None
         assert [t for c in chunks for t in c.token_ids] == [1, 2, 3]  # P's token (7) is not part of the answer
+    asyncio.run(main())
+
+
+# -- a request the engine refuses -------------------------------------------------------------------
+
+class EngineGenerateError(Exception):
+    """Named as vLLM's: AsyncLLM.generate wraps a ValueError from its validation in one."""
+
+
+def refusing_worker_app(monkeypatch, seen: list):
+    """The worker's real HTTP app whose engine refuses any structured request as vLLM does (an
+    invalid regex), and streams one token for any other."""
+    import mooncake.engine.app as worker_app
+    from mooncake.control import ControlEndpoint
+    from mooncake.engine.config import WorkerConfig
+
+    async def fake_run_request(engine, request):
+        seen.append(request.request_id)
+        if request.sampling.structured is not None:
+            raise EngineGenerateError() from ValueError("Failed to transform regex into a grammar: (")
+        if request.sampling.seed == 99:
+            raise RuntimeError("the engine broke")
+        yield GenerateChunk([7], finish_reason="length")
+
+    monkeypatch.setattr(worker_app, "run_request", fake_run_request)
+    app = worker_app.create_app(WorkerConfig(role="both", model="m", served_model_name="m"), 1, 2,
+                                ControlEndpoint("/nonexistent/connector.sock", "00" * 16))
+    class Engine:
+        async def abort(self, request_id):
+            pass
+
+    app.state.worker.engine = Engine()
+    return app
+
+
+def test_a_request_the_engine_refuses_is_a_400_tried_on_no_other_worker(monkeypatch):
+    import httpx
+
+    from conductor.errors import APIError
+    from conductor.relay import Relay
+    from conductor.workers import WorkerClient
+    from tests.spine.test_lifecycle import PROMPT, make_service
+
+    async def main():
+        seen: list = []
+        client = WorkerClient(token_timeout_s=5.0)
+        await client._http.aclose()
+        client._http = httpx.AsyncClient(transport=httpx.ASGITransport(app=refusing_worker_app(monkeypatch, seen)))
+        pool = []
+        relay = Relay(client, 5.0, lambda tried: next((h for h in pool if h.name not in tried), None))
+        service = make_service(relay, (("p1", "prefill"), ("p2", "prefill"), ("d1", "decode"), ("d2", "decode")))
+        pool.extend(service.router.pool.all())
+        body = CompletionRequest(model="m", prompt=PROMPT, max_tokens=4, guided_regex="(")
+        with pytest.raises(APIError) as info:
+            await service.serve(await service.prepare(body), "completions")
+        assert info.value.status == 400 and info.value.code == "invalid_value", info.value.body()
+        assert "Failed to transform regex" in info.value.message
+        assert len(seen) == 2 and seen[0].endswith("-p") and seen[1].endswith("-d1"), seen  # no retry
+        assert service.snapshot()["in_flight"] == 0
+        # Any other failure before the first token is still the worker's: retried, then a 503.
+        seen.clear()
+        body = CompletionRequest(model="m", prompt=PROMPT, max_tokens=4, seed=99)
+        with pytest.raises(APIError) as info:
+            await service.serve(await service.prepare(body), "completions")
+        assert info.value.status == 503 and len(seen) > 2, seen
+        await client.close()
     asyncio.run(main())
