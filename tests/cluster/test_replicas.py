@@ -26,6 +26,7 @@ import httpx
 import openai
 import pytest
 
+from mooncake.auth import TOKEN_HEADER
 from tests.cluster.test_etcd_cluster import PREFILLS, EtcdCluster, complete, words
 from tests.conftest import MODEL_NAME
 from tests.etcd_server import EtcdServer
@@ -43,6 +44,13 @@ class Replicas(EtcdCluster):
         super().__init__(etcd, model, log_dir)
         self.port_b = free_port()
         self.conductor_b: Proc | None = None
+
+    def running_on(self, worker_port: int) -> int:
+        """Requests in the worker's engine now (its internal API asks for the cluster token)."""
+        token = open(self.token_file).read().strip()
+        resp = httpx.get(f"http://127.0.0.1:{worker_port}/internal/load", timeout=5, headers={TOKEN_HEADER: token})
+        assert resp.status_code == 200, resp.text
+        return resp.json()["running_requests"]
 
     def start_replica(self, port: int) -> Proc:
         # A generous TTFT SLO: these tests are about routing and failures on two shared cores.
@@ -184,8 +192,7 @@ def test_killing_one_replica_loses_no_request_sent_to_the_other(replicas):
         # The workers let go of what A had sent them (the dropped connections abort those requests).
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
-            running = {n: httpx.get(f"http://127.0.0.1:{p}/internal/load", timeout=5).json()["running_requests"]
-                       for n, p in replicas.worker_ports.items()}
+            running = {n: replicas.running_on(p) for n, p in replicas.worker_ports.items()}
             if not any(running.values()):
                 break
             time.sleep(0.5)
@@ -210,7 +217,7 @@ def test_a_drained_worker_finishes_its_request_and_leaves_both_replicas(replicas
         with cf.ThreadPoolExecutor(1) as bg:
             in_flight = bg.submit(complete, b, long_prompt, 8)
             deadline = time.monotonic() + 60
-            while httpx.get(f"http://127.0.0.1:{port}/internal/load", timeout=5).json()["running_requests"] == 0:
+            while replicas.running_on(port) == 0:
                 assert time.monotonic() < deadline and not in_flight.done(), "the request never reached the victim"
                 time.sleep(0.05)
             os.kill(proc.process.pid, signal.SIGTERM)  # the main process only, as an orchestrator does
