@@ -180,8 +180,19 @@ class KVEventSubscriber:
         last_seq = -1
         while not self._stop.is_set():
             try:
-                _topic, seq_bytes, payload = sock.recv_multipart()
+                frames = sock.recv_multipart()
             except zmq.Again:
+                continue
+            try:
+                _topic, seq_bytes, payload = frames
+                events = decoder.decode(payload).events
+            except (ValueError, msgspec.DecodeError) as exc:
+                # A message we cannot read: what it said is lost, so the log starts over (the
+                # conductors resync) and the thread lives on; a dead reader would leave the worker
+                # ready while its cache vanished from every conductor's index.
+                log.warning("unreadable KV event message (%s); the conductor will resync", exc)
+                self._translator.cleared()
+                self._log.cleared()
                 continue
             seq = int.from_bytes(seq_bytes, "big")
             if last_seq >= 0 and seq != last_seq + 1:
@@ -189,7 +200,7 @@ class KVEventSubscriber:
                 self._translator.cleared()
                 self._log.cleared()
             last_seq = seq
-            for event in decoder.decode(payload).events:
+            for event in events:
                 if isinstance(event, BlockStored):
                     self._log.stored(self._translator.stored(
                         list(event.block_hashes), event.parent_block_hash, list(event.token_ids), event.block_size))

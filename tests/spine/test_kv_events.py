@@ -92,6 +92,34 @@ def test_vllms_publisher_reaches_the_worker_subscriber():
     assert log.since(-1).stored == sorted(hash_prompt_blocks(prompt, B))
 
 
+def test_an_unreadable_message_resets_the_log_and_the_reader_lives_on():
+    """A malformed message (wrong frame count, a payload that is not an event batch) loses what it
+    said: the log is cleared so conductors resync, and later events still arrive."""
+    import zmq
+    from vllm.distributed.kv_events import ZmqEventPublisher
+
+    prompt = list(range(200, 208))
+    log = BlockEventLog()
+    subscriber = KVEventSubscriber(log, BlockHashTranslator()).start()
+    rogue = zmq.Context.instance().socket(zmq.PUB)
+    rogue.connect(subscriber.endpoint)
+    publisher = ZmqEventPublisher(data_parallel_rank=0, endpoint=subscriber.endpoint, topic="kv")
+    try:
+        _publish_until_held(publisher, _stored_batch([21, 22], prompt), log)
+        deadline = time.monotonic() + 15
+        while len(log):  # the garbage empties the log (and does not kill the reader)
+            assert time.monotonic() < deadline, "the malformed messages never reset the log"
+            rogue.send_multipart([b"kv", b"not a sequence number"])
+            rogue.send_multipart([b"kv", (7).to_bytes(8, "big"), b"\xff not msgpack"])
+            time.sleep(0.1)
+        _publish_until_held(publisher, _stored_batch([23, 24], prompt), log)
+    finally:
+        rogue.close(linger=0)
+        publisher.shutdown()
+        subscriber.stop()
+    assert log.since(-1).stored == sorted(hash_prompt_blocks(prompt, B))
+
+
 def _taken_port() -> socket.socket:
     holder = socket.socket()
     holder.bind(("127.0.0.1", 0))
