@@ -13,12 +13,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-_TYPES = {
-    400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
-    413: "request_too_large", 422: "invalid_request_error", 429: "rate_limit_exceeded",
-    500: "internal_error", 502: "upstream_error", 503: "service_unavailable", 504: "timeout",
-}
-
+from mooncake.http_errors import error_body
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, *, param: str | None = None,
@@ -32,10 +27,6 @@ class APIError(Exception):
 
     def body(self) -> dict[str, Any]:
         return error_body(self.status, self.message, self.param, self.code)
-
-
-def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": _TYPES.get(status, "error"), "param": param, "code": code}}
 
 
 def sse_error(err: APIError) -> str:

@@ -15,11 +15,12 @@ from __future__ import annotations
 import argparse
 import hashlib
 import hmac
-import json
 import os
 import secrets
 from collections.abc import Mapping
 from pathlib import Path
+
+from mooncake.http_errors import error_json
 
 TOKEN_ENV = "MOONCAKE_CLUSTER_TOKEN"
 TOKEN_HEADER = "X-Mooncake-Cluster-Token"
@@ -121,16 +122,6 @@ def kv_key(token: str) -> bytes:
     whoever reads it cannot call the HTTP internal endpoints, but can use the KV socket (push KV
     into a decode worker, or receive a prefill worker's), so it is as secret as the token there."""
     return hmac.new(token.encode(), b"mooncake kv socket v1", hashlib.sha256).digest()
-
-
-# The OpenAI error shape and types, as the conductor's other errors (conductor/errors.py) have them.
-_ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
-                413: "request_too_large", 500: "internal_error", 503: "service_unavailable"}
-
-
-def error_json(status: int, message: str, code: str | None, param: str | None = None) -> bytes:
-    kind = _ERROR_TYPES.get(status, "invalid_request_error")
-    return json.dumps({"error": {"message": message, "type": kind, "param": param, "code": code}}).encode()
 
 
 async def send_error(send, status: int, message: str, code: str | None, param: str | None = None) -> None:

@@ -1,20 +1,36 @@
-"""OpenAI's error shape on the workers' HTTP API, {"error": {"message", "type", "param", "code"}},
-for what their routes refuse and what FastAPI itself answers (validation, 404, a body over the
-limit found while a route reads it). The conductor has its own handlers (conductor/errors.py);
-the middleware's refusals use mooncake/auth.py's send_error, whose body this is too."""
+"""OpenAI's error shape, {"error": {"message", "type", "param", "code"}}: the one body and type
+table every HTTP server here answers errors with (conductor/errors.py, the middlewares' refusals
+in mooncake/auth.py and mooncake/body_limit.py), and the workers' handlers for what their routes
+refuse and what FastAPI itself answers (validation, 404, a body over the limit found while a
+route reads it). The conductor has handlers of its own (conductor/errors.py)."""
 
 from __future__ import annotations
 
+import json
 import logging
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException
 
-from mooncake.auth import error_json
-
 log = logging.getLogger(__name__)
+
+ERROR_TYPES = {
+    400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+    413: "request_too_large", 422: "invalid_request_error", 429: "rate_limit_exceeded",
+    500: "internal_error", 502: "upstream_error", 503: "service_unavailable", 504: "timeout",
+}
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    kind = ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "internal_error")
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def error_json(status: int, message: str, code: str | None, param: str | None = None) -> bytes:
+    return json.dumps(error_body(status, message, param, code)).encode()
 
 
 def error_response(status: int, message: str, code: str | None = None, param: str | None = None) -> Response:
