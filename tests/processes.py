@@ -68,6 +68,18 @@ class Proc:
             pass
 
 
+def closed_by_server(sock: socket.socket, within_s: float = 5.0) -> bytes:
+    """What the server sent before it closed the connection (raises if it stays open)."""
+    sock.settimeout(within_s)
+    got = b""
+    try:
+        while chunk := sock.recv(4096):
+            got += chunk
+    except ConnectionResetError:
+        pass
+    return got
+
+
 def start(name: str, args: list[str], log_dir: Path, env: dict[str, str] | None = None) -> Proc:
     log_path = log_dir / f"{name}.log"
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}

@@ -20,7 +20,7 @@ import pytest
 from messenger.handshake import HELLO, VERSION as HANDSHAKE_VERSION
 from messenger.wire import MAGIC, VERSION
 from tests.conftest import MODEL_NAME
-from tests.processes import free_port, start, wait_http
+from tests.processes import closed_by_server, free_port, start, wait_http
 
 pytestmark = pytest.mark.vllm
 
@@ -163,17 +163,6 @@ def kv_address(spine_cluster, role: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def closed_by_worker(sock: socket.socket) -> bytes:
-    sock.settimeout(15)
-    got = b""
-    try:
-        while chunk := sock.recv(4096):
-            got += chunk
-    except ConnectionResetError:
-        pass
-    return got
-
-
 def test_kv_socket_refuses_connections_without_the_cluster_key(spine_cluster, disaggregated_api):
     before = httpx.get(spine_cluster.worker_urls["decode"] + "/internal/kv_stats",
                        headers=spine_cluster.internal_headers, timeout=10).json()["stats"]
@@ -188,7 +177,7 @@ def test_kv_socket_refuses_connections_without_the_cluster_key(spine_cluster, di
                     sock.sendall(secrets.token_bytes(32))  # a made-up proof
             except OSError:
                 pass  # already hung up on us
-            assert len(closed_by_worker(sock)) in (0, 64), data[:8]  # 64: its own challenge, nothing else
+            assert len(closed_by_server(sock, within_s=15)) in (0, 64), data[:8]  # 64: its own challenge, nothing else
     # The workers still push and receive KV among themselves.
     resp = httpx.post(disaggregated_api + "/completions", timeout=300, json={
         "model": MODEL_NAME, "prompt": "A fresh prompt to push: " + " ".join(f"k{i}" for i in range(300)),

@@ -20,6 +20,7 @@ from messenger.wire import MAGIC, VERSION
 from mooncake.auth import (NO_TOKEN_HELP, TOKEN_HEADER, ClusterTokenError, generate_token, kv_key, load_token,
                            token_matches)
 from mooncake.cli import build_parser, main
+from tests.processes import closed_by_server
 
 TOKEN = "t0ken-" + "x" * 26
 GOOD = {TOKEN_HEADER: TOKEN}
@@ -341,18 +342,6 @@ def kv_server():
     server = TcpServer("127.0.0.1", 0, echo, TcpConfig(connect_timeout_s=1.0, auth_key=kv_key(TOKEN))).start()
     yield server
     server.close()
-
-
-def closed_by_server(sock: socket.socket, within_s: float = 5.0) -> bytes:
-    """What the server sent before it closed the connection (raises if it stays open)."""
-    sock.settimeout(within_s)
-    got = b""
-    try:
-        while chunk := sock.recv(4096):
-            got += chunk
-    except ConnectionResetError:
-        pass
-    return got
 
 
 def test_kv_socket_talks_only_to_holders_of_the_key(kv_server):
