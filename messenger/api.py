@@ -1,0 +1,236 @@
+"""The transfer engine's contract: what every transport implements and every user calls.
+
+The messenger moves bytes between registered memory regions of two processes, one-sided in the
+style of RDMA: a batch of slices (local region, offset, remote region, offset, length) is written
+to (or read from) a peer, and completes as a whole. It knows nothing of KV caches, blocks or
+layers: the KV path (prefill/, decode/) and the pool (store/) give it regions and slices.
+
+Pieces:
+- `Region`: a named, registered block of memory (a numpy array, a CPU tensor's storage, an mmap,
+  a shared-memory segment; GPU memory by address for transports that can reach it).
+- `Slice`: one contiguous copy. `Batch`: the completion handle of a list of slices.
+- `PeerInfo`: what a peer publishes so others can reach it (through the registry); the engine
+  picks a transport per peer (`messenger/select.py`).
+- `Transport`: moves slices and messages to one kind of peer. The engine (`messenger/engine.py`)
+  owns the transports, the region table, checksums, calls and notifications on top of them.
+
+Ordering and integrity, the promises users build on:
+- A notification attached to a batch is delivered to the peer's `on_notify` only after every
+  slice of that batch has landed in the peer's memory and its checksum (xxh3-64 per slice,
+  computed by the sender off the caller's thread, verified by the receiver) matched. A slice
+  that fails verification fails the batch on both sides: the sender's `Batch.wait` raises
+  `ChecksumError`; the receiver's `on_notify` gets the error, never silently bad bytes.
+- A peer that dies or stops answering fails every batch in flight to it within the engine's
+  `timeout_s`; nothing waits forever.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Protocol
+
+
+class TransferError(ConnectionError):
+    """A batch did not complete: the peer is unreachable, closed, timed out, or refused it."""
+
+
+class ChecksumError(TransferError):
+    """A slice arrived with bytes that do not match the sender's checksum."""
+
+
+class NoTransport(TransferError):
+    """No transport both sides have can reach the peer (e.g. rdma without a device)."""
+
+
+class Direction(str, Enum):
+    WRITE = "write"  # local -> remote
+    READ = "read"  # remote -> local
+
+
+@dataclass(frozen=True)
+class Slice:
+    """One contiguous copy between a local and a remote region (bytes, offsets in bytes)."""
+
+    local_region: str
+    local_offset: int
+    remote_region: str
+    remote_offset: int
+    length: int
+
+    def __post_init__(self) -> None:
+        if self.local_offset < 0 or self.remote_offset < 0 or self.length <= 0:
+            raise ValueError(f"bad slice {self}: offsets must be >= 0 and length > 0")
+
+
+@dataclass(frozen=True)
+class RegionInfo:
+    """A region as a peer sees it: its name and length (offsets beyond it are refused)."""
+
+    name: str
+    length: int
+    device: str = "cpu"  # "cpu" or "cuda:N"; only rdma and nixl reach GPU memory
+
+
+@dataclass(frozen=True)
+class PeerInfo:
+    """What an engine publishes so others can reach it.
+
+    `host_id` identifies the machine (same host -> shm is possible); `transports` maps a
+    transport's name to its address descriptor (tcp: "host:port", shm: a segment namespace,
+    rdma: device/gid/qp info, nixl: agent metadata, all as strings); `regions` lists what a
+    peer may write into or read from.
+    """
+
+    name: str
+    host_id: str
+    transports: dict[str, str]
+    regions: tuple[RegionInfo, ...] = ()
+
+    def region(self, name: str) -> RegionInfo | None:
+        return next((r for r in self.regions if r.name == name), None)
+
+
+@dataclass
+class Region:
+    """A registered block of local memory. `view` is a writable, byte-addressed memoryview for
+    CPU memory (None for device memory, which only `address` reaches)."""
+
+    name: str
+    length: int
+    address: int
+    view: memoryview | None
+    device: str = "cpu"
+
+    def info(self) -> RegionInfo:
+        return RegionInfo(self.name, self.length, self.device)
+
+    def check(self, offset: int, length: int) -> None:
+        if offset < 0 or length < 0 or offset + length > self.length:
+            raise TransferError(
+                f"slice [{offset}, {offset + length}) is outside region {self.name!r} of {self.length} B")
+
+
+# on_notify(peer_name, message, error): `error` is None when every slice of the batch the
+# message rode on landed and verified; otherwise it says what failed, and the message is still
+# delivered so the receiver can fail its own work at once instead of waiting for a timeout.
+NotifyHandler = Callable[[str, bytes, "str | None"], None]
+# on_call(peer_name, request) -> reply: a small RPC for rendezvous (e.g. "where do I write?").
+CallHandler = Callable[[str, bytes], bytes]
+
+
+class Batch:
+    """Completion of one submitted batch. Thread-safe; completes exactly once."""
+
+    def __init__(self, nbytes: int, num_slices: int):
+        self.nbytes = nbytes
+        self.num_slices = num_slices
+        self._done = threading.Event()
+        self._error: TransferError | None = None
+        self._callbacks: list[Callable[[Batch], None]] = []
+        self._lock = threading.Lock()
+
+    def complete(self, error: TransferError | None = None) -> None:
+        """Called by the transport (or the engine's timeout watchdog); later calls are ignored."""
+        with self._lock:
+            if self._done.is_set():
+                return
+            self._error = error
+            self._done.set()
+            callbacks, self._callbacks = self._callbacks, []
+        for callback in callbacks:
+            callback(self)
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    @property
+    def error(self) -> TransferError | None:
+        return self._error
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until the batch completed; raise its error, or TransferError on timeout."""
+        if not self._done.wait(timeout):
+            raise TransferError(f"batch of {self.num_slices} slices not complete after {timeout} s")
+        if self._error is not None:
+            raise self._error
+
+    def add_done_callback(self, callback: Callable[["Batch"], None]) -> None:
+        with self._lock:
+            if not self._done.is_set():
+                self._callbacks.append(callback)
+                return
+        callback(self)
+
+
+@dataclass(frozen=True)
+class OutgoingMessage:
+    """A message riding on a batch: delivered after the batch's slices landed and verified."""
+
+    payload: bytes
+    checksums: tuple[int, ...] = field(default=())  # xxh3-64 per slice, in the batch's order
+
+
+class Transport(Protocol):
+    """One way of reaching peers. Implementations: tcp.py, shm.py, rdma.py, nixl_transport.py.
+
+    The engine calls `start` once with its region table and inbound callbacks, then `submit`
+    from any thread. A transport moves bytes and messages and reports completion; it does not
+    compute checksums or time batches out (the engine does both, the same for every transport).
+    """
+
+    name: str
+
+    def available(self) -> str | None:
+        """None when this transport can run here; otherwise why not (e.g. "no RDMA device")."""
+        ...
+
+    def start(self, regions: "RegionTable", deliver: "InboundHandler") -> str:
+        """Start serving; returns this side's address descriptor for PeerInfo.transports."""
+        ...
+
+    def can_reach(self, local: PeerInfo, peer: PeerInfo) -> bool:
+        """Whether this transport can move bytes between this process and `peer`."""
+        ...
+
+    def submit(self, peer: PeerInfo, direction: Direction, slices: list[Slice], batch: Batch,
+               message: OutgoingMessage | None) -> None:
+        """Start moving `slices`; complete `batch` when they landed on the far side (WRITE) or
+        here (READ), and deliver `message` to the peer after its slices. Never blocks on the
+        network in the caller's thread beyond queueing."""
+        ...
+
+    def send_message(self, peer: PeerInfo, payload: bytes, batch: Batch) -> None:
+        """A message without slices (calls and their replies use it)."""
+        ...
+
+    def stats(self) -> dict:
+        """Counters (messenger/stats.py's TransportStats.snapshot() shape)."""
+        ...
+
+    def close(self) -> None:
+        ...
+
+
+class RegionTable(Protocol):
+    """The engine's registered regions, as transports see them (lookups by name, bounds-checked)."""
+
+    def get(self, name: str) -> Region: ...
+
+
+class InboundHandler(Protocol):
+    """What a transport hands the engine when something arrives from a peer.
+
+    `slices_landed(peer, slices, message)`: every slice of one of the peer's WRITE batches is now
+    in local memory (as the sender described them: this side's memory is `remote_region` at
+    `remote_offset`) and `message` (possibly None) rode on them. The engine verifies the
+    message's checksums over that memory, calls the user's on_notify, and returns None or the
+    error the transport sends back so the sender's batch fails. `message(peer, payload)`: a
+    message without slices (calls and replies).
+    """
+
+    def slices_landed(self, peer: str, slices: list[Slice], message: OutgoingMessage | None) -> str | None: ...
+
+    def message(self, peer: str, payload: bytes) -> None: ...
