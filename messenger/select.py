@@ -15,7 +15,7 @@ network namespace, not only the machine.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from messenger.api import NoTransport, PeerInfo, Transport
 
@@ -53,10 +53,11 @@ def _read(path: str) -> str:
         return ""
 
 
-def choose(local: PeerInfo, peer: PeerInfo, transports: Iterable[Transport]) -> Transport:
-    """The transport to reach `peer` from `local`, among the started `transports` listed in the
-    configured order. Raises NoTransport, saying what each candidate lacked."""
-    ranked = list(transports)
+def choose(local: PeerInfo, peer: PeerInfo, transports: Mapping[str, Transport] | Iterable[Transport]) -> str:
+    """The name of the transport to reach `peer` from `local`, among the started `transports`
+    (name -> Transport, or a list), in the configured order. Raises NoTransport, saying what
+    each candidate lacked."""
+    ranked = list(transports.values() if isinstance(transports, Mapping) else transports)
     by_name = {t.name: t for t in ranked}
     order = [name for name in (SAME_HOST, FABRIC) if name in by_name]
     order += [t.name for t in ranked if t.name not in (SAME_HOST, FABRIC)]
@@ -70,6 +71,6 @@ def choose(local: PeerInfo, peer: PeerInfo, transports: Iterable[Transport]) -> 
         elif not by_name[name].can_reach(local, peer):
             why.append(f"{name}: cannot reach it")
         else:
-            return by_name[name]
+            return name
     raise NoTransport(f"no transport reaches {peer.name!r} from {local.name!r}: "
                       f"{'; '.join(why) or 'none started'}")

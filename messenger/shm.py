@@ -34,22 +34,21 @@ import ctypes
 import json
 import logging
 import os
-import queue
 import secrets
 import socket
 import struct
 import sys
 import threading
-import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 from messenger import cma, shm_wire
-from messenger.api import (Batch, ChecksumError, Direction, InboundHandler, OutgoingMessage, PeerInfo, Region,
-                           RegionTable, Slice, TransferError)
-from messenger.handshake import HandshakeError, client_handshake, server_handshake
+from messenger.api import (Batch, Direction, InboundHandler, OutgoingMessage, PeerInfo, Region, RegionTable, Slice,
+                           TransferError)
+from messenger.handshake import HandshakeError, server_handshake
 from messenger.segments import SHM_DIR, PeerSegments, SegmentSpan, segment_of
+from messenger.shm_link import Job, Link, shutdown
 from messenger.stats import TransportStats
 
 log = logging.getLogger(__name__)
@@ -83,12 +82,6 @@ def _peer_pid(sock: socket.socket) -> int:
     return struct.unpack("3i", creds)[0]
 
 
-def _error_of(ack: shm_wire.Ack) -> TransferError | None:
-    if ack.error is None:
-        return None
-    return ChecksumError(ack.error) if ack.checksum else TransferError(ack.error)
-
-
 class ShmTransport:
     """The Transport of messenger/api.py for peers on the same host (see the module's notes)."""
 
@@ -98,10 +91,10 @@ class ShmTransport:
         # Only what every transport shares is read from the engine's config.
         self._auth_key: bytes | None = getattr(config, "auth_key", None)
         self.config = shm or getattr(config, "shm", None) or ShmConfig()
-        self._name = name or getattr(config, "name", None)
+        self._name = name  # the engine's name, what peers' on_notify are told (start() learns it)
         self._stats = TransportStats()
         self._lock = threading.Lock()
-        self._links: dict[str, _Link] = {}
+        self._links: dict[str, Link] = {}
         self._served: set[socket.socket] = set()
         self._own_spans: dict[tuple[str, int, int], SegmentSpan | None] = {}
         self._segments = PeerSegments()
@@ -125,6 +118,7 @@ class ShmTransport:
 
     def start(self, regions: RegionTable, deliver: InboundHandler) -> str:
         self._regions, self._deliver = regions, deliver
+        self._name = self._name or getattr(deliver, "name", None)  # the engine is the handler
         # The probe lives at a stable address for peers to read by CMA.
         self._probe_buffer = ctypes.create_string_buffer(self._probe, len(self._probe))
         if not self.config.use_cma:
@@ -143,7 +137,6 @@ class ShmTransport:
         return json.dumps({"socket": address, "pid": os.getpid()})
 
     def can_reach(self, local: PeerInfo, peer: PeerInfo) -> bool:
-        self._name = self._name or local.name  # what peers' on_notify will be told we are
         return local.host_id == peer.host_id and _socket_of(peer) is not None
 
     def submit(self, peer: PeerInfo, direction: Direction, slices: list[Slice], batch: Batch,
@@ -153,10 +146,10 @@ class ShmTransport:
         except TransferError as exc:
             batch.complete(exc)
             return
-        self._enqueue(peer, _Job(batch, direction, slices, local, message))
+        self._enqueue(peer, Job(batch, direction, slices, local, message))
 
     def send_message(self, peer: PeerInfo, payload: bytes, batch: Batch) -> None:
-        self._enqueue(peer, _Job(batch, None, [], [], OutgoingMessage(payload)))
+        self._enqueue(peer, Job(batch, None, [], [], OutgoingMessage(payload)))
 
     def stats(self) -> dict:
         return self._stats.snapshot()
@@ -167,12 +160,15 @@ class ShmTransport:
             links, self._links = list(self._links.values()), {}
             served, self._served = list(self._served), set()
         for sock in [s for s in (self._listener,) if s is not None] + served:
-            _shutdown(sock)
+            shutdown(sock)
         for link in links:
             link.die("the shm transport was closed")
         if self._pool is not None:
             self._pool.shutdown(wait=False)
         self._segments.close()
+
+    def local_name(self) -> str:
+        return self._name or f"pid-{os.getpid()}"
 
     # -- shared by both sides --------------------------------------------------------------
     def _local(self, region_name: str, offset: int, length: int) -> Region:
@@ -203,7 +199,7 @@ class ShmTransport:
                         parallel_min_bytes=self.config.parallel_min_bytes)
 
     # -- initiator side --------------------------------------------------------------------
-    def _enqueue(self, peer: PeerInfo, job: _Job) -> None:
+    def _enqueue(self, peer: PeerInfo, job: Job) -> None:
         """Queue `job` on the link to `peer`, opening one if there is none (or the last died)."""
         address = _socket_of(peer)
         with self._lock:
@@ -211,25 +207,33 @@ class ShmTransport:
             if not closed and address is not None:
                 link = self._links.get(address)
                 if link is None:
-                    link = self._links[address] = _Link(self, peer.name, address)
+                    link = self._links[address] = Link(self, peer.name, address)
                     link.start()
-                link.jobs.put(job)  # under the lock: never after a dead link's sentinel (_Link.die)
+                link.jobs.put(job)  # under the lock: never after a dead link's sentinel (Link.die)
                 return
         job.batch.complete(TransferError("the shm transport was closed" if closed
                                          else f"peer {peer.name!r} publishes no shm address"))
 
-    def _forget(self, link: _Link) -> None:
+    def _count(self, nbytes: int, write: bool, seconds: float) -> None:
+        """A batch this side started completed (Link's reader thread)."""
+        if write:
+            self._stats.moved(sent=nbytes)
+        else:
+            self._stats.moved(received=nbytes)
+        self._stats.request(seconds)
+
+    def _forget(self, link: Link) -> None:
         with self._lock:
             if self._links.get(link.address) is link:
                 del self._links[link.address]
 
-    def _plan(self, link: _Link, job: _Job) -> shm_wire.Move:
+    def _plan(self, link: Link, job: Job) -> shm_wire.Move:
         """The request for `job`, after copying it here when the owner's segments are the way."""
         write = job.direction == Direction.WRITE
         tuples = [(s.local_region, s.local_offset, s.remote_region, s.remote_offset, s.length) for s in job.slices]
         message = job.message
         common = dict(id=0, write=write, slices=tuples, message=None if message is None else message.payload,
-                      checksums=[] if message is None else list(message.checksums))
+                      sums_follow=write and message is not None)
         if link.cma:
             return shm_wire.Move(mode="cma", addresses=[r.address + s.local_offset
                                                           for r, s in zip(job.local, job.slices)], **common)
@@ -261,7 +265,7 @@ class ShmTransport:
                 return
             with self._lock:
                 if self._closed:
-                    _shutdown(conn)
+                    shutdown(conn)
                     return
                 self._served.add(conn)
             threading.Thread(target=self._serve, args=(conn,), name="shm-serve", daemon=True).start()
@@ -277,10 +281,14 @@ class ShmTransport:
                 raise ConnectionError(f"expected hello, got {type(hello).__name__}")
             reason = (self.cma_reason or ("the peer disabled it" if not hello.cma else None)
                       or cma.probe(pid, hello.probe_address, hello.probe))
-            shm_wire.send(conn, shm_wire.HelloReply(self._name or f"pid-{os.getpid()}", reason is None, reason))
+            shm_wire.send(conn, shm_wire.HelloReply(self.local_name(), reason is None, reason))
             conn.settimeout(None)
             while (request := shm_wire.recv_request(conn)) is not None:
-                shm_wire.send(conn, self._answer(hello.name, pid if reason is None else None, request))
+                if isinstance(request, shm_wire.Move):
+                    reply = self._move(conn, hello.name, pid if reason is None else None, request)
+                else:
+                    reply = self._answer(hello.name, request)
+                shm_wire.send(conn, reply)
         except (OSError, HandshakeError) as exc:
             if not self._closed:
                 log.debug("shm connection ended: %s", exc)
@@ -289,35 +297,67 @@ class ShmTransport:
                 self._served.discard(conn)
             conn.close()
 
-    def _answer(self, peer: str, pid: int | None, request: shm_wire.Request) -> shm_wire.Reply:
+    def _answer(self, peer: str, request: shm_wire.Request) -> shm_wire.Reply:
+        """The reply to a request without slices."""
         assert self._deliver is not None
-        if isinstance(request, shm_wire.Where):
-            try:
-                spans = [self._span(self._local(name, 0, 0), 0) for name in request.regions]
-            except TransferError as exc:
-                return shm_wire.WhereReply(request.id, [], str(exc))
-            return shm_wire.WhereReply(request.id, [None if s is None else (s.name, s.offset) for s in spans])
+        request_id = getattr(request, "id", -1)
         try:
+            if isinstance(request, shm_wire.Where):
+                spans = [self._span(self._local(name, 0, 0), 0) for name in request.regions]
+                return shm_wire.WhereReply(request_id, [None if s is None else (s.name, s.offset) for s in spans])
             if isinstance(request, shm_wire.Note):
                 self._deliver.message(peer, request.payload)
-                return shm_wire.Ack(request.id)
-            if not isinstance(request, shm_wire.Move):
-                return shm_wire.Ack(getattr(request, "id", -1), f"unexpected {type(request).__name__}")
-            slices = [Slice(*t) for t in request.slices]
-            self._land(pid, request, slices)
-            if not request.write:
-                return shm_wire.Ack(request.id)
-            message = (None if request.message is None
-                       else OutgoingMessage(request.message, tuple(request.checksums)))
-            error = self._deliver.slices_landed(peer, slices, message)
-        except (TransferError, OSError, ValueError) as exc:
-            return shm_wire.Ack(request.id, f"shm {'write' if getattr(request, 'write', True) else 'read'} "
-                                            f"refused by {self._name}: {exc}")
+                return shm_wire.Ack(request_id)
+            raise TransferError(f"unexpected {type(request).__name__}")
+        except TransferError as exc:
+            return (shm_wire.WhereReply(request_id, [], str(exc)) if isinstance(request, shm_wire.Where)
+                    else shm_wire.Ack(request_id, str(exc)))
         except Exception as exc:  # the engine's handler failed: the peer must get an answer, never a hang
-            log.exception("shm inbound handler failed")
-            return shm_wire.Ack(request.id, f"{type(exc).__name__}: {exc}")
+            log.exception("shm inbound message handler failed")
+            return shm_wire.Ack(request_id, f"{type(exc).__name__}: {exc}")
+
+    def _move(self, conn: socket.socket, peer: str, pid: int | None, move: shm_wire.Move) -> shm_wire.Ack:
+        """Land one batch, read its checksums, hand it to the engine; the Ack for the initiator.
+        Raises ConnectionError when the initiator left before its checksums came."""
+        assert self._deliver is not None
+        error = None
+        slices: list[Slice] = []
+        try:
+            slices = [Slice(*t) for t in move.slices]
+            self._land(pid, move, slices)
+        except (TransferError, OSError, ValueError) as exc:
+            error = f"shm {'write' if move.write else 'read'} refused by {self.local_name()}: {exc}"
+        sums = None
+        if move.sums_follow:  # read it even after a failure: the connection goes on
+            sums = shm_wire.recv_request(conn)
+            if not isinstance(sums, shm_wire.Sums) or sums.id != move.id:
+                self._lost(peer, move, error or "the sender left before the batch's checksums came")
+                raise ConnectionError(f"expected the checksums of batch {move.id}, got {type(sums).__name__}")
+            error = error or sums.error
+        if error is not None:
+            self._lost(peer, move, error)
+            return shm_wire.Ack(move.id, error)
+        if not move.write:
+            return shm_wire.Ack(move.id)
+        message = None if move.message is None else OutgoingMessage(
+            move.message, () if sums is None else tuple(sums.checksums))
+        try:
+            error = self._deliver.slices_landed(peer, slices, message)
+        except Exception as exc:  # the engine's handler failed: the peer must get an answer, never a hang
+            log.exception("shm inbound batch handler failed")
+            return shm_wire.Ack(move.id, f"{type(exc).__name__}: {exc}")
         # The engine verifies checksums; its error text is the only sign of which failure it was.
-        return shm_wire.Ack(request.id, error, error is not None and "checksum" in error.lower())
+        return shm_wire.Ack(move.id, error, error is not None and "checksum" in error.lower())
+
+    def _lost(self, peer: str, move: shm_wire.Move, error: str) -> None:
+        """Tell the engine at once that an inbound write with a message failed (its on_notify
+        hears it now, not at a timeout): the engine's optional `batch_failed` hook."""
+        hook = getattr(self._deliver, "batch_failed", None)
+        if move.write and move.message is not None and hook is not None:
+            try:
+                hook(peer, OutgoingMessage(move.message), error)
+            except Exception:
+                log.exception("shm batch_failed handler failed")
 
     def _land(self, pid: int | None, move: shm_wire.Move, slices: list[Slice]) -> None:
         """Copy `move`'s bytes between this side's regions and the initiator, or check the
@@ -346,147 +386,6 @@ class ShmTransport:
             self._stats.moved(sent=nbytes)
 
 
-@dataclass
-class _Job:
-    batch: Batch
-    direction: Direction | None  # None: a message without slices
-    slices: list[Slice]
-    local: list[Region]
-    message: OutgoingMessage | None
-
-
-class _Link:
-    """The initiator's connection to one peer: a sender thread that sends requests in order
-    (connecting first) and a reader thread that completes batches as acknowledgements come."""
-
-    def __init__(self, transport: ShmTransport, peer: str, address: str):
-        self.transport, self.peer, self.address = transport, peer, address
-        self.jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
-        self.cma = False
-        self.cma_reason: str | None = "not connected"
-        self._sock: socket.socket | None = None
-        self._lock = threading.Lock()
-        self._pending: dict[int, tuple[Batch | Future, float, int, bool]] = {}
-        self._next_id = 0
-        self._where: dict[str, SegmentSpan | None] = {}
-        self._dead: str | None = None
-
-    def start(self) -> None:
-        threading.Thread(target=self._send_loop, name=f"shm-send-{self.peer}", daemon=True).start()
-
-    def die(self, reason: str) -> None:
-        """Fail everything in flight and queued; the transport opens a new link next time."""
-        with self._lock:
-            if self._dead is None:
-                self._dead = reason
-            pending, self._pending = self._pending, {}
-        self.transport._forget(self)  # no job is queued after the sentinel: both under the transport's lock
-        self.jobs.put(None)
-        if self._sock is not None:
-            _shutdown(self._sock)
-        error = TransferError(f"shm peer {self.peer!r}: {self._dead}")
-        for waiter, *_ in pending.values():
-            if isinstance(waiter, Batch):
-                waiter.complete(error)
-            elif not waiter.done():
-                waiter.set_exception(error)
-
-    def _send_loop(self) -> None:
-        try:
-            self._connect()
-        except (OSError, HandshakeError) as exc:
-            self.die(f"cannot connect: {exc}")
-        while (job := self.jobs.get()) is not None:
-            if self._dead is not None:
-                job.batch.complete(TransferError(f"shm peer {self.peer!r}: {self._dead}"))
-                continue
-            try:
-                if job.direction is None:
-                    assert job.message is not None
-                    request: shm_wire.Move | shm_wire.Note = shm_wire.Note(0, job.message.payload)
-                else:
-                    request = self.transport._plan(self, job)
-                self._request(request, job.batch, sum(s.length for s in job.slices),
-                              job.direction == Direction.WRITE)
-            except TransferError as exc:
-                job.batch.complete(exc)
-
-    def _connect(self) -> None:
-        transport = self.transport
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._sock = sock
-        sock.settimeout(transport.config.connect_timeout_s)
-        sock.connect("\0" + self.address)
-        if transport._auth_key is not None:
-            client_handshake(sock, transport._auth_key)
-        shm_wire.send(sock, shm_wire.Hello(transport._name or f"pid-{os.getpid()}",
-                                           ctypes.addressof(transport._probe_buffer),
-                                           transport._probe, transport.cma_reason is None))
-        reply = shm_wire.recv_reply(sock)
-        if not isinstance(reply, shm_wire.HelloReply):
-            raise ConnectionError(f"shm peer answered the hello with {type(reply).__name__}")
-        self.cma, self.cma_reason = reply.cma, reply.reason
-        sock.settimeout(None)
-        threading.Thread(target=self._read_loop, name=f"shm-read-{self.peer}", daemon=True).start()
-
-    def _request(self, request: Any, waiter: Batch | Future, nbytes: int = 0, write: bool = False) -> None:
-        with self._lock:
-            if self._dead is not None:
-                raise TransferError(f"shm peer {self.peer!r}: {self._dead}")
-            self._next_id += 1
-            request.id = self._next_id
-            self._pending[request.id] = (waiter, time.perf_counter(), nbytes, write)
-        try:
-            assert self._sock is not None
-            shm_wire.send(self._sock, request)
-        except OSError as exc:
-            self.die(f"control socket failed: {exc}")
-
-    def where(self, regions: list[str]) -> list[SegmentSpan | None]:
-        """The owner's segment spans of `regions` (cached; asked once per region)."""
-        missing = sorted({r for r in regions if r not in self._where})
-        if missing:
-            future: Future = Future()
-            self._request(shm_wire.Where(0, missing), future)
-            try:
-                reply = future.result(self.transport.config.connect_timeout_s)
-            except TimeoutError:
-                raise TransferError(f"shm peer {self.peer!r} did not say where its regions are") from None
-            if reply.error is not None:
-                raise TransferError(reply.error)
-            self._where.update({r: None if s is None else SegmentSpan(*s) for r, s in zip(missing, reply.spans)})
-        return [self._where[r] for r in regions]
-
-    def _read_loop(self) -> None:
-        sock = self._sock
-        assert sock is not None
-        try:
-            while (reply := shm_wire.recv_reply(sock)) is not None:
-                with self._lock:
-                    entry = self._pending.pop(getattr(reply, "id", -1), None)
-                if entry is None:
-                    continue
-                waiter, started, nbytes, write = entry
-                if isinstance(waiter, Future):
-                    waiter.set_result(reply)
-                    continue
-                error = _error_of(reply) if isinstance(reply, shm_wire.Ack) else TransferError("bad reply")
-                if error is None:
-                    stats = self.transport._stats
-                    if write:
-                        stats.moved(sent=nbytes)
-                    else:
-                        stats.moved(received=nbytes)
-                    stats.request(time.perf_counter() - started)
-                else:
-                    self._where.clear()  # a "done" move may have failed on a stale span
-                waiter.complete(error)
-        except OSError as exc:
-            self.die(f"control socket failed: {exc}")
-            return
-        self.die("closed its control socket (it exited?)")
-
-
 def _socket_of(peer: PeerInfo) -> str | None:
     descriptor = peer.transports.get(ShmTransport.name)
     if not descriptor:
@@ -495,12 +394,3 @@ def _socket_of(peer: PeerInfo) -> str | None:
         return str(json.loads(descriptor)["socket"])
     except (ValueError, KeyError, TypeError):
         return None
-
-
-def _shutdown(sock: socket.socket) -> None:
-    """Wake a thread blocked in accept/recv on `sock` (close alone does not), then close it."""
-    try:
-        sock.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass
-    sock.close()

@@ -4,9 +4,9 @@ Only control travels here (which slices, where, notifications, acknowledgements)
 the slices move by cross-memory attach or through shared-memory segments. A frame is a u32
 length and a msgpack body, one tagged msgspec struct.
 
-A connection is one-way in who asks: the side that connected sends `Hello`, then `Move`,
-`Where` and `Note` requests; the side that accepted answers each with one `Ack` or
-`WhereReply`, in order.
+A connection is one-way in who asks: the side that connected sends `Hello`, then `Move`
+(followed by its `Sums` when it carries a message), `Where` and `Note` requests; the side that
+accepted answers each with one `Ack` or `WhereReply`, in order.
 """
 
 from __future__ import annotations
@@ -53,7 +53,15 @@ class Move(msgspec.Struct, tag="move", array_like=True):
     addresses: list[int] = []
     spans: list[SpanTuple] = []
     message: bytes | None = None
-    checksums: list[int] = []
+    sums_follow: bool = False  # a `Sums` frame follows: the owner copies while they are computed
+
+
+class Sums(msgspec.Struct, tag="sums", array_like=True):
+    """The checksums of the `Move` just sent (the engine hashes while the owner copies)."""
+
+    id: int
+    checksums: list[int]
+    error: str | None = None  # hashing failed: the batch fails
 
 
 class Where(msgspec.Struct, tag="where", array_like=True):
@@ -82,7 +90,7 @@ class Ack(msgspec.Struct, tag="ack", array_like=True):
     checksum: bool = False  # the error is a checksum mismatch (api.ChecksumError)
 
 
-Request = Hello | Move | Where | Note
+Request = Hello | Move | Sums | Where | Note
 Reply = HelloReply | Ack | WhereReply
 
 _encoder = msgspec.msgpack.Encoder()

@@ -147,3 +147,55 @@ class PeerProcess:
             self.process.join(5)
         if self.process.is_alive():
             self.kill()
+
+
+def _serve_engine(conn, name: str, size: int, transports: tuple[str, ...]) -> None:
+    """A peer process around a real TransferEngine with one region "mem" (see EngineProcess)."""
+    import msgspec
+
+    from messenger.engine import EngineConfig, TransferEngine
+
+    notes: list[tuple[str, bytes, str | None, str]] = []
+    mem = np.zeros(size, np.uint8)
+
+    def on_notify(peer: str, message: bytes, error: str | None) -> None:
+        notes.append((peer, message, error, digest(mem)))  # what had landed when it was told
+
+    engine = TransferEngine(name, EngineConfig(transports=transports))
+    engine.register("mem", mem)
+    info = engine.start(on_notify, lambda peer, request: b"echo:" + request)
+    conn.send(msgspec.json.encode(info))
+    while True:
+        command, arg = conn.recv()
+        if command == "add_peer":
+            conn.send(engine.add_peer(msgspec.json.decode(arg, type=PeerInfo)))
+        elif command == "fill":
+            mem[:] = np.random.default_rng(arg).integers(0, 256, size, dtype=np.uint8)
+            conn.send(None)
+        elif command == "digest":
+            conn.send(digest(mem[arg[0]:arg[0] + arg[1]]))
+        elif command == "notes":
+            conn.send(notes)
+        elif command == "stats":
+            conn.send(engine.stats())
+        elif command == "exit":
+            engine.close()
+            conn.send(None)
+            return
+
+
+class EngineProcess(PeerProcess):
+    """A real second process running a TransferEngine (messenger/engine.py) over `transports`."""
+
+    def __init__(self, name: str = "peer", size: int = 1 << 20, transports: tuple[str, ...] = ("shm",)):
+        import msgspec
+
+        ctx = multiprocessing.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=_serve_engine, args=(child, name, size, transports), daemon=True)
+        self.process.start()
+        self.name, self.size = name, size
+        if not self._conn.poll(30):
+            raise RuntimeError("the engine peer process did not start")
+        self.info = msgspec.json.decode(self._conn.recv(), type=PeerInfo)
+        self.descriptor = self.info.transports.get("shm", "")

@@ -32,7 +32,9 @@ def started(*names: str, unreachable: tuple[str, ...] = ()) -> list[Fake]:
 
 
 def pick(local, peer, transports) -> str:
-    return choose(local, peer, transports).name
+    name = choose(local, peer, transports)
+    assert name == choose(local, peer, {t.name: t for t in transports})  # the engine passes a dict
+    return name
 
 
 def test_same_host_takes_shm_whatever_the_configured_order():
