@@ -116,9 +116,16 @@ class Link:
         sock.connect("\0" + self.address)
         if transport.auth_key is not None:
             client_handshake(sock, transport.auth_key)
-        shm_wire.send(sock, shm_wire.Hello(transport.local_name(), transport.probe_address,
-                                           transport.probe, transport.cma_reason is None))
-        reply = shm_wire.recv_reply(sock)
+        hello = shm_wire.Hello(transport.local_name(), transport.probe_address, transport.probe,
+                               transport.cma_reason is None)
+        try:
+            shm_wire.send(sock, hello)
+            reply = shm_wire.recv_reply(sock)
+            if reply is None:
+                raise ConnectionError("closed")
+        except OSError as exc:
+            raise ConnectionError(f"the peer closed the connection during the hello ({exc}): it runs with "
+                                  f"another cluster token, or none?") from None
         if not isinstance(reply, shm_wire.HelloReply):
             raise ConnectionError(f"shm peer answered the hello with {type(reply).__name__}")
         self.cma, self.cma_reason = reply.cma, reply.reason
