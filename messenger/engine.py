@@ -14,8 +14,9 @@ transport (messenger/api.py's Transport moves bytes and messages only):
   the bytes. The message handed to `Transport.submit` is a `PendingMessage`: its `checksums` blocks
   until the hashes are ready, so a transport reads it when it sends the message, after the slices.
   The receiving engine verifies them over its own memory in `slices_landed` before `on_notify`.
-  A mismatch fails the sender's batch with ChecksumError (the error text a transport passes back
-  starts with "ChecksumError") and hands on_notify the error. Reads are not checksummed here: the
+  A mismatch fails the sender's batch with ChecksumError (a transport passes the text
+  `slices_landed` returned back into its TransferError; "ChecksumError:" in it marks the kind) and
+  hands on_notify the error. Reads are not checksummed here: the
   side that serves a read has no engine hook in the contract (the pool checks its blocks itself).
 - Messages: the engine wraps every payload in a one-byte envelope (a batch's notification or
   none; a call request with the caller's PeerInfo so the callee can answer; a call reply).
@@ -358,7 +359,7 @@ class TransferEngine:
         def finished(done: Batch) -> None:
             error = done.error
             if error is not None and not isinstance(error, ChecksumError) \
-                    and str(error).startswith(CHECKSUM_ERROR_PREFIX):
+                    and f"{CHECKSUM_ERROR_PREFIX}:" in str(error):
                 error = ChecksumError(str(error))
             batch.complete(error)
 
@@ -517,6 +518,8 @@ class TransferEngine:
             kind, body = _REPLY, self._on_call(caller.name, request)
         except Exception as exc:  # the caller gets the error instead of a timeout
             kind, body = _REPLY_ERROR, f"{type(exc).__name__}: {exc}".encode()
+        if self._closed:
+            return
         known = self._peers.get(caller.name)
         try:
             if known is None or known.info != caller:

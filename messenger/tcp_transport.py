@@ -488,7 +488,8 @@ class _Stream:
         if config.auth_key is not None:
             client_handshake(sock, config.auth_key)
         hello = _encode([transport.local_name])
-        sock.sendall(encode_engine_prefix(Kind.HELLO, self.link.session, 0, hello, 0))
+        sock.sendall(frame := encode_engine_prefix(Kind.HELLO, self.link.session, 0, hello, 0))
+        transport.stats_counter.moved(sent=len(frame))
         self.sock = sock
         if self.link.failed is not None:  # failed while connecting: stop() saw no socket yet
             _shutdown(sock)
