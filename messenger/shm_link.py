@@ -16,10 +16,11 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from messenger import shm_wire
+from messenger import cma, shm_wire
 from messenger.api import Batch, ChecksumError, Direction, OutgoingMessage, Region, Slice, TransferError
 from messenger.handshake import HandshakeError, client_handshake
 from messenger.segments import SegmentSpan
+from messenger.shm_serve import peer_pid
 
 if TYPE_CHECKING:
     from messenger.shm import ShmTransport
@@ -63,7 +64,8 @@ class Link:
         self._lock = threading.Lock()
         self._pending: dict[int, tuple[Batch | Future, float, int, bool]] = {}
         self._next_id = 0
-        self._where: dict[str, SegmentSpan | None] = {}
+        self._where: dict[str, tuple[SegmentSpan | None, int, int]] = {}  # span, address, length
+        self.pull_pid: int | None = None  # the owner's pid, when this side may read its memory
         self._dead: str | None = None
 
     def start(self) -> None:
@@ -129,6 +131,10 @@ class Link:
         if not isinstance(reply, shm_wire.HelloReply):
             raise ConnectionError(f"shm peer answered the hello with {type(reply).__name__}")
         self.cma, self.cma_reason = reply.cma, reply.reason
+        if reply.cma and transport.cma_reason is None:  # reads: may this side read the owner too?
+            owner = peer_pid(sock)
+            if cma.probe(owner, reply.probe_address, reply.probe) is None:
+                self.pull_pid = owner
         sock.settimeout(None)
         threading.Thread(target=self._read_loop, name=f"shm-read-{self.peer}", daemon=True).start()
 
@@ -155,8 +161,9 @@ class Link:
             sums = shm_wire.Sums(move_id, [], f"the sender could not hash the slices: {exc}")
         self._send(sums)
 
-    def where(self, regions: list[str]) -> list[SegmentSpan | None]:
-        """The owner's segment spans of `regions` (cached; asked once per region)."""
+    def where(self, regions: list[str]) -> list[tuple[SegmentSpan | None, int, int]]:
+        """The owner's segment span, address and length of each of `regions` (cached; asked
+        once per region; the owner checks them again after each use)."""
         missing = sorted({r for r in regions if r not in self._where})
         if missing:
             future: Future = Future()
@@ -167,8 +174,12 @@ class Link:
                 raise TransferError(f"shm peer {self.peer!r} did not say where its regions are") from None
             if reply.error is not None:
                 raise TransferError(reply.error)
-            self._where.update({r: None if s is None else SegmentSpan(*s) for r, s in zip(missing, reply.spans)})
+            self._where.update({r: (None if s is None else SegmentSpan(*s), *base)
+                                for r, s, base in zip(missing, reply.spans, reply.bases)})
         return [self._where[r] for r in regions]
+
+    def forget_where(self) -> None:
+        self._where.clear()
 
     def _read_loop(self) -> None:
         sock = self._sock
@@ -187,7 +198,7 @@ class Link:
                 if error is None:
                     self.transport.count_done(nbytes, write, time.perf_counter() - started)
                 else:
-                    self._where.clear()  # a "done" move may have failed on a stale span
+                    self.forget_where()  # a "done" or "pulled" move may have failed on a stale entry
                 waiter.complete(error)
         except OSError as exc:
             self.die(f"control socket failed: {exc}")
