@@ -8,6 +8,7 @@ the owner copies them, and the sender thread waits for the hashes only after the
 
 from __future__ import annotations
 
+import logging
 import queue
 import socket
 import threading
@@ -18,12 +19,14 @@ from typing import TYPE_CHECKING, Any
 
 from messenger import cma, shm_wire
 from messenger.api import Batch, ChecksumError, Direction, OutgoingMessage, Region, Slice, TransferError
-from messenger.handshake import HandshakeError, client_handshake
+from messenger.handshake import client_handshake
 from messenger.segments import SegmentSpan
 from messenger.shm_serve import peer_pid
 
 if TYPE_CHECKING:
     from messenger.shm import ShmTransport
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -91,7 +94,7 @@ class Link:
     def _send_loop(self) -> None:
         try:
             self._connect()
-        except (OSError, HandshakeError) as exc:
+        except Exception as exc:  # OSError, HandshakeError or a bug: either way no batch may wait forever
             self.die(f"cannot connect: {exc}")
         while (job := self.jobs.get()) is not None:
             if self._dead is not None:
@@ -109,6 +112,9 @@ class Link:
                     self._send_sums(move.id, job.message)
             except TransferError as exc:
                 job.batch.complete(exc)
+            except Exception as exc:  # a bug must fail this batch, not stop the thread every later one needs
+                log.exception("shm sender to %s failed", self.peer)
+                job.batch.complete(TransferError(f"shm sender failed: {type(exc).__name__}: {exc}"))
 
     def _connect(self) -> None:
         transport = self.transport

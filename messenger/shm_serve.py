@@ -59,6 +59,8 @@ class Served:
         except (OSError, HandshakeError) as exc:
             if not self.transport.closed:
                 log.debug("shm connection from %s ended: %s", self.peer or "?", exc)
+        except Exception:  # a bug: close this connection (its sender's batches fail), keep serving others
+            log.exception("shm connection from %s failed", self.peer or "?")
         finally:
             if replier.is_alive():
                 self._replies.put(None)
