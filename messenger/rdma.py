@@ -44,13 +44,13 @@ log = logging.getLogger(__name__)
 class _Link:
     """One queue pair and its control connection, to or from one peer."""
 
-    def __init__(self, peer: str, qp: VerbsQp, channel: ctl.ControlChannel, depth: int, outbound: bool):
+    def __init__(self, peer: str, qp: VerbsQp, channel: ctl.ControlChannel, config: RdmaConfig, outbound: bool):
         self.peer = peer
         self.outbound = outbound  # ours to write through (its batches are in our BatchBook)
         self.qp = qp
         self.channel = channel
         self.lock = threading.Lock()
-        self.sendq = SendQueue(depth)
+        self.sendq = SendQueue(config.send_depth, config.recv_depth)
         self.rkeys = RkeyTable()
         self.inbound = ctl.InboundBook()
         self.replies: list[ctl.Regions] = []
@@ -69,6 +69,7 @@ class RdmaTransport:
         self._stats = TransportStats()
         self._book = BatchBook()
         self._lock = threading.Lock()
+        self._connect_lock = threading.Lock()  # one connection attempt at a time: no duplicate links
         self._local_name: str | None = None
         self._port: VerbsPort | None = None
         self._mrs: dict[str, tuple[LocalKey, int, object]] = {}  # name -> (key, rkey, MR handle)
@@ -129,12 +130,10 @@ class RdmaTransport:
                 link.channel.send(ctl.Notice(seq, [(s.local_region, s.local_offset, s.remote_region, s.remote_offset,
                                                     s.length) for s in slices],
                                              message.payload, list(message.checksums)))
-            with link.lock:
-                ready = link.sendq.enqueue(numbered)
-                if ready:
-                    link.qp.post(ready)
         except (OSError, TransferError) as exc:
-            self._break(link, f"rdma link to {peer.name!r} failed while posting: {exc}")
+            self._break(link, f"rdma link to {peer.name!r} lost: {exc}")
+            return
+        self._post(link, lambda: link.sendq.enqueue(numbered))
 
     def send_message(self, peer: PeerInfo, payload: bytes, batch: Batch) -> None:
         try:
@@ -157,6 +156,10 @@ class RdmaTransport:
         self._closed.set()
         listener = getattr(self, "_listener", None)
         if listener is not None:
+            try:
+                listener.shutdown(socket.SHUT_RDWR)  # wakes the accept loop (close alone does not)
+            except OSError:
+                pass
             listener.close()
         with self._lock:
             links = list(self._by_qpn.values())
@@ -216,12 +219,23 @@ class RdmaTransport:
             link = self._outbound.get(peer.name)
         if link is not None and link.broken is None:
             return link
+        with self._connect_lock:
+            with self._lock:
+                link = self._outbound.get(peer.name)
+            if link is not None and link.broken is None:
+                return link
+            return self._connect(peer, wanted)
+
+    def _connect(self, peer: PeerInfo, wanted: set[str]) -> _Link:
         if self._local_name is None:
             raise TransferError("rdma transport does not know its engine's name yet (can_reach was never called)")
         if "rdma" not in peer.transports:
             raise TransferError(f"peer {peer.name!r} publishes no rdma address")
         address = PortAddress.decode(peer.transports["rdma"])
-        sock = socket.create_connection(address.control_address(), timeout=self._config.timeout_s)
+        try:
+            sock = socket.create_connection(address.control_address(), timeout=self._config.timeout_s)
+        except OSError as exc:
+            raise TransferError(f"cannot reach {peer.name!r}'s rdma control channel {address.control}: {exc}") from exc
         qp = None
         try:
             if self._config.auth_key is not None:
@@ -240,7 +254,7 @@ class RdmaTransport:
                 qp.close()
             raise TransferError(f"cannot connect an rdma queue pair to {peer.name!r}: {exc}") from exc
         sock.settimeout(None)
-        link = _Link(peer.name, qp, channel, self._rdma.send_depth, outbound=True)
+        link = _Link(peer.name, qp, channel, self._rdma, outbound=True)
         link.rkeys.update(reply.regions)
         with self._lock:
             old = self._outbound.get(peer.name)
@@ -279,6 +293,7 @@ class RdmaTransport:
                 frame = link.channel.receive()
                 if isinstance(frame, ctl.Ack):
                     self._book.acked(frame.seq, frame.error)
+                    self._post(link, link.sendq.acked)
                 elif isinstance(frame, ctl.Regions):
                     with link.lock:
                         link.replies.append(frame)
@@ -308,7 +323,7 @@ class RdmaTransport:
             if not isinstance(hello, ctl.Connect):
                 raise TransferError(f"expected Connect, got {type(hello).__name__}")
             qp = self._port.create_qp()
-            link = _Link(hello.name, qp, channel, self._rdma.send_depth, outbound=False)
+            link = _Link(hello.name, qp, channel, self._rdma, outbound=False)
             with self._lock:
                 self._by_qpn[qp.qpn] = link
             qp.post_receives([RECV_TAG | i for i in range(self._rdma.recv_depth)])
@@ -383,13 +398,28 @@ class RdmaTransport:
         if c.status != 0:
             self._break(link, f"rdma link to {link.peer!r}: {describe_completion_error(c.status, c.vendor_err)}")
             return
-        _, nbytes = self._book.request_done(c.wr_id)
-        if nbytes:
-            self._stats.moved(sent=nbytes)
+        _, request = self._book.request_done(c.wr_id)
+        if request is not None:
+            if request.opcode is Direction.WRITE:
+                self._stats.moved(sent=request.length)
+            else:
+                self._stats.moved(received=request.length)
+        self._post(link, lambda: link.sendq.completed(1))
+
+    def _post(self, link: _Link, release: Callable[[], list]) -> None:
+        """Post what the send queue releases, in order (under the link's lock); a refused post
+        (ibv_post_send failed: the QP is in error, or the queue is full) ends the link."""
         with link.lock:
-            ready = link.sendq.completed(1)
-            if ready and link.broken is None:
-                link.qp.post(ready)
+            if link.broken is not None:
+                return
+            ready = release()
+            try:
+                if ready:
+                    link.qp.post(ready)
+                return
+            except Exception as exc:  # noqa: BLE001 -- pyverbs raises its own PyverbsRDMAError
+                reason = f"rdma link to {link.peer!r}: posting {len(ready)} work requests failed: {exc}"
+        self._break(link, reason)
 
     def _break(self, link: _Link, reason: str) -> None:
         """Tear a link down once: fail its batches, forget it, close its QP and connection."""

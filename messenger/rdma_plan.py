@@ -9,8 +9,9 @@ on any machine. The pieces:
 - `RkeyTable`: a peer's registered regions (address, length, rkey), bounds-checked lookups.
 - `plan_work_requests`: a batch's slices -> work requests, each at most `max_message_bytes`
   (a NIC's max_msg_sz is 1-2 GiB; smaller requests also interleave batches fairly).
-- `SendQueue`: send-queue flow control: at most `depth` work requests outstanding per queue
-  pair; the rest wait in order and are released as completions arrive.
+- `SendQueue`: flow control per queue pair: at most `depth` work requests outstanding, and at
+  most `receives` WRITEs with immediate not yet acknowledged (each consumes one of the peer's
+  posted receives; one more would fail with receiver-not-ready); the rest wait in order.
 - `BatchBook`: which batch each work request belongs to, and when a batch is done (its last
   request completed, and, when a message rode on it, the peer acknowledged it).
 - `describe_completion_error`: a work completion's status -> a sentence saying what happened.
@@ -183,11 +184,14 @@ def plan_work_requests(direction: Direction, slices: list[Slice], local: Callabl
 
 
 class SendQueue:
-    """Flow control of one queue pair's send queue: at most `depth` work requests posted and not
-    yet completed. Not thread-safe by itself: the transport holds its peer lock around it."""
+    """Flow control of one queue pair: at most `depth` work requests posted and not yet completed,
+    and at most `receives` WRITEs with immediate posted and not yet acknowledged by the peer (it
+    reposts the receive before it acknowledges). Not thread-safe by itself: the transport holds
+    its link lock around it."""
 
-    def __init__(self, depth: int):
+    def __init__(self, depth: int, receives: int):
         self.depth = depth
+        self.receives = receives  # the peer's receives this side may still consume
         self.outstanding = 0
         self._waiting: deque[WorkRequest] = deque()
 
@@ -203,6 +207,11 @@ class SendQueue:
         self.outstanding -= n
         return self._release()
 
+    def acked(self) -> list[WorkRequest]:
+        """The peer acknowledged a batch that carried an immediate: one receive is back."""
+        self.receives += 1
+        return self._release()
+
     def drain(self) -> list[WorkRequest]:
         """Everything still waiting (never posted), removed: what fails when the peer is lost."""
         waiting, self._waiting = list(self._waiting), deque()
@@ -215,6 +224,10 @@ class SendQueue:
     def _release(self) -> list[WorkRequest]:
         ready = []
         while self._waiting and self.outstanding < self.depth:
+            if self._waiting[0].imm is not None:
+                if self.receives == 0:
+                    break  # everything behind it waits too: the order of a batch's requests is kept
+                self.receives -= 1
             ready.append(self._waiting.popleft())
             self.outstanding += 1
         return ready
@@ -227,7 +240,6 @@ class _Pending:
     remaining: int  # work requests not yet completed
     awaits_ack: bool  # a message rode on it: done only when the peer acknowledged it
     acked: bool = False
-    nbytes: int = 0
     wr_ids: list[int] = field(default_factory=list)
 
 
@@ -240,7 +252,7 @@ class BatchBook:
 
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _pending: dict[int, _Pending] = field(default_factory=dict)
-    _owner: dict[int, int] = field(default_factory=dict)  # wr_id -> batch seq
+    _owner: dict[int, tuple[int, WorkRequest]] = field(default_factory=dict)  # wr_id -> (batch seq, request)
     _seq: itertools.count = field(default_factory=lambda: itertools.count(1))
     _wr: itertools.count = field(default_factory=lambda: itertools.count(1))
 
@@ -253,26 +265,25 @@ class BatchBook:
             for i, r in enumerate(requests):
                 imm = seq if awaits_ack and i == len(requests) - 1 and r.opcode is Direction.WRITE else None
                 wr = WorkRequest(r.opcode, r.address, r.lkey, r.length, r.remote_address, r.rkey, next(self._wr), imm)
-                self._owner[wr.wr_id] = seq
+                self._owner[wr.wr_id] = (seq, wr)
                 numbered.append(wr)
-            self._pending[seq] = _Pending(batch, peer, len(numbered), awaits_ack,
-                                          nbytes=sum(r.length for r in requests),
-                                          wr_ids=[r.wr_id for r in numbered])
+            self._pending[seq] = _Pending(batch, peer, len(numbered), awaits_ack, wr_ids=[r.wr_id for r in numbered])
         return seq, numbered
 
-    def request_done(self, wr_id: int, error: TransferError | None = None) -> tuple[Batch | None, int]:
-        """A work request completed. Returns (the batch if it is now complete, bytes it moved)."""
+    def request_done(self, wr_id: int, error: TransferError | None = None) -> tuple[Batch | None, WorkRequest | None]:
+        """A work request completed. Returns (its batch if that is now complete, the request;
+        None for a request whose batch already ended: timed out, failed, peer lost)."""
         with self._lock:
-            seq = self._owner.pop(wr_id, None)
+            seq, request = self._owner.pop(wr_id, (None, None))
             entry = self._pending.get(seq) if seq is not None else None
             if entry is None:
-                return None, 0  # its batch already failed (timeout, peer lost)
+                return None, None
             entry.remaining -= 1
             if error is None and (entry.remaining > 0 or (entry.awaits_ack and not entry.acked)):
-                return None, 0
+                return None, request
             self._forget(seq)
         entry.batch.complete(error)
-        return entry.batch, entry.nbytes if error is None else 0
+        return entry.batch, request
 
     def acked(self, seq: int, error: str | None) -> Batch | None:
         """The peer acknowledged batch `seq` (error: what its verification found)."""

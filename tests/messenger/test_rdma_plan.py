@@ -71,7 +71,7 @@ def _requests(n, opcode=Direction.WRITE):
 
 
 def test_send_queue_posts_at_most_depth_in_order():
-    queue = SendQueue(depth=3)
+    queue = SendQueue(depth=3, receives=10)
     first = queue.enqueue(_requests(5))
     assert [r.address for r in first] == [0x1000, 0x1001, 0x1002]
     assert queue.outstanding == 3 and queue.waiting == 2
@@ -85,18 +85,30 @@ def test_send_queue_posts_at_most_depth_in_order():
     assert len(queue.drain()) == 2 and queue.waiting == 0
 
 
+def test_send_queue_holds_immediates_until_the_peer_has_a_receive_for_them():
+    queue = SendQueue(depth=10, receives=1)
+    first, second = _requests(2), _requests(2)
+    first[1] = WorkRequest(Direction.WRITE, 1, 1, 1, 1, 1, wr_id=1, imm=1)
+    second[1] = WorkRequest(Direction.WRITE, 2, 1, 1, 2, 1, wr_id=2, imm=2)
+    assert queue.enqueue(first) == first
+    assert queue.enqueue(second) == second[:1]  # its immediate would find no receive posted
+    assert queue.completed(3) == []  # completions free the send queue, not the peer's receives
+    assert queue.acked() == second[1:]
+    assert queue.receives == 0
+
+
 def test_batch_completes_after_its_last_request():
     book = BatchBook()
     batch = Batch(3, 3)
     seq, numbered = book.open("p", batch, _requests(3), awaits_ack=False)
     assert all(r.imm is None for r in numbered) and len({r.wr_id for r in numbered}) == 3
-    assert book.request_done(numbered[0].wr_id) == (None, 0)
-    assert book.request_done(numbered[2].wr_id) == (None, 0)
+    assert book.request_done(numbered[0].wr_id) == (None, numbered[0])
+    assert book.request_done(numbered[2].wr_id) == (None, numbered[2])
     assert not batch.done()
-    assert book.request_done(numbered[1].wr_id) == (batch, 3)
+    assert book.request_done(numbered[1].wr_id) == (batch, numbered[1])
     batch.wait(0)
     assert book.in_flight() == 0
-    assert book.request_done(numbered[1].wr_id) == (None, 0)  # a stray completion is ignored
+    assert book.request_done(numbered[1].wr_id) == (None, None)  # a stray completion is ignored
 
 
 @pytest.mark.parametrize("ack_first", [True, False])
@@ -110,7 +122,7 @@ def test_batch_with_a_message_waits_for_the_peer_ack(ack_first):
         assert book.acked(seq, None) is None
         assert book.request_done(numbered[1].wr_id)[0] is batch
     else:
-        assert book.request_done(numbered[1].wr_id) == (None, 0)
+        assert book.request_done(numbered[1].wr_id) == (None, numbered[1])
         assert book.acked(seq, None) is batch
     batch.wait(0)
 
@@ -126,7 +138,7 @@ def test_a_refused_ack_or_a_failed_request_fails_the_batch():
     assert book.request_done(numbered[0].wr_id, TransferError("remote access"))[0] is failed
     with pytest.raises(TransferError, match="remote access"):
         failed.wait(0)
-    assert book.request_done(numbered[1].wr_id) == (None, 0) and book.in_flight() == 0
+    assert book.request_done(numbered[1].wr_id) == (None, None) and book.in_flight() == 0
 
 
 def test_losing_a_peer_fails_only_its_batches():
