@@ -32,6 +32,7 @@ import os
 import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import msgspec
@@ -163,6 +164,8 @@ class NixlTransport:
             raise TransferError(f"cannot start a NIXL agent with the UCX backend: {exc}") from exc
         if "UCX" not in self._agent.backends:
             raise TransferError("NIXL has no UCX backend here")
+        self._submitter = ThreadPoolExecutor(1, thread_name_prefix="nixl-submit")
+        self._verifier = ThreadPoolExecutor(1, thread_name_prefix="nixl-verify")
         self._thread = threading.Thread(target=self._poll_loop, name="nixl-poll", daemon=True)
         self._thread.start()
         return msgspec.json.encode(Address(self._agent_name, base64.b64encode(self._metadata()).decode())).decode()
@@ -173,6 +176,19 @@ class NixlTransport:
 
     def submit(self, peer: PeerInfo, direction: Direction, slices: list[Slice], batch: Batch,
                message: OutgoingMessage | None) -> None:
+        # The Notice rides on the transfer (NIXL delivers it after the bytes; a notification sent
+        # on its own has no such order), so the transfer waits for the batch's checksums; that,
+        # a first round trip for the peer's regions and registering memory happen on this
+        # transport's submit thread, never the caller's. One thread keeps batches in order.
+        try:
+            self._submitter.submit(self._submit_now, peer, direction, slices, batch, message)
+        except RuntimeError:  # shut down
+            batch.complete(TransferError("nixl transport closed"))
+
+    def _submit_now(self, peer: PeerInfo, direction: Direction, slices: list[Slice], batch: Batch,
+                    message: OutgoingMessage | None) -> None:
+        if batch.done():  # timed out while it waited its turn
+            return
         try:
             remote = self._peer(peer)
             self._want(peer.name, remote, {s.remote_region for s in slices})
@@ -219,6 +235,8 @@ class NixlTransport:
             return
         self._closed.set()
         if self._thread is not None:
+            self._submitter.shutdown(wait=True, cancel_futures=True)
+            self._verifier.shutdown(wait=True, cancel_futures=True)
             self._thread.join(timeout=5)
         with self._lock:
             transfers, self._transfers, acks, self._acks = self._transfers, [], self._acks, {}
@@ -402,8 +420,8 @@ class NixlTransport:
                     remote.regions.update({r[0]: tuple(r[1:]) for r in n.regions})
                     remote.missing = list(n.missing)
                     remote.answered.notify_all()
-        elif isinstance(n, Notice):
-            self._verify(agent, n)
+        elif isinstance(n, Notice):  # verifying hashes the slices: off the thread that drives progress
+            self._verifier.submit(self._verify, agent, n)
         elif isinstance(n, Ack):
             with self._lock:
                 t = self._acks.pop(n.seq, None)

@@ -97,6 +97,8 @@ class RdmaTransport:
         self._listener = socket.create_server((self._rdma.control_host, 0))
         host = self._config.host if self._rdma.control_host in ("0.0.0.0", "::") else self._rdma.control_host
         self._verifier = ThreadPoolExecutor(1, thread_name_prefix="rdma-verify")
+        self._submitter = ThreadPoolExecutor(1, thread_name_prefix="rdma-submit")
+        self._noticer = ThreadPoolExecutor(1, thread_name_prefix="rdma-notice")
         for target, name in ((self._accept_loop, "rdma-accept"), (self._poll_loop, "rdma-poll")):
             thread = threading.Thread(target=target, name=name, daemon=True)
             thread.start()
@@ -116,6 +118,15 @@ class RdmaTransport:
 
     def submit(self, peer: PeerInfo, direction: Direction, slices: list[Slice], batch: Batch,
                message: OutgoingMessage | None) -> None:
+        # Connecting, asking for a peer's regions and registering memory may take a round trip
+        # or a page-pinning pass: never on the caller's thread. One thread keeps batches in order.
+        try:
+            self._submitter.submit(self._submit_now, peer, direction, slices, batch, message)
+        except RuntimeError:  # shut down
+            batch.complete(TransferError("rdma transport closed"))
+
+    def _submit_now(self, peer: PeerInfo, direction: Direction, slices: list[Slice], batch: Batch,
+                    message: OutgoingMessage | None) -> None:
         try:
             link = self._link_to(peer, {s.remote_region for s in slices})
             self._want_regions(link, {s.remote_region for s in slices})
@@ -125,15 +136,22 @@ class RdmaTransport:
             return
         awaits_ack = message is not None and direction is Direction.WRITE
         seq, numbered = self._book.open(peer.name, batch, requests, awaits_ack)
-        try:
-            if awaits_ack:
-                link.channel.send(ctl.Notice(seq, [(s.local_region, s.local_offset, s.remote_region, s.remote_offset,
-                                                    s.length) for s in slices],
-                                             message.payload, list(message.checksums)))
-        except (OSError, TransferError) as exc:
-            self._break(link, f"rdma link to {peer.name!r} lost: {exc}")
-            return
         self._post(link, lambda: link.sendq.enqueue(numbered))
+        if awaits_ack:  # its checksums may still be computing: wait for them on the notice thread
+            self._noticer.submit(self._send_notice, link, seq, slices, message)
+
+    def _send_notice(self, link: _Link, seq: int, slices: list[Slice], message: OutgoingMessage) -> None:
+        try:
+            notice = ctl.Notice(seq, [(s.local_region, s.local_offset, s.remote_region, s.remote_offset, s.length)
+                                      for s in slices], message.payload, list(message.checksums))
+        except Exception as exc:  # noqa: BLE001 -- hashing failed (an engine bug): its immediate is
+            # already posted and would hold one of the peer's receives forever; start the link afresh
+            self._break(link, f"rdma link to {link.peer!r} reset: checksums of batch {seq} failed: {exc}")
+            return
+        try:
+            link.channel.send(notice)
+        except (OSError, TransferError) as exc:
+            self._break(link, f"rdma link to {link.peer!r} lost: {exc}")
 
     def send_message(self, peer: PeerInfo, payload: bytes, batch: Batch) -> None:
         try:
@@ -167,8 +185,9 @@ class RdmaTransport:
             self._break(link, "rdma transport closed")
         for thread in self._threads:
             thread.join(timeout=5)
-        if getattr(self, "_verifier", None) is not None:
-            self._verifier.shutdown(wait=False, cancel_futures=True)
+        for pool in (getattr(self, name, None) for name in ("_submitter", "_noticer", "_verifier")):
+            if pool is not None:
+                pool.shutdown(wait=False, cancel_futures=True)
         for _, _, handle in self._mrs.values():
             self._port.deregister(handle)
         self._mrs.clear()
