@@ -189,6 +189,9 @@ class NixlTransport:
                     message: OutgoingMessage | None) -> None:
         if batch.done():  # timed out while it waited its turn
             return
+        if not slices:
+            self._submit_empty(peer, direction, batch, message)
+            return
         try:
             remote = self._peer(peer)
             self._want(peer.name, remote, {s.remote_region for s in slices})
@@ -213,6 +216,23 @@ class NixlTransport:
             batch.complete(exc)
         except Exception as exc:  # noqa: BLE001 -- NIXL's errors (nixlNotFoundError, ...) say what is wrong
             batch.complete(TransferError(f"nixl transfer to {peer.name!r} failed: {type(exc).__name__}: {exc}"))
+
+    def _submit_empty(self, peer: PeerInfo, direction: Direction, batch: Batch, message: OutgoingMessage | None) -> None:
+        """A batch without slices: nothing to order a notification after, so a WRITE's Notice goes
+        on its own and the batch completes on its Ack."""
+        if message is None or direction is Direction.READ:
+            batch.complete()
+            return
+        seq = next(self._seq)
+        try:
+            remote = self._peer(peer)
+            with self._lock:
+                self._acks[seq] = _Transfer(batch, None, peer.name, 0, direction, seq, done=True)
+            self._notify(remote.agent, Notice(self._sender(), seq, [], message.payload, list(message.checksums)))
+        except Exception as exc:  # noqa: BLE001
+            with self._lock:
+                self._acks.pop(seq, None)
+            batch.complete(exc if isinstance(exc, TransferError) else TransferError(f"nixl notice failed: {exc}"))
 
     def send_message(self, peer: PeerInfo, payload: bytes, batch: Batch) -> None:
         try:

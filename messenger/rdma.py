@@ -353,9 +353,9 @@ class RdmaTransport:
             sock.settimeout(None)
             while True:
                 frame = channel.receive()
-                if isinstance(frame, ctl.Notice):
-                    if (ready := link.inbound.notice(frame)) is not None:
-                        self._verifier.submit(self._verify, link, ready)
+                if isinstance(frame, ctl.Notice):  # a message without slices has no immediate to wait for
+                    if not frame.slices or (frame := link.inbound.notice(frame)) is not None:
+                        self._verifier.submit(self._verify, link, frame)
                 elif isinstance(frame, ctl.RegionsWanted):
                     channel.send(ctl.Regions(*self._export(frame.names)))
                 elif isinstance(frame, ctl.Message):
@@ -453,8 +453,7 @@ class RdmaTransport:
                 del self._outbound[link.peer]
             self._by_qpn = {qpn: l for qpn, l in self._by_qpn.items() if l is not link}
         failed = self._book.fail_peer(link.peer, reason) if link.outbound else 0
-        if failed or not self._closed.is_set():
-            log.warning("%s (%d batches failed)", reason, failed)
+        log.log(logging.WARNING if failed else logging.INFO, "%s (%d batches failed)", reason, failed)
         link.channel.close()
         link.qp.close()
 
