@@ -86,8 +86,45 @@ def gpudirect_missing() -> str | None:
     return "GPUDirect RDMA needs the nvidia_peermem kernel module (modprobe nvidia_peermem); it is not loaded"
 
 
-def _gid_text(hex32: str) -> str:
+def gid_text(hex32: str) -> str:
+    """32 hex digits -> the colon form pyverbs' GID takes."""
     return ":".join(hex32[i:i + 4] for i in range(0, 32, 4))
+
+
+def connect_attr(config: RdmaConfig, local: QpEndpoint, remote: QpEndpoint):
+    """The QPAttr that moves an RC queue pair INIT -> RTR -> RTS towards `remote` (one object for
+    the three transitions; pyverbs passes each the attribute mask it needs)."""
+    from pyverbs import enums as e
+    from pyverbs.addr import GID, AHAttr, GlobalRoute
+    from pyverbs.qp import QPAttr
+
+    attr = QPAttr()
+    attr.qp_access_flags = e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_WRITE | e.IBV_ACCESS_REMOTE_READ
+    attr.pkey_index, attr.port_num = 0, config.port
+    attr.path_mtu = min(local.mtu, remote.mtu)
+    attr.dest_qp_num, attr.rq_psn = remote.qpn, remote.psn
+    attr.max_dest_rd_atomic, attr.min_rnr_timer = 16, 12
+    route = GlobalRoute(dgid=GID(gid_text(remote.gid)), sgid_index=config.gid_index)
+    attr.ah_attr = AHAttr(gr=route, is_global=1, dlid=remote.lid, port_num=config.port)
+    # timeout 14: 4.096 us * 2^14 = 67 ms a try, 7 tries: a dead peer fails a request in about 0.5 s
+    attr.sq_psn, attr.timeout, attr.retry_cnt, attr.rnr_retry, attr.max_rd_atomic = local.psn, 14, 7, 7, 16
+    return attr
+
+
+def send_wr(r: WorkRequest):
+    """The pyverbs SendWR of one planned work request (always signaled: each completion gives one
+    send-queue slot back to rdma_plan.SendQueue)."""
+    from pyverbs import enums as e
+    from pyverbs.wr import SGE, SendWR
+
+    if r.opcode is Direction.READ:
+        opcode = e.IBV_WR_RDMA_READ
+    else:
+        opcode = e.IBV_WR_RDMA_WRITE if r.imm is None else e.IBV_WR_RDMA_WRITE_WITH_IMM
+    wr = SendWR(wr_id=r.wr_id, opcode=opcode, num_sge=1, sg=[SGE(r.address, r.length, r.lkey)],
+                send_flags=e.IBV_SEND_SIGNALED, imm_data=socket.htonl(r.imm or 0))
+    wr.set_wr_rdma(r.rkey, r.remote_address)
+    return wr
 
 
 class PyverbsQp:
@@ -95,7 +132,7 @@ class PyverbsQp:
         from pyverbs import enums as e
         from pyverbs.qp import QP, QPCap, QPInitAttr
 
-        self._e, self._port = e, port
+        self._port = port
         cap = QPCap(max_send_wr=port.config.send_depth, max_recv_wr=port.config.recv_depth,
                     max_send_sge=1, max_recv_sge=1)
         init = QPInitAttr(qp_type=e.IBV_QPT_RC, scq=port.cq, rcq=port.cq, cap=cap, sq_sig_all=1)
@@ -103,36 +140,14 @@ class PyverbsQp:
         self.qpn = self._qp.qp_num
 
     def connect(self, local: QpEndpoint, remote: QpEndpoint) -> None:
-        from pyverbs.addr import GID, AHAttr, GlobalRoute
-        from pyverbs.qp import QPAttr
-
-        e, cfg = self._e, self._port.config
-        attr = QPAttr()
-        attr.qp_access_flags = e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_WRITE | e.IBV_ACCESS_REMOTE_READ
-        attr.pkey_index, attr.port_num = 0, cfg.port
+        attr = connect_attr(self._port.config, local, remote)
         self._qp.to_init(attr)
-        attr.path_mtu = min(local.mtu, remote.mtu)
-        attr.dest_qp_num, attr.rq_psn = remote.qpn, remote.psn
-        attr.max_dest_rd_atomic, attr.min_rnr_timer = 16, 12
-        route = GlobalRoute(dgid=GID(_gid_text(remote.gid)), sgid_index=cfg.gid_index)
-        attr.ah_attr = AHAttr(gr=route, is_global=1, dlid=remote.lid, port_num=cfg.port)
         self._qp.to_rtr(attr)
-        attr.sq_psn, attr.timeout, attr.retry_cnt, attr.rnr_retry, attr.max_rd_atomic = local.psn, 14, 7, 7, 16
         self._qp.to_rts(attr)
 
     def post(self, requests: list[WorkRequest]) -> None:
-        from pyverbs.wr import SGE, SendWR
-
-        e = self._e
         for r in requests:
-            if r.opcode is Direction.READ:
-                opcode = e.IBV_WR_RDMA_READ
-            else:
-                opcode = e.IBV_WR_RDMA_WRITE if r.imm is None else e.IBV_WR_RDMA_WRITE_WITH_IMM
-            wr = SendWR(wr_id=r.wr_id, opcode=opcode, num_sge=1, sg=[SGE(r.address, r.length, r.lkey)],
-                        send_flags=e.IBV_SEND_SIGNALED, imm_data=socket.htonl(r.imm or 0))
-            wr.set_wr_rdma(r.rkey, r.remote_address)
-            self._qp.post_send(wr)
+            self._qp.post_send(send_wr(r))
 
     def post_receives(self, wr_ids: list[int]) -> None:
         from pyverbs.wr import RecvWR
