@@ -157,6 +157,7 @@ class NixlTransport:
         from nixl_cu12 import nixl_agent, nixl_agent_config
 
         self._regions, self._deliver = regions, deliver
+        self._local_name = getattr(deliver, "name", None)  # the engine is the handler and has its name
         self._agent_name = f"mooncake-{uuid.uuid4().hex}"
         try:
             self._agent = nixl_agent(self._agent_name, nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
@@ -171,7 +172,7 @@ class NixlTransport:
         return msgspec.json.encode(Address(self._agent_name, base64.b64encode(self._metadata()).decode())).decode()
 
     def can_reach(self, local: PeerInfo, peer: PeerInfo) -> bool:
-        self._local_name = local.name
+        self._local_name = self._local_name or local.name
         return "nixl" in local.transports and _address(peer) is not None
 
     def submit(self, peer: PeerInfo, direction: Direction, slices: list[Slice], batch: Batch,

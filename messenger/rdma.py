@@ -14,8 +14,8 @@ Every region is registered with the NIC on first use (ibv_reg_mr, local write + 
 remote read), CPU memory by address and GPU memory by address when nvidia_peermem allows it
 (GPUDirect); re-registering a name at another address re-registers the MR.
 
-The local engine's name (what the far side's on_notify sees) comes from `can_reach(local, ...)`,
-which the engine calls for a peer before it submits to it.
+The local engine's name (what the far side's on_notify sees) is the inbound handler's `name`
+(the engine is the handler), else the `local` PeerInfo of the first `can_reach`.
 
 What never ran: see messenger/rdma_verbs.py; on a machine without a device `available()` says
 why and `start` raises TransferError.
@@ -93,6 +93,7 @@ class RdmaTransport:
 
     def start(self, regions, deliver) -> str:
         self._regions, self._deliver = regions, deliver
+        self._local_name = getattr(deliver, "name", None)  # the engine is the handler and has its name
         self._port = self._open_port(self._rdma)  # raises TransferError where there is no device
         self._listener = socket.create_server((self._rdma.control_host, 0))
         host = self._config.host if self._rdma.control_host in ("0.0.0.0", "::") else self._rdma.control_host
@@ -107,7 +108,7 @@ class RdmaTransport:
         return PortAddress(p.device, p.port, p.lid, p.gid, p.mtu, f"{host}:{self._listener.getsockname()[1]}").encode()
 
     def can_reach(self, local: PeerInfo, peer: PeerInfo) -> bool:
-        self._local_name = local.name
+        self._local_name = self._local_name or local.name
         if "rdma" not in local.transports or "rdma" not in peer.transports:
             return False
         try:
@@ -135,6 +136,9 @@ class RdmaTransport:
             batch.complete(exc)
             return
         awaits_ack = message is not None and direction is Direction.WRITE
+        if not requests and not awaits_ack:  # nothing to move and nobody to tell
+            batch.complete()
+            return
         seq, numbered = self._book.open(peer.name, batch, requests, awaits_ack)
         self._post(link, lambda: link.sendq.enqueue(numbered))
         if awaits_ack:  # its checksums may still be computing: wait for them on the notice thread

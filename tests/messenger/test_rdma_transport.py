@@ -245,3 +245,13 @@ def test_threads_submitting_to_a_new_peer_share_one_link(pair):
         batch.wait(5)
     assert len(fabric.qps) == 2  # one queue pair each side: nobody connected twice
     assert (b.regions.arrays["kv"] == 2).all()
+
+
+def test_batches_without_slices_complete(pair):
+    a, b, _ = pair
+    read, note = Batch(0, 0), Batch(0, 0)
+    a.transport.submit(b.info, Direction.READ, [], read, None)
+    a.transport.submit(b.info, Direction.WRITE, [], note, OutgoingMessage(b"just this", ()))
+    read.wait(5)
+    note.wait(5)
+    assert b.inbound.notified.get(timeout=5) == ("prefill", b"just this", None)
