@@ -132,8 +132,8 @@ class RdmaTransport:
             link = self._link_to(peer, {s.remote_region for s in slices})
             self._want_regions(link, {s.remote_region for s in slices})
             requests = plan_work_requests(direction, slices, self._local_key, link.rkeys, self._rdma.max_message_bytes)
-        except TransferError as exc:
-            batch.complete(exc)
+        except Exception as exc:  # noqa: BLE001 -- pyverbs raises its own errors (ibv_reg_mr refused, ...)
+            batch.complete(exc if isinstance(exc, TransferError) else TransferError(f"rdma batch to {peer.name!r}: {exc}"))
             return
         awaits_ack = message is not None and direction is Direction.WRITE
         if not requests and not awaits_ack:  # nothing to move and nobody to tell
@@ -158,6 +158,12 @@ class RdmaTransport:
             self._break(link, f"rdma link to {link.peer!r} lost: {exc}")
 
     def send_message(self, peer: PeerInfo, payload: bytes, batch: Batch) -> None:
+        try:  # it may have to connect first: on the submit thread, in order with the batches
+            self._submitter.submit(self._send_message_now, peer, payload, batch)
+        except RuntimeError:
+            batch.complete(TransferError("rdma transport closed"))
+
+    def _send_message_now(self, peer: PeerInfo, payload: bytes, batch: Batch) -> None:
         try:
             link = self._link_to(peer, set())
             link.channel.send(ctl.Message(payload))
