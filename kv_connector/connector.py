@@ -14,8 +14,9 @@ Settings come from `kv_connector_extra_config`:
   kv_timeout_s                a batch (or a call) to a peer not complete by then fails
   kv_transports               comma-separated transports to allow, in order of preference (default:
                               the engine's; env MOONCAKE_KV_TRANSPORTS, e.g. "tcp" to force tcp)
-  kv_fault_flip               TEST ONLY (default 0): flip one byte in the next N pushed batches after
-                              their checksum, to show a corrupt slice fails the load and decode recomputes
+  kv_fault_flip               TEST ONLY (default 0; env MOONCAKE_KV_FAULT_FLIP): flip one byte on the wire
+                              in the next N written batches (kv_connector/fault.py), to show a corrupt
+                              slice fails the load and decode recomputes
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ from decode.kv_receiver import KVReceiver
 from decode.load_planner import LoadPlanner
 from decode.staging import StagingConfig
 from kv_connector.metadata import ServeConnectorMetadata
-from kv_connector.tcp_shim import ShimEngine
+from kv_connector.fault import flip_bytes_on_the_wire
+from messenger.engine import EngineConfig, TransferEngine
 from mooncake import defaults
 from mooncake.control import ControlEndpoint, ControlServer
 from prefill.kv_sender import KVSender
@@ -70,10 +72,13 @@ class MooncakeServeConnector(KVConnectorBase_V1):
         # With a cluster token, every KV connection proves a key derived from it (messenger/handshake.py).
         auth_key = extra.get("kv_auth_key")
         timeout_s = float(extra.get("kv_timeout_s", defaults.KV_TRANSFER_TIMEOUT_S))
-        self._engine = ShimEngine(f"kv-{socket.gethostname()}-{os.getpid()}", host=str(extra.get("kv_host", "127.0.0.1")),
-                                  port=int(extra.get("kv_port", 0)), auth_key=bytes.fromhex(auth_key) if auth_key else None,
-                                  timeout_s=timeout_s)
-        self._sender = KVSender(self._engine, timeout_s=timeout_s, fault_flip=int(extra.get("kv_fault_flip", 0)))
+        transports = str(extra.get("kv_transports") or os.environ.get("MOONCAKE_KV_TRANSPORTS", "")).strip()
+        config = EngineConfig(host=str(extra.get("kv_host", "127.0.0.1")), port=int(extra.get("kv_port", 0)),
+                              timeout_s=timeout_s, auth_key=bytes.fromhex(auth_key) if auth_key else None,
+                              **({"transports": tuple(t.strip() for t in transports.split(","))} if transports else {}))
+        self._engine = TransferEngine(f"kv-{socket.gethostname()}-{os.getpid()}", config)
+        self._fault_flip = int(extra.get("kv_fault_flip") or os.environ.get("MOONCAKE_KV_FAULT_FLIP", 0))
+        self._sender = KVSender(self._engine, timeout_s=timeout_s)
         self._receiver = KVReceiver(
             self._engine, block_size=block_size,
             staging=StagingConfig(capacity_bytes=int(extra.get("staging_bytes", 4 << 30)),
@@ -90,6 +95,7 @@ class MooncakeServeConnector(KVConnectorBase_V1):
         self._sender.register_kv_caches(kv_caches)
         self._receiver.register_kv_caches(kv_caches)
         self._engine.start(on_notify=self._receiver.on_notify, on_call=self._receiver.on_call)
+        flip_bytes_on_the_wire(self._engine, self._fault_flip)  # TEST ONLY; 0 (off) unless a test sets it
         if self._control is not None:
             self._control.start()
 

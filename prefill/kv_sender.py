@@ -98,7 +98,7 @@ class _Work:
 
 
 class KVSender:
-    def __init__(self, engine, *, timeout_s: float = 10.0, fault_flip: int = 0):
+    def __init__(self, engine, *, timeout_s: float = 10.0):
         """`engine`: a started messenger TransferEngine (or anything with its surface)."""
         self._engine = engine
         self._timeout_s = timeout_s
@@ -119,9 +119,6 @@ class KVSender:
         self._busy_since: float | None = None
         self._in_flight_total = 0
         self._pinned_seq = 0
-        # Test-only fault hook (off by default; kv_connector_extra_config "kv_fault_flip"): the
-        # next N batches have one byte flipped after their checksum, as a bad wire would.
-        self._fault_flip = fault_flip
         self._thread = threading.Thread(target=self._run, name="kv-push", daemon=True)
         self._thread.start()
 
@@ -275,9 +272,6 @@ class KVSender:
             slices.append(Slice(work.region, local, transfer.region, remote, count * size))
         note = KV_CALL_ENCODER.encode(KVLayerNote(spec.transfer_id, layer, spec.first_block,
                                                   spec.first_block + len(spec.block_ids)))
-        if self._fault_flip > 0 and hasattr(self._engine, "flip_next_slices"):
-            self._fault_flip -= 1
-            self._engine.flip_next_slices += 1
         with self._lock:
             transfer.in_flight += 1
             self._in_flight_total += 1

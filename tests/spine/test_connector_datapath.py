@@ -15,7 +15,8 @@ import torch
 from decode.kv_receiver import KVReceiver
 from decode.load_planner import LoadSpec
 from decode.staging import StagingConfig
-from kv_connector.tcp_shim import ShimEngine
+from kv_connector.fault import flip_bytes_on_the_wire
+from messenger.engine import EngineConfig, TransferEngine
 from prefill.kv_sender import KVSender, block_runs
 from prefill.push_planner import SaveSpec
 
@@ -31,8 +32,11 @@ def caches(fill: bool, seed: int = 7, dim: int = DIM) -> dict[str, torch.Tensor]
     return out
 
 
+ENGINE = EngineConfig(transports=("tcp",), timeout_s=2.0)
+
+
 def make_consumer(dst, **staging):
-    engine = ShimEngine("consumer", timeout_s=2.0)
+    engine = TransferEngine("consumer", ENGINE)
     consumer = KVReceiver(engine, BLOCK, StagingConfig(**{"capacity_bytes": 64 << 20, **staging}))
     consumer.register_kv_caches(dst)
     engine.start(on_notify=consumer.on_notify, on_call=consumer.on_call)
@@ -40,10 +44,11 @@ def make_consumer(dst, **staging):
 
 
 def make_producer(src, fault_flip=0):
-    engine = ShimEngine("producer", timeout_s=2.0)
-    producer = KVSender(engine, timeout_s=2.0, fault_flip=fault_flip)
+    engine = TransferEngine("producer", ENGINE)
+    producer = KVSender(engine, timeout_s=2.0)
     producer.register_kv_caches(src)
     engine.start()
+    flip_bytes_on_the_wire(engine, fault_flip)
     return engine, producer
 
 
@@ -214,3 +219,46 @@ def test_an_incompatible_layout_is_refused_before_any_byte_moves():
         producer.shutdown()
         p_engine.close()
         c_engine.close()
+
+
+def _consumer_process(conn) -> None:
+    """A decode worker's receiver in its own process (killed by the test below)."""
+    engine, consumer = make_consumer(caches(False))
+    conn.send(engine.info().transports["tcp"])
+    while True:
+        consumer.collect_loads(set())
+        time.sleep(0.05)
+
+
+def test_a_peer_killed_mid_transfer_fails_the_push_within_the_timeout():
+    import multiprocessing
+    import os
+    import signal
+
+    context = multiprocessing.get_context("spawn")
+    here, there = context.Pipe()
+    peer = context.Process(target=_consumer_process, args=(there,), daemon=True)
+    peer.start()
+    src = caches(True)
+    p_engine, producer = make_producer(src)
+    try:
+        assert here.poll(60), "the consumer process did not start"
+        dest = here.recv()
+        save(producer, src, [spec("p", dest, (0, 1), 0, 4, final=False)])  # the first chunk lands
+        deadline = time.monotonic() + 10
+        while producer.stats()["pushed_blocks"] < 2 * LAYERS:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        os.kill(peer.pid, signal.SIGKILL)
+        peer.join(10)
+        start = time.monotonic()
+        save(producer, src, [spec("p", dest, (2, 3), 2, 4, final=True)])
+        outcome = producer.outcome("t-p", 30.0)
+        assert outcome is not None and outcome != "ok"
+        assert time.monotonic() - start < ENGINE.timeout_s + 1.0  # the engine's timeout bounds it
+        assert producer.finished_sending({"p"}) == {"p"}  # and the blocks are freed
+    finally:
+        producer.shutdown()
+        p_engine.close()
+        if peer.is_alive():
+            peer.kill()

@@ -8,7 +8,7 @@ import pytest
 
 from decode.kv_receiver import KVReceiver
 from decode.staging import StagingConfig
-from kv_connector.tcp_shim import ShimEngine
+from messenger.engine import TransferEngine
 from mooncake.control import ControlEndpoint, ControlError, ControlServer, control_call
 
 
@@ -70,7 +70,7 @@ def test_a_waiting_call_does_not_hold_up_the_others():
 
 
 def test_the_kv_engine_takes_only_kv_calls():
-    engine = ShimEngine("consumer")
+    engine = TransferEngine("consumer")
     receiver = KVReceiver(engine, 4, StagingConfig(capacity_bytes=1 << 20))
     for op in (b'{"op": "stats"}', b'{"type": "drop", "transfer_id": "t"}', b"not json"):
         with pytest.raises(msgspec.DecodeError):

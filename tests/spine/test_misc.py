@@ -1,10 +1,7 @@
-import socket
-
 import msgspec
 import pytest
 
 from conductor.metrics import ConductorMetrics
-from messenger.tcp import TcpClient, TcpServer, TransferError, parse_address
 from messenger.wire import WireError, decode_prefix, encode_prefix
 from mooncake.protocol import (CHUNK_DECODER, ENCODER, REQUEST_DECODER, BadTransferParams, GenerateChunk,
                                PullParams, PushParams, encode_chunk_line, parse_pull, parse_push)
@@ -114,25 +111,6 @@ def test_wire_rejects_foreign_and_oversized_frames():
         decode_prefix(b"HTTP" + encode_prefix(b"{}", 0)[4:])
     with pytest.raises(WireError):
         decode_prefix(encode_prefix(b"{}", 1 << 40))
-
-
-def test_tcp_request_reply_and_errors():
-    server = TcpServer("127.0.0.1", 0, lambda h, p: {"ok": True, "n": len(p), "echo": h["x"]}).start()
-    client = TcpClient()
-    try:
-        reply = client.request(server.address, {"x": 5}, b"a" * 100_000)
-        assert reply == {"ok": True, "n": 100_000, "echo": 5}
-        with pytest.raises(TransferError):
-            client.request(server.address, {"y": 1})  # handler raises KeyError -> refused, not hung
-    finally:
-        server.close()
-        client.close()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        free = s.getsockname()[1]
-    with pytest.raises(TransferError):
-        TcpClient().request(f"127.0.0.1:{free}", {"op": "ping"})
-    assert parse_address("[::1]:80") == ("::1", 80)
 
 
 def test_metrics_text_declares_each_family_once():
