@@ -34,6 +34,17 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 STAGING_REGION = "kv-staging"
 
 
+def runs(block_ids: tuple[int, ...]) -> list[tuple[int, int, int]]:
+    """(position in block_ids, first block id, count) per run of consecutive ids."""
+    out: list[tuple[int, int, int]] = []
+    for i, block in enumerate(block_ids):
+        if out and out[-1][1] + out[-1][2] == block:
+            out[-1] = (out[-1][0], out[-1][1], out[-1][2] + 1)
+        else:
+            out.append((i, block, 1))
+    return out
+
+
 @dataclass
 class ReceiverStats:
     """Counters since start; served through the connector's control channel."""
@@ -76,6 +87,10 @@ class KVReceiver:
         self._layer_index = {name: i for i, name in enumerate(self._kv_caches)}
         self._layout = [(name, str(c.dtype).removeprefix("torch."), list(c.shape[1:]))
                         for name, c in self._kv_caches.items()]
+        # CPU caches as flat bytes: landing is a memcpy per run of adjacent blocks (numpy's copy is
+        # one plain memcpy; torch's parallel copy_ stalls when its threads find the cores busy).
+        self._cache_bytes = {name: c.view(torch.uint8).view(-1).numpy() for name, c in self._kv_caches.items()
+                             if c.device.type == "cpu" and c.is_contiguous()}
 
     def stats(self) -> dict:
         with self._stats_lock:
@@ -174,14 +189,20 @@ class KVReceiver:
         if first + count > staged.num_blocks:
             return f"the prefill pushed blocks up to {staged.first_block + staged.num_blocks}, " \
                    f"{spec.first_block + count} needed"
-        nbytes = 0
+        nbytes, size = 0, staged.block_bytes
         for name, index in self._layer_index.items():
             cache = self._kv_caches[name]
-            begin = staged.layer_offset(index) + first * staged.block_bytes
-            raw = self._arena[begin: begin + count * staged.block_bytes]
-            rows = torch.from_numpy(raw).view(cache.dtype).view(count, *cache.shape[1:])
-            ids = torch.tensor(spec.block_ids, dtype=torch.long, device=cache.device)
-            cache.index_copy_(0, ids, rows.to(cache.device))
+            begin = staged.layer_offset(index) + first * size
+            raw = self._arena[begin: begin + count * size]
+            flat = self._cache_bytes.get(name)
+            if flat is not None:
+                for position, block, run in runs(spec.block_ids):
+                    np.copyto(flat[block * size:(block + run) * size],
+                              raw[position * size:(position + run) * size])
+            else:  # device memory (CUDA): one host-to-device index_copy_ per layer
+                rows = torch.from_numpy(raw).view(cache.dtype).view(count, *cache.shape[1:])
+                ids = torch.tensor(spec.block_ids, dtype=torch.long, device=cache.device)
+                cache.index_copy_(0, ids, rows.to(cache.device, non_blocking=False))
             nbytes += raw.nbytes
         with self._stats_lock:
             self._stats.loaded_transfers += 1
