@@ -7,6 +7,7 @@ own caches. Every byte must arrive where the scheduler asked, blocks the consume
 travel, and corruption, a dead peer or a bad layout must turn into a reported failure.
 """
 
+import sys
 import time
 
 import pytest
@@ -33,6 +34,13 @@ def caches(fill: bool, seed: int = 7, dim: int = DIM) -> dict[str, torch.Tensor]
 
 
 ENGINE = EngineConfig(transports=("tcp",), timeout_s=2.0)
+
+
+@pytest.fixture(params=[("tcp",), ("shm", "tcp")], ids=["tcp", "shm"], autouse=True)
+def transports(request, monkeypatch):
+    """Every test here runs over each transport that runs on one host: tcp, and shm (same host)."""
+    monkeypatch.setattr(sys.modules[__name__], "ENGINE", EngineConfig(transports=request.param, timeout_s=2.0))
+    return request.param[0]
 
 
 def make_consumer(dst, **staging):
@@ -90,7 +98,7 @@ def test_adjacent_blocks_become_one_slice():
     assert block_runs(()) == []
 
 
-def test_chunks_land_exactly_where_the_consumer_allocated(pair):
+def test_chunks_land_exactly_where_the_consumer_allocated(pair, transports):
     producer, consumer, src, dst, dest = pair
     save(producer, src, [spec("p1", dest, (5, 6), 0, 4, final=False)])  # first chunk: blocks 0-1
     save(producer, src, [spec("p1", dest, (2, 9), 2, 4, final=True)])  # last chunk: blocks 2-3
@@ -105,6 +113,7 @@ def test_chunks_land_exactly_where_the_consumer_allocated(pair):
     assert producer.finished_sending(set()) == set()  # vLLM has not finished the request yet
     assert producer.finished_sending({"p1"}) == {"p1"}  # now its blocks may be freed
     assert consumer.stats()["received_blocks"] == 4 * LAYERS
+    assert producer._engine.stats()[transports]["sent_bytes"] > 0  # the transport under test moved them
     timeline = producer.timeline()[-1]
     assert timeline["transfer_id"] == "t-p1" and timeline["chunks"] == 2 and len(timeline["layers"]) == LAYERS
     assert all(0 < computed <= landed for computed, landed in timeline["layers"])
@@ -221,8 +230,10 @@ def test_an_incompatible_layout_is_refused_before_any_byte_moves():
         c_engine.close()
 
 
-def _consumer_process(conn) -> None:
+def _consumer_process(conn, transports) -> None:
     """A decode worker's receiver in its own process (killed by the test below)."""
+    global ENGINE
+    ENGINE = EngineConfig(transports=transports, timeout_s=2.0)
     engine, consumer = make_consumer(caches(False))
     conn.send(engine.info().transports["tcp"])
     while True:
@@ -237,7 +248,7 @@ def test_a_peer_killed_mid_transfer_fails_the_push_within_the_timeout():
 
     context = multiprocessing.get_context("spawn")
     here, there = context.Pipe()
-    peer = context.Process(target=_consumer_process, args=(there,), daemon=True)
+    peer = context.Process(target=_consumer_process, args=(there, ENGINE.transports), daemon=True)
     peer.start()
     src = caches(True)
     p_engine, producer = make_producer(src)
@@ -249,6 +260,7 @@ def test_a_peer_killed_mid_transfer_fails_the_push_within_the_timeout():
         while producer.stats()["pushed_blocks"] < 2 * LAYERS:
             assert time.monotonic() < deadline
             time.sleep(0.01)
+        assert producer._engine.stats()[ENGINE.transports[0]]["sent_bytes"] > 0
         os.kill(peer.pid, signal.SIGKILL)
         peer.join(10)
         start = time.monotonic()
