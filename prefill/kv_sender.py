@@ -326,6 +326,8 @@ class KVSender:
     # -- outcome (under the lock) ------------------------------------------------------------
 
     def _fail(self, transfer: _Transfer, error: str) -> None:
+        # Introduce the decode worker afresh next time: it may have restarted as another engine.
+        self._peers.pop(transfer.spec.dest, None)
         if transfer.error is None:
             transfer.error = error
             log.error("KV push %s failed: %s (decode will recompute the prompt)", transfer.spec.transfer_id, error)

@@ -274,3 +274,39 @@ def test_a_peer_killed_mid_transfer_fails_the_push_within_the_timeout():
         p_engine.close()
         if peer.is_alive():
             peer.kill()
+
+
+def test_a_restarted_decode_worker_is_reached_again():
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")
+    here, there = context.Pipe()
+    first = context.Process(target=_consumer_process, args=(there, ENGINE.transports), daemon=True)
+    first.start()
+    src = caches(True)
+    p_engine, producer = make_producer(src)
+    restarted = None
+    try:
+        assert here.poll(60), "the consumer process did not start"
+        dest = here.recv()
+        save(producer, src, [spec("a", dest, (0,), 0, 1, final=True)])
+        assert producer.outcome("t-a", 5.0) == "ok"
+        first.kill()  # the decode worker dies; a new one comes up at the same address
+        first.join(10)
+        config = EngineConfig(transports=ENGINE.transports, timeout_s=2.0, port=int(dest.rsplit(":", 1)[1]))
+        restarted = TransferEngine("consumer-2", config)
+        consumer = KVReceiver(restarted, BLOCK, StagingConfig(capacity_bytes=16 << 20))
+        consumer.register_kv_caches(caches(False))
+        restarted.start(on_notify=consumer.on_notify, on_call=consumer.on_call)
+        outcomes = []
+        for name in ("b", "c"):  # the first may still go to the engine that is gone; the next must not
+            save(producer, src, [spec(name, dest, (1,), 0, 1, final=True)])
+            outcomes.append(producer.outcome("t-" + name, 10.0))
+        assert outcomes[-1] == "ok", outcomes
+    finally:
+        producer.shutdown()
+        p_engine.close()
+        if restarted is not None:
+            restarted.close()
+        if first.is_alive():
+            first.kill()
