@@ -75,3 +75,28 @@ def test_the_kv_engine_takes_only_kv_calls():
     for op in (b'{"op": "stats"}', b'{"type": "drop", "transfer_id": "t"}', b"not json"):
         with pytest.raises(msgspec.DecodeError):
             receiver.on_call("peer", op)
+
+
+def test_the_shell_marks_a_prefill_whose_push_did_not_land():
+    import asyncio
+
+    from mooncake.engine.app import _with_push_outcome
+    from mooncake.protocol import GenerateChunk
+
+    outcomes = {"good": {"ok": True}, "bad": {"ok": False, "error": "ChecksumError: slice 0"}}
+    asked = []
+
+    def handler(req):
+        asked.append((req["op"], req["transfer_id"], req["timeout_s"]))
+        return outcomes[req["transfer_id"]]
+
+    endpoint = ControlEndpoint.new()
+    server = ControlServer(endpoint, handler).start()
+    last = GenerateChunk([7], finish_reason="length")
+    try:
+        assert asyncio.run(_with_push_outcome(endpoint, "good", last)) == last
+        marked = asyncio.run(_with_push_outcome(endpoint, "bad", last))
+        assert marked.kv_error == "ChecksumError: slice 0" and marked.token_ids == [7]
+        assert [a[:2] for a in asked] == [("push_outcome", "good"), ("push_outcome", "bad")] and asked[0][2] > 0
+    finally:
+        server.close()
