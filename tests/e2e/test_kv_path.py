@@ -49,7 +49,9 @@ def tokenize(model_path: str, text: str) -> list[int]:
 
 
 def test_a_prompt_longer_than_a_chunk_streams_in_every_chunk(spine_cluster, disaggregated_api, colocated_server):
-    prompt = COMPLETION_PROMPTS[-1]  # over one prefill chunk (tests/e2e/test_openai_exact.py checks its length)
+    # Over one prefill chunk (tests/e2e/test_openai_exact.py checks its length); the nonce keeps it
+    # out of P's prefix cache, so every chunk is computed here.
+    prompt = f"Nonce {secrets.token_hex(8)}. " + COMPLETION_PROMPTS[-1]
     resp = complete(disaggregated_api, prompt)
     assert resp.json()["choices"][0]["text"] == complete(colocated_server, prompt).json()["choices"][0]["text"]
     tokens = resp.json()["usage"]["prompt_tokens"]
@@ -64,7 +66,7 @@ def test_a_prompt_longer_than_a_chunk_streams_in_every_chunk(spine_cluster, disa
 
 
 def test_32_concurrent_requests_interleave_without_mixing(spine_cluster, disaggregated_api, colocated_server):
-    prompts = [f"Request {i}: " + " ".join(f"{(i * 7 + k) % 97}-{k}" for k in range(40 + 3 * i)) for i in range(32)]
+    prompts = [f"Request {i}: " + " ".join(f"{(i * 7 + k) % 97}-{k}" for k in range(20 + 2 * i)) for i in range(32)]
     reference = [complete(colocated_server, p, 6).json()["choices"][0]["text"] for p in prompts]
     decode = spine_cluster.worker_urls["decode"]
     before = kv_stats(decode, spine_cluster.internal_headers)["stats"]
@@ -72,7 +74,9 @@ def test_32_concurrent_requests_interleave_without_mixing(spine_cluster, disaggr
     async def run():
         client = openai.AsyncOpenAI(base_url=disaggregated_api, api_key="unused", max_retries=0, timeout=600)
         answers = await asyncio.gather(*(client.completions.with_raw_response.create(
-            model=MODEL_NAME, prompt=p, max_tokens=6, temperature=0, extra_body={"ignore_eos": True}) for p in prompts))
+            model=MODEL_NAME, prompt=p, max_tokens=6, temperature=0, extra_body={"ignore_eos": True},
+            # 32 prefills at once: the operator's batch class (60 s TTFT) admits them all.
+            extra_headers={"X-Mooncake-SLO-Class": "batch"}) for p in prompts))
         await client.close()
         return answers
 
