@@ -63,6 +63,10 @@ def test_a_prompt_longer_than_a_chunk_streams_in_every_chunk(spine_cluster, disa
     assert len(layers) > 1 and all(0 < computed <= landed for computed, landed in layers)
     # Layer by layer: the first layer was computed before the last one.
     assert layers[0][0] <= layers[-1][0]
+    # Same host: where the shm transport runs, the engine chose it over tcp for the KV.
+    moved = kv_stats(spine_cluster.worker_urls["decode"], spine_cluster.internal_headers)["messenger"]
+    expected = "shm" if "shm" in moved else "tcp"
+    assert moved[expected]["received_bytes"] > 0, moved
 
 
 def test_32_concurrent_requests_interleave_without_mixing(spine_cluster, disaggregated_api, colocated_server):
