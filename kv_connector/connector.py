@@ -99,6 +99,13 @@ class MooncakeServeConnector(KVConnectorBase_V1):
         if self._control is not None:
             self._control.start()
 
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        # Before this step's forward may overwrite a preempted request's freed blocks: the sends
+        # still reading them must be done (bounded by the engine's timeout; a late one fails).
+        assert self._sender is not None
+        if isinstance(kv_connector_metadata, ServeConnectorMetadata) and kv_connector_metadata.preempted:
+            self._sender.settle(kv_connector_metadata.preempted)
+
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         assert self._receiver is not None
         self._receiver.start_load_kv(self._meta().loads)
@@ -173,7 +180,8 @@ class MooncakeServeConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         assert self._pushes is not None and self._loads is not None
-        return ServeConnectorMetadata(saves=self._pushes.plan(scheduler_output), loads=self._loads.take())
+        return ServeConnectorMetadata(saves=self._pushes.plan(scheduler_output), loads=self._loads.take(),
+                                      preempted=self._pushes.preempted(scheduler_output.preempted_req_ids))
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self._pushes is not None and self._loads is not None

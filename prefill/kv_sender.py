@@ -204,6 +204,21 @@ class KVSender:
                     del self._transfers[req_id]
         return done
 
+    def settle(self, request_ids: set[str]) -> None:
+        """Wait until no send of these requests reads their blocks any more (vLLM preempted them
+        and will hand the blocks to others). Bounded: a send still pending after the engine's
+        timeout has failed by then, and its transfer with it."""
+        deadline = time.monotonic() + self._timeout_s + 1.0
+        with self._lock:
+            while True:
+                busy = [t for r, t in self._transfers.items() if r in request_ids and (t.queued or t.in_flight)]
+                left = deadline - time.monotonic()
+                if not busy or left <= 0:
+                    for transfer in busy:
+                        self._fail(transfer, "preempted while its sends were still reading its blocks")
+                    return
+                self._lock.wait(min(left, 0.05))
+
     # -- the shell's questions (control thread) ----------------------------------------------
 
     def outcome(self, transfer_id: str, timeout_s: float) -> str | None:

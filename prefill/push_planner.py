@@ -118,6 +118,11 @@ class PushPlanner:
             num_tokens=params.num_tokens, final=final,
         )
 
+    def preempted(self, request_ids: set[str] | None) -> set[str]:
+        """Of the requests vLLM preempted this step, those with sends of their blocks: their blocks
+        go back to the pool, so the worker must let those sends finish first."""
+        return {r for r in request_ids or () if r in self._streamed}
+
     def finished(self, request_id: str) -> bool:
         """The request ended; True when the worker has sends of it to finish (vLLM then keeps
         its blocks until the worker reports it in finished_sending: the delayed free)."""

@@ -310,3 +310,15 @@ def test_a_restarted_decode_worker_is_reached_again():
             restarted.close()
         if first.is_alive():
             first.kill()
+
+
+def test_a_preempted_requests_sends_settle_before_its_blocks_are_reused(pair):
+    producer, consumer, src, dst, dest = pair
+    save(producer, src, [spec("p", dest, tuple(range(8)), 0, 16, final=False)])
+    producer.settle({"p"})  # returns once nothing reads blocks 0-7 any more
+    assert producer.stats()["pushed_blocks"] == 8 * LAYERS
+    save(producer, src, [spec("q", "127.0.0.1:1", (9,), 0, 2, final=False)])  # a peer that never answers
+    start = time.monotonic()
+    producer.settle({"q"})
+    assert time.monotonic() - start < ENGINE.timeout_s + 2
+    assert producer.outcome("t-q", 5.0) != "ok"

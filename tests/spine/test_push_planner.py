@@ -91,3 +91,12 @@ def test_a_request_aborted_before_any_push_frees_at_once():
     planner = planner_with({"a": [1, 2]}, request("a", 8))
     assert planner.finished("a") is False
     assert step(planner, new=[("a", 0)], scheduled={"a": 8}) == []
+
+
+def test_preempted_requests_with_sends_are_named_for_the_worker():
+    planner = planner_with({"a": [1, 2, 3], "b": [4]}, request("a", 12), request("b", 4))
+    step(planner, new=[("a", 0)], scheduled={"a": 8})  # a sent two blocks; b was never scheduled
+    assert planner.preempted({"a", "b", "c"}) == {"a"} and planner.preempted(None) == set()
+    # Rescheduled after the preemption (recomputed from 0): blocks already sent do not go again.
+    planner.after_alloc(request("a", 12))
+    assert [(s.first_block, s.final) for s in step(planner, cached=[("a", 0)], scheduled={"a": 12})] == [(2, True)]
