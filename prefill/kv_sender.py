@@ -226,8 +226,11 @@ class KVSender:
         deadline = time.monotonic() + timeout_s
         with self._lock:
             while transfer_id not in self._outcomes:
-                if not any(t.spec.transfer_id == transfer_id for t in self._transfers.values()):
+                active = [t for t in self._transfers.values() if t.spec.transfer_id == transfer_id]
+                if not active:
                     return f"no KV push for transfer {transfer_id} on this worker"
+                if active[0].error is not None:  # failed: say so now, not when its last batch times out
+                    return active[0].error
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return None
@@ -346,6 +349,8 @@ class KVSender:
         if transfer.error is None:
             transfer.error = error
             log.error("KV push %s failed: %s (decode will recompute the prompt)", transfer.spec.transfer_id, error)
+            self._stats.push_failures += 1
+            self._lock.notify_all()
 
     def _maybe_done(self, transfer: _Transfer) -> None:
         if transfer.queued or transfer.in_flight:
@@ -368,6 +373,6 @@ class KVSender:
                                    "bytes": transfer.nbytes, "chunks": transfer.chunks,
                                    "step_end_s": transfer.step_end_s,
                                    "layers": [list(pair) for pair in transfer.layers]})
-        else:
+        elif transfer.error is None:  # ended unfinished (a failure is counted when it happens)
             self._stats.push_failures += 1
         self._lock.notify_all()
