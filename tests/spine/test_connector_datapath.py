@@ -83,6 +83,15 @@ def save(producer, src, specs):
     assert time.monotonic() - start < 0.05
 
 
+def wait_freed(producer, req_id, timeout=None):
+    """vLLM's view: the request is finished; its blocks are freed once every send of it ended
+    (acknowledged, failed or timed out: within the engine's timeout)."""
+    deadline = time.monotonic() + (timeout or ENGINE.timeout_s + 3.0)
+    while req_id not in producer.finished_sending({req_id}):
+        assert time.monotonic() < deadline, f"{req_id}'s blocks were never freed"
+        time.sleep(0.01)
+
+
 def wait_loaded(consumer, req_id, timeout=5.0):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -206,7 +215,7 @@ def test_a_dead_peer_fails_the_push_within_the_timeout_and_frees_the_blocks(pair
     save(producer, src, [spec("p", "127.0.0.1:1", (0,), 0, 1, final=True)])
     outcome = producer.outcome("t-p", 10.0)
     assert outcome != "ok" and time.monotonic() - start < 5.0
-    assert producer.finished_sending({"p"}) == {"p"}
+    wait_freed(producer, "p")
     assert producer.stats()["push_failures"] == 1
 
 
@@ -267,8 +276,9 @@ def test_a_peer_killed_mid_transfer_fails_the_push_within_the_timeout():
         save(producer, src, [spec("p", dest, (2, 3), 2, 4, final=True)])
         outcome = producer.outcome("t-p", 30.0)
         assert outcome is not None and outcome != "ok"
-        assert time.monotonic() - start < ENGINE.timeout_s + 1.0  # the engine's timeout bounds it
-        assert producer.finished_sending({"p"}) == {"p"}  # and the blocks are freed
+        # The engine's timeout bounds it (plus scheduling slack on a loaded 2-core machine).
+        assert time.monotonic() - start < ENGINE.timeout_s + 3.0, outcome
+        wait_freed(producer, "p")  # and the blocks are freed
     finally:
         producer.shutdown()
         p_engine.close()
