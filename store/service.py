@@ -52,7 +52,7 @@ class PoolService:
         self.config = config
         self.endpoint = endpoint or ControlEndpoint.new()
         self._clock = clock
-        self._lock = threading.Lock()  # configure and close; the pool has its own lock
+        self._lock = threading.RLock()  # configure (which may degrade) and degrade; the pool has its own
         self.pool: BlockPool | None = None
         self.arena: Arena | None = None
         self.ssd: SsdTier | None = None
@@ -63,6 +63,7 @@ class PoolService:
         self._listener: Listener | None = None
         self._closed = threading.Event()
         self._want_remote = remote
+        self._ssd_off = False
         self._engine_config = engine_config
         self.remote = None  # store.remote.RemotePool once configured
 
@@ -270,16 +271,17 @@ class PoolService:
         return ok
 
     def _degrade(self, exc: OSError, what: str) -> None:
-        """The SSD tier is unusable: DRAM only from now on, said once, counted."""
-        reason = {errno.ENOSPC: "full", errno.EDQUOT: "full"}.get(exc.errno, "unwritable")
+        """The SSD tier is unusable: DRAM only from now on, said once, counted each time."""
+        reason = "full" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else "unwritable"
         self.counters[f"ssd_errors_{reason}"] += 1
-        if self.ssd is None and self._writer is None and self.pool is not None and not self.config.ssd_slots:
-            return
+        with self._lock:
+            if self._ssd_off:
+                return
+            self._ssd_off = True
         log.warning("KV pool: SSD tier off, DRAM only from now on (%s: %s)", what, exc)
         self.ssd = None
         if self.pool is not None:
-            self.pool.disable_ssd()  # its files stay: a later start may use them
-        self.config = replace(self.config, ssd_dir=None)
+            self.pool.disable_ssd()  # the files stay (self.ssd is gone): a later start may use them
 
     def _reserved_slots(self, keys: Sequence[int]):
         return self.pool.reserved_slots(keys)
