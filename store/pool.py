@@ -11,7 +11,8 @@ The life of a block:
   commit(keys, checksums) -> COMMITTED (xxh3-64 of the slot's bytes), or abort(keys) -> freed.
   read(key)      -> (slot, checksum), pinned: never evicted until unpin(key). A block only on
                     SSD gets a DRAM slot (state LOADING) and the plan says load it; the owner
-                    reads the file into the slot, verifies the checksum and calls loaded(key, ok).
+                    reads the file (or, for a spill not yet on disk, its copy) into the slot,
+                    verifies the checksum and calls loaded(key, ok).
   eviction       -> the least valuable unpinned COMMITTED block (the policy's order) leaves DRAM
                     to make room. Without an SSD copy it is spilled: the plan carries a Spill
                     that the owner must copy out of the slot BEFORE anyone writes the slot
@@ -102,7 +103,7 @@ class _DramEntry:
 @dataclass
 class _SsdEntry:
     checksum: int
-    ready: bool  # the file is written (a spill in flight is not)
+    ready: bool  # the file is written (a spill in flight is not: its owner still holds a copy)
     readers: int = 0  # promotions reading the file now: not evicted meanwhile
 
 
@@ -135,8 +136,7 @@ class BlockPool:
                 if entry is not None and entry.state is State.COMMITTED:
                     tiers.append(Tier.DRAM)
                     continue
-                ssd = self._ssd.get(key)
-                if ssd is not None and ssd.ready:
+                if key in self._ssd:  # a spill still on its way to disk is served from its copy
                     tiers.append(Tier.SSD)
                     continue
                 break
@@ -148,7 +148,7 @@ class BlockPool:
         bb = self.config.block_bytes
         with self._lock:
             dram_blocks = sum(1 for e in self._dram.values() if e.state is State.COMMITTED)
-            ssd_blocks = sum(1 for e in self._ssd.values() if e.ready)
+            ssd_blocks = len(self._ssd)
             return {
                 Tier.DRAM.value: {"capacity_bytes": self.config.dram_slots * bb, "used_bytes": len(self._dram) * bb,
                                   "blocks": dram_blocks},
@@ -227,7 +227,7 @@ class BlockPool:
                     self._ssd_order.touch(key, now)
                 return ReadPlan(key, entry.slot, entry.checksum, False, Plan())
             ssd = self._ssd.get(key)
-            if ssd is None or not ssd.ready:
+            if ssd is None:
                 return None
             plan = Plan()
             slot = self._take_slot(plan)

@@ -64,6 +64,7 @@ class PoolService:
         self._closed = threading.Event()
         self._want_remote = remote
         self._ssd_off = False
+        self._spilling: dict[int, bytes] = {}  # key -> bytes of a spill not yet on disk
         self._engine_config = engine_config
         self.remote = None  # store.remote.RemotePool once configured
 
@@ -236,9 +237,11 @@ class PoolService:
                 self.pool.ssd_written(spill.key, False)
                 continue
             data = self.arena.slot(spill.slot).tobytes()  # before the slot is handed out again
+            self._spilling[spill.key] = data  # readable until it is on disk
             if not self._writer.submit(spill.key, data, spill.checksum):
                 self.counters["spills_dropped"] += 1
                 self._execute(self.pool.ssd_written(spill.key, False))
+                self._spilling.pop(spill.key, None)
         for key in plan.ssd_deletes:
             if self.ssd is not None:
                 try:
@@ -249,8 +252,10 @@ class PoolService:
     def _spill_done(self, key: int, error: OSError | None) -> None:
         if error is None:
             self._execute(self.pool.ssd_written(key, True))
+            self._spilling.pop(key, None)
         else:
             self._execute(self.pool.ssd_written(key, False))
+            self._spilling.pop(key, None)
             if error.errno in _FATAL_SSD_ERRNOS:
                 self._degrade(error, "writing a block failed")
             else:
@@ -259,8 +264,13 @@ class PoolService:
         self._flush_events()
 
     def _promote(self, key: int, slot: int, digest: int) -> bool:
+        pending = self._spilling.get(key)
         try:
-            ok = self.ssd is not None and self.ssd.read_into(key, self.arena.slot(slot), digest)
+            if pending is not None:  # spilled moments ago, not on disk yet
+                self.arena.slot(slot)[:] = memoryview(pending)
+                ok = checksum(self.arena.slot(slot)) == digest
+            else:
+                ok = self.ssd is not None and self.ssd.read_into(key, self.arena.slot(slot), digest)
         except OSError as exc:
             log.warning("KV pool: reading block %x from SSD failed: %s", key, exc)
             self.counters["ssd_errors_io"] += 1

@@ -102,8 +102,10 @@ def test_eviction_spills_to_ssd_and_a_read_promotes_back():
     assert [(s.key, s.checksum) for s in reservation.plan.spills] == [(1, 7)]
     spill_slot = reservation.plan.spills[0].slot
     assert dict(reservation.slots)[3] == spill_slot  # the victim's slot, once copied out
-    assert pool.lookup([1]) == []  # not on disk yet
+    assert pool.lookup([1]) == [Tier.SSD]  # not on disk yet: the owner serves its copy
+    assert ("stored", 1, "ssd") not in pool.drain_events()  # announced once it is on disk
     pool.ssd_written(1, True)
+    assert pool.drain_events() == [("stored", 1, "ssd")]
     assert pool.lookup([1, 2, 3]) == [Tier.SSD, Tier.DRAM, Tier.DRAM]
     plan = pool.read(1, 2.0)
     assert plan.load_from_ssd and plan.checksum == 7
