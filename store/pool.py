@@ -29,6 +29,7 @@ that stops at the first evictable block.
 from __future__ import annotations
 
 import enum
+import heapq
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -116,7 +117,9 @@ class BlockPool:
             raise ValueError("BlockPool needs PoolConfig.block_bytes (the KV bytes of one block)")
         self.config = config
         self._lock = threading.Lock()
-        self._free_slots = list(range(config.dram_slots - 1, -1, -1))  # pop() hands out slot 0 first
+        # A min-heap: the lowest free slot goes first, so blocks reserved together get adjacent
+        # slots and a transfer of a run of them is one slice (store/remote.py coalesces).
+        self._free_slots = list(range(config.dram_slots))
         self._dram: dict[int, _DramEntry] = {}
         self._ssd: dict[int, _SsdEntry] = {}
         self._ssd_capacity = config.ssd_slots
@@ -208,7 +211,7 @@ class BlockPool:
                 entry = self._dram.get(key)
                 if entry is not None and entry.state is State.RESERVED:
                     del self._dram[key]
-                    self._free_slots.append(entry.slot)
+                    heapq.heappush(self._free_slots, entry.slot)
 
     # --- reading -------------------------------------------------------------------------
     def read(self, key: int, now: float, pin: bool = True) -> ReadPlan | None:
@@ -257,7 +260,7 @@ class BlockPool:
                 return plan
             self.counters["corrupt"] += 1
             del self._dram[key]
-            self._free_slots.append(entry.slot)
+            heapq.heappush(self._free_slots, entry.slot)
             if ssd is not None:
                 self._drop_ssd(key, plan)
         return plan
@@ -343,7 +346,7 @@ class BlockPool:
     # --- internals (under the lock) ----------------------------------------------------------
     def _take_slot(self, plan: Plan) -> int | None:
         if self._free_slots:
-            return self._free_slots.pop()
+            return heapq.heappop(self._free_slots)
         victim = next((k for k in self._dram_order.victims() if self._evictable(k)), None)
         if victim is None:
             return None
@@ -365,7 +368,7 @@ class BlockPool:
         self._dram_order.remove(key)
         self._events.append(("removed", key, Tier.DRAM.value))
         if free:
-            self._free_slots.append(entry.slot)
+            heapq.heappush(self._free_slots, entry.slot)
         return entry.slot
 
     def _ssd_room(self, plan: Plan) -> bool:

@@ -322,10 +322,16 @@ class PoolService:
                     data = conn.recv_bytes()
                 except (EOFError, OSError):
                     return
+                request: dict[str, Any] = {}
                 try:
-                    reply = {"ok": True, **self._answer(channel.decode(data), pins)}
+                    request = channel.decode(data)
+                    reply = {"ok": True, **self._answer(request, pins)}
                 except Exception as exc:  # noqa: BLE001 - the caller must get an answer, never a hang
                     reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+                if request.get("noreply"):
+                    if not reply["ok"]:
+                        log.warning("KV pool: %s from a connector failed: %s", request.get("op"), reply["error"])
+                    continue
                 try:
                     conn.send_bytes(channel.encode(reply))
                 except OSError:

@@ -51,19 +51,33 @@ def verify(service: PoolService, keys) -> bool:
         service.release([k for k, _, _ in got])
 
 
-@pytest.mark.parametrize("block_bytes", [64 << 10, 1 << 20], ids=["inline-64KiB", "read-1MiB"])
+@pytest.mark.parametrize("block_bytes", [32 << 10, 1 << 20], ids=["inline-32KiB", "push-1MiB"])
 def test_fetch_from_another_process(block_bytes):
     keys = [2**127 + i for i in range(6)]  # 128-bit keys, the hashing function's size
     proc, peer = start_peer(block_bytes, 8, keys[:5])  # the peer holds the first 5
     local = local_pool(block_bytes, 16)
     try:
-        assert (len(keys[:5]) * block_bytes <= INLINE_BYTES) == (block_bytes == 64 << 10)
+        assert (len(keys[:5]) * block_bytes <= INLINE_BYTES) == (block_bytes == 32 << 10)
         assert local.fetch_remote(peer, keys) == 5  # the leading run the peer holds
         assert local.lookup(keys) == ["dram"] * 5
         assert verify(local, keys[:5])
         assert local.stats()["counters"]["remote_fetched_blocks"] == 5
         assert local.fetch_remote(peer, keys[:3]) == 3  # held here now: nothing moves
         assert local.stats()["counters"]["remote_fetched_blocks"] == 5
+    finally:
+        local.close()
+        stop_peer(proc)
+
+
+def test_one_sided_read_with_pins_is_the_fallback():
+    """When the peer cannot write to us, blocks are pinned there and read one-sidedly."""
+    block_bytes, keys = 1 << 20, [11, 12, 13]
+    proc, peer = start_peer(block_bytes, 4, keys)
+    local = local_pool(block_bytes, 4)
+    try:
+        local.remote.engine.add_peer(peer)
+        local.remote._fetch_by_read(peer.name, keys)
+        assert local.lookup(keys) == ["dram"] * 3 and verify(local, keys)
     finally:
         local.close()
         stop_peer(proc)
