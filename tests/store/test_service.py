@@ -293,3 +293,23 @@ def test_metrics_show_usage_per_tier_and_the_degrade_counter(tmp_path):
     assert 'mooncake_store_blocks{tier="dram"} 2.0' in text
     assert "mooncake_store_ssd_unwritable_errors_total 1.0" in text
     assert "mooncake_store_ssd_enabled 0.0" in text
+
+
+def test_a_spill_still_on_its_way_to_disk_is_served_from_its_copy(svc, monkeypatch):
+    import threading
+
+    real_write = SsdTier.write
+    gate = threading.Event()
+
+    def slow_write(self, key, data_, digest):
+        gate.wait(10)
+        real_write(self, key, data_, digest)
+
+    monkeypatch.setattr(SsdTier, "write", slow_write)
+    for key in range(1, 6):
+        put(svc, [key])  # 1 is spilled, its write held at the gate
+    assert svc.lookup([1]) == ["ssd"]
+    assert held_bytes(svc, [1]) == [True]  # promoted from the in-memory copy, checksum verified
+    gate.set()
+    svc.flush()
+    assert svc.stats()["counters"]["corrupt"] == 0
