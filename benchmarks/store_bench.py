@@ -154,7 +154,7 @@ def ours(block_bytes: int, count: int) -> dict:
             chosen = getter.remote.engine.add_peer(peer)
             for first in range(0, count, BATCH):  # warm-up: connections open, arena pages are touched
                 getter.fetch_remote(peer, keys[first:first + BATCH])
-            getter.pool.remove(keys)
+            getter.remove(keys)
 
             def get_remote(batch: int) -> dict:
                 n = count - count % batch
@@ -163,7 +163,7 @@ def ours(block_bytes: int, count: int) -> dict:
                     if getter.fetch_remote(peer, keys[first:first + batch]) != batch:
                         raise SystemExit("remote get: a block did not arrive")
                 seconds = time.perf_counter() - started
-                getter.pool.remove(keys)
+                getter.remove(keys)
                 return {**rate(n, n * block_bytes, seconds), "transport": chosen}
 
             figures[f"remote_get{label}"] = get_remote(1)

@@ -58,6 +58,10 @@ class PoolService:
         self.ssd: SsdTier | None = None
         self._writer: SpillWriter | None = None
         self.events = TierEventLog()
+        self._events_lock = threading.Lock()
+        # Held from a pool call that returns I/O until that I/O is queued (reentrant: a dropped
+        # spill reports back to the pool inside _execute).
+        self._io_lock = threading.RLock()
         self.counters: Counter[str] = Counter()
         self.layout: str | None = None
         self._listener: Listener | None = None
@@ -133,8 +137,9 @@ class PoolService:
     def reserve(self, keys: Sequence[int]) -> list[tuple[int, int]]:
         if self.pool is None:
             return []
-        reservation = self.pool.reserve(keys, self._clock())
-        self._execute(reservation.plan)  # spills leave the slots before anyone may write them
+        with self._io_lock:
+            reservation = self.pool.reserve(keys, self._clock())
+            self._execute(reservation.plan)  # spills leave the slots before anyone may write them
         return reservation.slots
 
     def commit(self, keys: Sequence[int], checksums: Sequence[int] | None = None) -> int:
@@ -161,10 +166,11 @@ class PoolService:
             return []
         out = []
         for key in keys:
-            plan = self.pool.read(key, self._clock())
-            if plan is None:
-                break
-            self._execute(plan.plan)
+            with self._io_lock:
+                plan = self.pool.read(key, self._clock())
+                if plan is None:
+                    break
+                self._execute(plan.plan)
             if plan.load_from_ssd and not self._promote(key, plan.slot, plan.checksum):
                 break
             out.append((key, plan.slot, plan.checksum))
@@ -174,6 +180,13 @@ class PoolService:
     def release(self, keys: Sequence[int]) -> None:
         if self.pool is not None:
             self.pool.unpin(keys)
+
+    def remove(self, keys: Sequence[int]) -> None:
+        """Forget blocks in every tier (their files go too)."""
+        if self.pool is not None:
+            with self._io_lock:
+                self._execute(self.pool.remove(keys))
+            self._flush_events()
 
     def fetch_remote(self, peer, keys: Sequence[int]) -> int:
         """Bring `keys` from another node's pool (its messenger PeerInfo) into this one; the
@@ -232,6 +245,9 @@ class PoolService:
             log.info("KV pool: %d blocks restored from %s", restored, tier.root)
 
     def _execute(self, plan: Plan) -> None:
+        """Carry out a plan: copy spills out of their slots and queue the file operations. The
+        caller holds _io_lock from the pool call that made the plan until this returns, so file
+        operations are queued in the order the index decided them."""
         for spill in plan.spills:
             if self._writer is None:
                 self.pool.ssd_written(spill.key, False)
@@ -243,19 +259,14 @@ class PoolService:
                 self._execute(self.pool.ssd_written(spill.key, False))
                 self._spilling.pop(spill.key, None)
         for key in plan.ssd_deletes:
-            if self.ssd is not None:
-                try:
-                    self.ssd.delete(key)
-                except OSError as exc:
-                    log.debug("pool SSD tier: deleting %x failed: %s", key, exc)
+            if self.ssd is not None and self._writer is not None:
+                self._writer.delete(key)  # in order with the writes (store/ssd.py, SpillWriter)
 
     def _spill_done(self, key: int, error: OSError | None) -> None:
-        if error is None:
-            self._execute(self.pool.ssd_written(key, True))
+        with self._io_lock:
+            self._execute(self.pool.ssd_written(key, error is None))
             self._spilling.pop(key, None)
-        else:
-            self._execute(self.pool.ssd_written(key, False))
-            self._spilling.pop(key, None)
+        if error is not None:
             if error.errno in _FATAL_SSD_ERRNOS:
                 self._degrade(error, "writing a block failed")
             else:
@@ -277,7 +288,8 @@ class PoolService:
             ok = False
         if not ok and self.ssd is not None:
             log.warning("KV pool: block %x on SSD is missing or fails its checksum; recomputed", key)
-        self._execute(self.pool.loaded(key, ok, self._clock()))
+        with self._io_lock:
+            self._execute(self.pool.loaded(key, ok, self._clock()))
         return ok
 
     def _degrade(self, exc: OSError, what: str) -> None:
@@ -298,9 +310,10 @@ class PoolService:
 
     def _flush_events(self) -> None:
         if self.pool is not None:
-            events = self.pool.drain_events()
-            if events:
-                self.events.append(events)
+            with self._events_lock:  # drained and appended as one step, or two threads could swap batches
+                events = self.pool.drain_events()
+                if events:
+                    self.events.append(events)
 
     # --- the local channel ----------------------------------------------------------------
     def _accept_loop(self) -> None:
