@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
+import shutil
 import threading
 import time
 from collections import Counter
@@ -75,8 +77,6 @@ class PoolService:
     # --- life ----------------------------------------------------------------------------
     def start(self) -> "PoolService":
         """Listen on the local channel (a daemon thread per connection)."""
-        import os
-
         if os.path.exists(self.endpoint.path):
             os.unlink(self.endpoint.path)
         self._listener = Listener(self.endpoint.path, family="AF_UNIX", authkey=self.endpoint.authkey)
@@ -123,9 +123,6 @@ class PoolService:
             self._writer.close()
         if self.arena is not None:
             self.arena.close()
-        import os
-        import shutil
-
         shutil.rmtree(os.path.dirname(self.endpoint.path), ignore_errors=True)
 
     # --- operations (the channel's ops call these; the shell may too) ---------------------
@@ -147,7 +144,7 @@ class PoolService:
         if self.pool is None:
             return 0
         if checksums is None:
-            slots = dict(self._reserved_slots(keys))
+            slots = dict(self.pool.reserved_slots(keys))
             keys = [k for k in keys if k in slots]
             checksums = [checksum(self.arena.slot(slots[k])) for k in keys]
         committed = self.pool.commit(keys, checksums, self._clock())
@@ -304,9 +301,6 @@ class PoolService:
         self.ssd = None
         if self.pool is not None:
             self.pool.disable_ssd()  # the files stay (self.ssd is gone): a later start may use them
-
-    def _reserved_slots(self, keys: Sequence[int]):
-        return self.pool.reserved_slots(keys)
 
     def _flush_events(self) -> None:
         if self.pool is not None:
