@@ -276,26 +276,6 @@ def test_stale_arena_of_a_dead_process_is_removed(tmp_path):
     assert not os.path.exists(alive.info.path)
 
 
-def test_metrics_show_usage_per_tier_and_the_degrade_counter(tmp_path):
-    from prometheus_client import CollectorRegistry, generate_latest
-
-    from store.metrics import PoolCollector
-
-    (tmp_path / "file").write_text("x")
-    s = service(ssd_dir=str(tmp_path / "file" / "ssd"))
-    try:
-        put(s, [1, 2])
-        registry = CollectorRegistry()
-        registry.register(PoolCollector(s.stats()))
-        text = generate_latest(registry).decode()
-    finally:
-        s.close()
-    assert f'mooncake_store_capacity_bytes{{tier="dram"}} {4 * BB}.0' in text
-    assert 'mooncake_store_blocks{tier="dram"} 2.0' in text
-    assert "mooncake_store_ssd_unwritable_errors_total 1.0" in text
-    assert "mooncake_store_ssd_enabled 0.0" in text
-
-
 def test_a_spill_still_on_its_way_to_disk_is_served_from_its_copy(svc, monkeypatch):
     import threading
 
