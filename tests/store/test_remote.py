@@ -69,6 +69,23 @@ def test_fetch_from_another_process(block_bytes):
         stop_peer(proc)
 
 
+def test_fetch_through_the_local_channel():
+    """What the connector does for Algorithm 1's fetch_from: ask its own node's pool."""
+    from store.channel import PoolClient
+
+    keys = [21, 22]
+    proc, peer = start_peer(64 << 10, 4, keys)
+    local = local_pool(64 << 10, 4)
+    client = PoolClient(local.endpoint)
+    try:
+        assert client.fetch_remote(msgspec.json.encode(peer), keys + [23]) == 2
+        assert client.lookup(keys) == ["dram", "dram"] and verify(local, keys)
+    finally:
+        client.close()
+        local.close()
+        stop_peer(proc)
+
+
 def test_one_sided_read_with_pins_is_the_fallback():
     """When the peer cannot write to us, blocks are pinned there and read one-sidedly."""
     block_bytes, keys = 1 << 20, [11, 12, 13]
