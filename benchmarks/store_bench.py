@@ -3,6 +3,7 @@
     python -m benchmarks.store_bench            # 64 KiB and 4 MiB blocks, ours and Mooncake Store
     python -m benchmarks.store_bench --quick    # fewer operations (a smoke run, seconds)
     python -m benchmarks.store_bench --no-peer  # ours only
+    python -m benchmarks.store_bench --results-md   # and write the tables into RESULTS.md
 
 What is measured, per block size (ops/s and GB/s, wall time around the calls only):
 - ours, local (what a connector in vLLM's worker does): the pool service runs in its own
@@ -66,6 +67,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--peer-venv", default=None, help="the Mooncake venv (default: benchmarks/peers/venv.py's, "
                    "built on first use)")
     p.add_argument("--json", default=None, help="also write every figure to this file")
+    p.add_argument("--results-md", action="store_true", help="also put the tables into benchmarks/RESULTS.md "
+                   "(between its store-bench markers)")
     p.add_argument("--serve", nargs=2, type=int, metavar=("BLOCK_BYTES", "SLOTS"), help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -422,7 +425,13 @@ def main(argv=None) -> None:
         serve(*args.serve)
         return
     results = run(args)
-    print(report(results))
+    text = report(results)
+    print(text)
+    if args.results_md:
+        from benchmarks.results_md import write_block
+
+        command = "python -m benchmarks.store_bench" + (" --quick" if args.quick else "")
+        write_block("store-bench", f"Tables printed by `{command}` ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}):\n{text}")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
 
