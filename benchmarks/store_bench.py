@@ -48,6 +48,7 @@ from mooncake.net import free_port
 KIB, MIB = 1 << 10, 1 << 20
 BATCH = 16
 LAYOUT = "store-bench"
+SERVE_MARK = "STORE-BENCH "
 REPO = Path(__file__).resolve().parents[1]
 GOALS = {64 * KIB: 2.0, 4 * MIB: 1.5}  # remote get, ours / Mooncake Store
 # Our remote gets run twice: over tcp (what reaches another machine, and what Mooncake Store
@@ -97,8 +98,9 @@ def serve(block_bytes: int, slots: int) -> None:
 
     service = PoolService(PoolConfig(dram_bytes=slots * block_bytes, ssd_dir=None)).start()
     service.configure(block_bytes, LAYOUT)
-    print(json.dumps({"path": service.endpoint.path, "key": service.endpoint.authkey_hex,
-                      "peer": msgspec.json.encode(service.peer_info()).decode()}), flush=True)
+    # A marked line: libraries the messenger loads (NIXL) print to stdout too.
+    print(SERVE_MARK + json.dumps({"path": service.endpoint.path, "key": service.endpoint.authkey_hex,
+                                   "peer": msgspec.json.encode(service.peer_info()).decode()}), flush=True)
     sys.stdin.read()
     service.close()
 
@@ -116,7 +118,10 @@ def ours(block_bytes: int, count: int) -> dict:
                                str(count + BATCH)], cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     getter = None
     try:
-        hello = json.loads(holder.stdout.readline())
+        hello = next((json.loads(line[len(SERVE_MARK):]) for line in holder.stdout if line.startswith(SERVE_MARK)),
+                     None)
+        if hello is None:
+            raise SystemExit("the pool under test did not start")
         client = PoolClient(ControlEndpoint(hello["path"], hello["key"]))
         arena = Arena.attach(client.configure(block_bytes, LAYOUT))
         src = np.random.default_rng(0).integers(0, 256, (BATCH, block_bytes), dtype=np.uint8)

@@ -1,8 +1,8 @@
 """A pool in its own process, for the remote tests: `python -m tests.store.pool_peer BB N KEYS...`.
 
 Configures a PoolService of N DRAM blocks of BB bytes, stores each key with the block
-`block_data(key, BB)`, prints its messenger PeerInfo (msgspec JSON) on one line, then serves
-until its stdin closes.
+`block_data(key, BB)`, prints its messenger PeerInfo (msgspec JSON) on a line that starts with
+MARK, then serves until its stdin closes.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from store.config import PoolConfig
 from store.service import PoolService
 
 LAYOUT = "remote-test"
+MARK = "POOL-PEER "
 
 
 def block_data(key: int, block_bytes: int) -> np.ndarray:
@@ -29,7 +30,8 @@ def main() -> None:
     for key, slot in service.reserve(keys):
         service.arena.slot(slot)[:] = block_data(key, block_bytes)
     service.commit(keys)
-    print(msgspec.json.encode(service.peer_info()).decode(), flush=True)
+    # A marked line: libraries the messenger loads (NIXL) print to stdout too.
+    print(MARK + msgspec.json.encode(service.peer_info()).decode(), flush=True)
     sys.stdin.read()
     service.close()
 

@@ -15,15 +15,16 @@ from store.config import PoolConfig
 from store.remote import INLINE_BYTES
 from store.service import PoolService
 from tests.processes import ROOT
-from tests.store.pool_peer import LAYOUT, block_data
+from tests.store.pool_peer import LAYOUT, MARK, block_data
 
 
 def start_peer(block_bytes: int, blocks: int, keys: list[int]):
     proc = subprocess.Popen([sys.executable, "-m", "tests.store.pool_peer", str(block_bytes), str(blocks),
                              *map(str, keys)], cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    line = proc.stdout.readline()
-    assert line, "the peer pool did not start"
-    return proc, msgspec.json.decode(line, type=PeerInfo)
+    for line in proc.stdout:
+        if line.startswith(MARK):
+            return proc, msgspec.json.decode(line[len(MARK):], type=PeerInfo)
+    raise AssertionError("the peer pool did not start")
 
 
 def stop_peer(proc) -> None:
