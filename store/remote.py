@@ -76,21 +76,30 @@ class RemotePool:
 
     # --- fetching from a peer --------------------------------------------------------------
     def fetch(self, peer: "PeerInfo", keys: Sequence[int]) -> int:
+        """Bring the leading run of `keys` the peer holds; returns how many leading keys this
+        node holds after. One call moves at most what both sides can pin or reserve at once (a
+        long prefix mostly on the peer's SSD, a small DRAM tier here), so it calls again while
+        that makes progress."""
         service = self._service
         held = len(service.lookup(keys))
-        want = list(keys[held:])
-        if not want:
+        if held == len(keys):
             return held
         if peer.name not in self._peers:
             self._peers[peer.name] = self.engine.add_peer(peer)
-        if len(want) * service.config.block_bytes <= INLINE_BYTES:
-            self._fetch_inline(peer.name, want)
-        else:
-            try:
-                self._fetch_by_push(peer.name, want)
-            except NoWayBack:
-                self._fetch_by_read(peer.name, want)
-        return len(service.lookup(keys))
+        while held < len(keys):
+            want = list(keys[held:])
+            if len(want) * service.config.block_bytes <= INLINE_BYTES:
+                self._fetch_inline(peer.name, want)
+            else:
+                try:
+                    self._fetch_by_push(peer.name, want)
+                except NoWayBack:
+                    self._fetch_by_read(peer.name, want)
+            now = len(service.lookup(keys))
+            if now <= held:
+                break
+            held = now
+        return held
 
     def _fetch_by_push(self, peer: str, keys: list[int]) -> None:
         slots = self._service.reserve(keys)

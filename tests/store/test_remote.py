@@ -152,3 +152,26 @@ def test_pins_of_a_peer_that_never_releases_expire():
         assert not bad["ok"]
     finally:
         server.close()
+
+
+def test_blocks_on_the_peers_ssd_are_promoted_and_sent_in_several_calls(tmp_path):
+    """The holder keeps 2 blocks in DRAM and the rest on SSD; a fetch of 6 needs several calls
+    (each pins what fits) and every block arrives intact."""
+    block_bytes, keys = 1 << 20, list(range(100, 106))
+    holder = PoolService(PoolConfig(dram_bytes=2 * block_bytes, ssd_dir=str(tmp_path), ssd_bytes=16 * block_bytes))
+    holder.start()
+    holder.configure(block_bytes, LAYOUT)
+    local = local_pool(block_bytes, 8)
+    try:
+        for key in keys:
+            for k, slot in holder.reserve([key]):
+                holder.arena.slot(slot)[:] = block_data(k, block_bytes)
+            holder.commit([key])
+        holder.flush()
+        assert holder.lookup(keys) == ["ssd"] * 4 + ["dram"] * 2
+        assert local.fetch_remote(holder.peer_info(), keys) == 6
+        assert verify(local, keys[:4]) and verify(local, keys[4:])
+        assert holder.stats()["counters"]["promotions"] >= 4
+    finally:
+        local.close()
+        holder.close()
