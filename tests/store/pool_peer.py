@@ -12,11 +12,14 @@ import sys
 import msgspec
 import numpy as np
 
+from messenger.engine import EngineConfig
 from store.config import PoolConfig
 from store.service import PoolService
 
 LAYOUT = "remote-test"
 MARK = "POOL-PEER "
+# shm and tcp only: NIXL, where installed, takes a second to start and adds nothing to these tests.
+ENGINE = EngineConfig(transports=("shm", "tcp"), checksums=False)
 
 
 def block_data(key: int, block_bytes: int) -> np.ndarray:
@@ -25,7 +28,7 @@ def block_data(key: int, block_bytes: int) -> np.ndarray:
 
 def main() -> None:
     block_bytes, blocks, keys = int(sys.argv[1]), int(sys.argv[2]), [int(k) for k in sys.argv[3:]]
-    service = PoolService(PoolConfig(dram_bytes=blocks * block_bytes, ssd_dir=None)).start()
+    service = PoolService(PoolConfig(dram_bytes=blocks * block_bytes, ssd_dir=None), engine_config=ENGINE).start()
     service.configure(block_bytes, LAYOUT)
     for key, slot in service.reserve(keys):
         service.arena.slot(slot)[:] = block_data(key, block_bytes)

@@ -15,7 +15,7 @@ from store.config import PoolConfig
 from store.remote import INLINE_BYTES
 from store.service import PoolService
 from tests.processes import ROOT
-from tests.store.pool_peer import LAYOUT, MARK, block_data
+from tests.store.pool_peer import ENGINE, LAYOUT, MARK, block_data
 
 
 def start_peer(block_bytes: int, blocks: int, keys: list[int]):
@@ -37,6 +37,7 @@ def stop_peer(proc) -> None:
 
 
 def local_pool(block_bytes: int, blocks: int, **kwargs) -> PoolService:
+    kwargs.setdefault("engine_config", ENGINE)
     service = PoolService(PoolConfig(dram_bytes=blocks * block_bytes, ssd_dir=None), **kwargs).start()
     service.configure(block_bytes, LAYOUT)
     return service
@@ -135,7 +136,8 @@ def test_slots_of_a_failed_transfer_are_quarantined_before_reuse():
 
 def test_pins_of_a_peer_that_never_releases_expire():
     clock = [0.0]
-    server = PoolService(PoolConfig(dram_bytes=4 << 10, ssd_dir=None, pin_lease_s=5.0), clock=lambda: clock[0])
+    server = PoolService(PoolConfig(dram_bytes=4 << 10, ssd_dir=None, pin_lease_s=5.0), clock=lambda: clock[0],
+                         engine_config=ENGINE)
     server.start()
     server.configure(1 << 10, LAYOUT)
     try:
@@ -158,7 +160,8 @@ def test_blocks_on_the_peers_ssd_are_promoted_and_sent_in_several_calls(tmp_path
     """The holder keeps 2 blocks in DRAM and the rest on SSD; a fetch of 6 needs several calls
     (each pins what fits) and every block arrives intact."""
     block_bytes, keys = 1 << 20, list(range(100, 106))
-    holder = PoolService(PoolConfig(dram_bytes=2 * block_bytes, ssd_dir=str(tmp_path), ssd_bytes=16 * block_bytes))
+    holder = PoolService(PoolConfig(dram_bytes=2 * block_bytes, ssd_dir=str(tmp_path), ssd_bytes=16 * block_bytes),
+                         engine_config=ENGINE)
     holder.start()
     holder.configure(block_bytes, LAYOUT)
     local = local_pool(block_bytes, 8)
