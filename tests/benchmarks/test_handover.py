@@ -107,14 +107,15 @@ def test_help_names_the_goal(capsys):
 
 def test_ttft_table_takes_medians_of_successes():
     c = handover.parse_args(["--lengths", "100,200", "--reps", "3"])
-    samples = [{"system": s, "prompt_tokens": n, "ttft_s": v, "error": None}
-               for s, n, v in [("ours", 100, 1.0), ("ours", 100, 3.0), ("ours", 100, 2.0),
-                               ("vllm", 100, 2.0), ("vllm", 100, 2.0), ("vllm", 100, None),
-                               ("ours", 200, 4.0), ("vllm", 200, 5.0)]]
+    samples = [{"system": s, "rep": rep, "prompt_tokens": n, "ttft_s": v, "error": None}
+               for s, rep, n, v in [("ours", 0, 100, 1.0), ("ours", 1, 100, 3.0), ("ours", 2, 100, 2.0),
+                                    ("vllm", 0, 100, 2.0), ("vllm", 1, 100, 2.0), ("vllm", 2, 100, None),
+                                    ("ours", 0, 200, 4.0), ("vllm", 0, 200, 5.0)]]
     rows = handover.ttft_table(c, samples)
     assert rows[0]["ours"] == 2.0 and rows[0]["vllm"] == 2.0 and rows[0]["ratio"] == 1.0
     assert rows[0]["vllm_n"] == 2
-    assert rows[1]["ratio"] == pytest.approx(0.8)
+    assert rows[0]["paired_ratio"] == pytest.approx(1.0)  # turns 0 and 1: 0.5 and 1.5; turn 2 failed
+    assert rows[1]["ratio"] == pytest.approx(0.8) and rows[1]["paired_ratio"] == pytest.approx(0.8)
 
 
 def test_a_length_without_answers_has_no_ratio():
@@ -142,3 +143,32 @@ def test_plot_is_drawn_with_or_without_a_timeline(tmp_path, with_timeline):
     path = tmp_path / "img" / "h.png"
     draw(c, rows, groups, path)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_first_tokens_are_compared_per_turn():
+    samples = [{"system": s, "rep": r, "prompt_tokens": 100, "first_text": t, "error": e}
+               for s, r, t, e in [("ours", 0, "a", None), ("vllm", 0, "a", None), ("ours", 1, "b", None),
+                                  ("vllm", 1, "c", None), ("ours", 2, "", "boom"), ("vllm", 2, "d", None)]]
+    assert handover.same_first_text(samples) == (1, 2)
+
+
+@pytest.mark.parametrize("with_timeline", [True, False])
+def test_report_prints_the_goal_and_the_figure5_table_or_why_not(capsys, with_timeline):
+    c = handover.parse_args(["--lengths", "2048,4096", "--reps", "1"])
+    samples = [{"system": s, "rep": 0, "prompt_tokens": n, "ttft_s": v, "first_text": "x", "error": None}
+               for s, n, v in [("ours", 2048, 1.1), ("vllm", 2048, 1.0), ("ours", 4096, 2.0), ("vllm", 4096, 2.0)]]
+    rows = handover.ttft_table(c, samples)
+    summaries = None
+    if with_timeline:
+        summaries = {2048: summarize(2048, [overlap([(1, 1.5), (2, 2.25)], num_tokens=2048)]), 4096: None}
+    pushed = handover.push_rate({}, {"stats": {"pushed_transfers": 2, "pushed_bytes": 10**9, "push_seconds": 1.0}})
+    handover.report(c, rows, samples, pushed, summaries, {"disaggregated": 4})
+    out = capsys.readouterr().out
+    assert "| 2,048 | 1.100 s | 1.000 s | 1.100 | MISSED | 1.100 |" in out
+    assert "| 4,096 | 2.000 s | 2.000 s | 1.000 | met |" in out
+    assert "same first token on both systems in 2 of 2 turns" in out and "1.00 GB/s" in out
+    if with_timeline:
+        assert "| 2,048 | 1 | 2 | 750.0 ms | 250.0 ms | 66.7% | 100 ms |" in out
+        assert "| 4,096 | 0 |" in out
+    else:
+        assert "no `layer_timeline`" in out
