@@ -174,6 +174,36 @@ def ttft(client: openai.OpenAI, prompt: list[int], output_tokens: int) -> dict:
             "error": None if first is not None else "no chunk streamed"}
 
 
+def idle_cpu(seconds: float = 10.0) -> dict[str, float]:
+    """Share of one core each system's processes use while nobody sends them anything: the
+    system not being measured sits idle beside the one that is, so it must cost ~nothing."""
+    import psutil
+
+    def trees() -> dict[str, list]:
+        out = {}
+        for child in psutil.Process().children():
+            cmd = " ".join(child.cmdline())
+            name = "ours" if "mooncake.cli" in cmd else "vllm" if "vllm.entrypoints" in cmd else None
+            if name:
+                out[name] = [child, *child.children(recursive=True)]
+        return out
+
+    def cpu(procs) -> float:
+        total = 0.0
+        for p in procs:
+            try:
+                t = p.cpu_times()
+                total += t.user + t.system
+            except psutil.Error:
+                pass
+        return total
+
+    procs = trees()
+    before = {name: cpu(ps) for name, ps in procs.items()}
+    time.sleep(seconds)
+    return {name: (cpu(ps) - before[name]) / seconds for name, ps in procs.items()}
+
+
 def measure(config: HandoverConfig, clients: dict[str, openai.OpenAI]) -> list[dict]:
     rng = random.Random(config.seed)
     warmups = [64, *(config.lengths if config.warmup_each_length else ())]
@@ -281,6 +311,7 @@ def main(argv: list[str] | None = None) -> int:
             colocated_vllm(model, config.log_dir, config.dtype, cores=str(config.cores[0])) as vllm_url:
         clients = {name: openai.OpenAI(base_url=url, api_key="x", max_retries=0, timeout=600)
                    for name, url in (("ours", ours.url), ("vllm", vllm_url))}
+        idle = idle_cpu()
         before = ours.kv_stats()
         samples = measure(config, clients)
         after = ours.kv_stats()
@@ -294,6 +325,8 @@ def main(argv: list[str] | None = None) -> int:
         groups = kv_overlap.by_length(kv_overlap.overlaps(timeline), list(config.lengths), config.reps)
         summaries = {n: kv_overlap.summarize(n, g) for n, g in groups.items()}
     report(config, rows, samples, push_rate(before, after), summaries, routes)
+    print("idle CPU before the measured requests (share of one core): "
+          + ", ".join(f"{name} {share:.1%}" for name, share in sorted(idle.items())))
     from benchmarks.handover_plot import draw
 
     draw(config, rows, groups, config.plot_path)
@@ -301,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
     config.json_path.write_text(json.dumps(
         {"config": {**asdict(replace(config, log_dir=str(config.log_dir), plot=str(config.plot_path),
                                      json_out=str(config.json_path)))},
-         "rows": rows, "samples": samples, "routes": routes, "pushed": push_rate(before, after),
+         "rows": rows, "samples": samples, "routes": routes, "idle_cpu": idle, "pushed": push_rate(before, after),
          "layer_timeline": timeline, "wall_s": time.monotonic() - started}, indent=1, default=str))
     print(f"\nplot: {config.plot_path}; raw: {config.json_path}; {time.monotonic() - started:.0f} s in all")
     return 0
