@@ -9,7 +9,9 @@ Ours: `mooncake serve` with one prefill worker on the first core and one decode 
 second, fixed roles, no conditional disaggregation and no admission, so every request is
 prefilled on P and its KV handed to D. Peer: one stock vLLM OpenAI server, its engine on the
 first core. Same model, dtype, prefill chunk (2,048 tokens) and eager mode. Both run at once,
-each measured alone: one request at a time, the systems alternating (ours first on even turns,
+each measured alone: one request at a time, every thread of the idle system confined to the
+second core meanwhile (ours idles at several % of a core: its conductor polls), the systems
+alternating (ours first on even turns,
 vLLM first on odd ones) so the machine's noise falls on both. Each turn sends both systems the
 same fresh prompt of random token ids (no prefix-cache hit on either; their caches are
 separate). TTFT is the first streamed chunk of the official `openai` client.
@@ -174,19 +176,56 @@ def ttft(client: openai.OpenAI, prompt: list[int], output_tokens: int) -> dict:
             "error": None if first is not None else "no chunk streamed"}
 
 
+def system_processes() -> dict[str, list]:
+    """Each system's processes (psutil), from this process's children."""
+    import psutil
+
+    out = {}
+    for child in psutil.Process().children():
+        cmd = " ".join(child.cmdline())
+        name = "ours" if "mooncake.cli" in cmd else "vllm" if "vllm.entrypoints" in cmd else None
+        if name:
+            out[name] = [child, *child.children(recursive=True)]
+    return out
+
+
+@contextmanager
+def confined(pids: list[int], core: int):
+    """Every thread of `pids` on `core` alone, then back: the idle system's polls and loggers
+    (ours: several % of a core) must not run on the core the measured engine computes on."""
+    saved: dict[int, set[int]] = {}
+    for pid in pids:
+        try:
+            tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+            main_mask = os.sched_getaffinity(pid)
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        for tid in tids:
+            try:
+                saved[tid] = os.sched_getaffinity(tid)
+                os.sched_setaffinity(tid, {core})
+            except (ProcessLookupError, OSError):
+                pass
+        saved.setdefault(pid, main_mask)
+    try:
+        yield
+    finally:
+        for pid in pids:
+            try:
+                tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+            except FileNotFoundError:
+                continue
+            for tid in tids:  # threads born while confined get their process's old mask
+                try:
+                    os.sched_setaffinity(tid, saved.get(tid, saved.get(pid, set(os.sched_getaffinity(0)))))
+                except (ProcessLookupError, OSError):
+                    pass
+
+
 def idle_cpu(seconds: float = 10.0) -> dict[str, float]:
     """Share of one core each system's processes use while nobody sends them anything: the
     system not being measured sits idle beside the one that is, so it must cost ~nothing."""
     import psutil
-
-    def trees() -> dict[str, list]:
-        out = {}
-        for child in psutil.Process().children():
-            cmd = " ".join(child.cmdline())
-            name = "ours" if "mooncake.cli" in cmd else "vllm" if "vllm.entrypoints" in cmd else None
-            if name:
-                out[name] = [child, *child.children(recursive=True)]
-        return out
 
     def cpu(procs) -> float:
         total = 0.0
@@ -198,7 +237,7 @@ def idle_cpu(seconds: float = 10.0) -> dict[str, float]:
                 pass
         return total
 
-    procs = trees()
+    procs = system_processes()
     before = {name: cpu(ps) for name, ps in procs.items()}
     time.sleep(seconds)
     return {name: (cpu(ps) - before[name]) / seconds for name, ps in procs.items()}
@@ -206,18 +245,25 @@ def idle_cpu(seconds: float = 10.0) -> dict[str, float]:
 
 def measure(config: HandoverConfig, clients: dict[str, openai.OpenAI]) -> list[dict]:
     rng = random.Random(config.seed)
+    pids = {name: [p.pid for p in procs] for name, procs in system_processes().items()}
+
+    def ttft_alone(name: str, prompt: list[int]) -> dict:
+        other = pids.get("vllm" if name == "ours" else "ours", [])
+        with confined(other, config.cores[1]):
+            return ttft(clients[name], prompt, config.output_tokens)
+
     warmups = [64, *(config.lengths if config.warmup_each_length else ())]
     for n in warmups:
         prompt = make_prompt(rng, n)
         for name in SYSTEMS:
-            ttft(clients[name], prompt, config.output_tokens)
+            ttft_alone(name, prompt)
     samples = []
     for rep in range(config.reps):
         for i, n in enumerate(config.lengths):
             prompt = make_prompt(rng, n)
             order = SYSTEMS if (rep + i) % 2 == 0 else SYSTEMS[::-1]
             for name in order:
-                sample = {"system": name, "rep": rep, **ttft(clients[name], prompt, config.output_tokens)}
+                sample = {"system": name, "rep": rep, **ttft_alone(name, prompt)}
                 samples.append(sample)
                 shown = f"{sample['ttft_s']:.3f} s" if sample["ttft_s"] is not None else sample["error"]
                 print(f"[handover] {n:>6} tokens  rep {rep}  {name:<5} TTFT {shown}", file=sys.stderr)

@@ -172,3 +172,26 @@ def test_report_prints_the_goal_and_the_figure5_table_or_why_not(capsys, with_ti
         assert "| 4,096 | 0 |" in out
     else:
         assert "no `layer_timeline`" in out
+
+
+def test_confined_moves_every_thread_and_gives_the_mask_back():
+    import os
+    import subprocess
+    import sys
+
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        pytest.skip("needs two cores")
+    child = subprocess.Popen([sys.executable, "-c", "import threading,time; threading.Thread(target=time.sleep, "
+                              "args=(30,), daemon=True).start(); time.sleep(30)"])
+    try:
+        import time
+        time.sleep(0.3)
+        before = os.sched_getaffinity(child.pid)
+        with handover.confined([child.pid], cores[-1]):
+            tids = [int(t) for t in os.listdir(f"/proc/{child.pid}/task")]
+            assert len(tids) >= 2 and all(os.sched_getaffinity(t) == {cores[-1]} for t in tids)
+        assert all(os.sched_getaffinity(t) == before for t in tids)
+    finally:
+        child.kill()
+        child.wait()
