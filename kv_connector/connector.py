@@ -13,7 +13,7 @@ Settings come from `kv_connector_extra_config`:
   staging_ttl_s               unclaimed pushes are dropped after this long
   kv_timeout_s                a batch (or a call) to a peer not complete by then fails
   kv_transports               comma-separated transports to allow, in order of preference (default:
-                              the engine's; env MOONCAKE_KV_TRANSPORTS, e.g. "tcp" to force tcp)
+                              defaults.KV_TRANSPORTS; env MOONCAKE_KV_TRANSPORTS, e.g. "tcp" to force tcp)
   kv_fault_flip               TEST ONLY (default 0; env MOONCAKE_KV_FAULT_FLIP): flip one byte on the wire
                               in the next N written batches (kv_connector/fault.py), to show a corrupt
                               slice fails the load and decode recomputes
@@ -75,7 +75,8 @@ class MooncakeServeConnector(KVConnectorBase_V1):
         transports = str(extra.get("kv_transports") or os.environ.get("MOONCAKE_KV_TRANSPORTS", "")).strip()
         config = EngineConfig(host=str(extra.get("kv_host", "127.0.0.1")), port=int(extra.get("kv_port", 0)),
                               timeout_s=timeout_s, auth_key=bytes.fromhex(auth_key) if auth_key else None,
-                              **({"transports": tuple(t.strip() for t in transports.split(","))} if transports else {}))
+                              transports=tuple(t.strip() for t in transports.split(",")) if transports
+                              else defaults.KV_TRANSPORTS)
         self._engine = TransferEngine(f"kv-{socket.gethostname()}-{os.getpid()}", config)
         self._fault_flip = int(extra.get("kv_fault_flip") or os.environ.get("MOONCAKE_KV_FAULT_FLIP", 0))
         self._sender = KVSender(self._engine, timeout_s=timeout_s)

@@ -56,6 +56,11 @@ KV_PUSH_ACK_TIMEOUT_S = 30.0
 a push not decided by then is reported failed (the decode worker then recomputes)."""
 KV_TRANSFER_TIMEOUT_S = 10.0
 """A batch of KV (or a call) to a peer not complete by then fails: how long a dead peer takes to find."""
+KV_TRANSPORTS = ("shm", "rdma", "tcp")
+"""The KV path's transports, in order of preference (messenger/select.py picks per peer). NIXL
+is left out by default: on the tcp wire here our tcp moved more than NIXL through our engine
+(benchmarks/RESULTS.md, "Messenger throughput"), and its agent adds a polling thread on the
+engine's pinned core. Name it (`MOONCAKE_KV_TRANSPORTS=shm,nixl,tcp`) to use it."""
 
 # --- the KVCache pool (store/, one per worker) ------------------------------------------------
 POOL_DRAM_BYTES = 2 << 30
