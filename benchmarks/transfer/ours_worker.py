@@ -30,7 +30,7 @@ def main() -> None:
     try:
         import msgspec
 
-        from messenger.api import PeerInfo, Slice
+        from messenger.api import NoTransport, PeerInfo, Slice
         from messenger.engine import EngineConfig, TransferEngine
     except ImportError as e:
         _unavailable(f"messenger.engine does not import: {e}")
@@ -38,7 +38,10 @@ def main() -> None:
     region = common.new_region(plan, common.TARGET_SEED if args.role == "target" else None)
     engine.register(REGION, region)
     try:
-        info = engine.start()
+        try:
+            info = engine.start()
+        except NoTransport as e:
+            _unavailable(str(e))
         if transport not in info.transports:
             _unavailable(f"our {transport} transport did not start here (engine offers {sorted(info.transports)})")
         if args.role == "target":
