@@ -48,7 +48,7 @@ def test_table_and_ratios_say_what_was_not_measured():
     ours, peer = Case("ours", "tcp", "tcp"), Case("Mooncake TE", "tcp", "tcp")
     rows = [summarize(ours, {"op": "write", "slice_bytes": common.MiB, "gbps": [3.0, 4.0, 5.0], "verified": True}),
             summarize(peer, {"op": "write", "slice_bytes": common.MiB, "gbps": [2.0], "verified": True})]
-    entries = ratios([Goal("ours tcp / Mooncake TE tcp", ("ours tcp",), "Mooncake TE tcp", 2.0)], rows)
+    entries = ratios([Goal("ours tcp / Mooncake TE tcp", ("ours tcp",), ("Mooncake TE tcp",), 2.0)], rows)
     assert entries[0]["ratio"] == pytest.approx(2.0) and entries[0]["met"]
     text = table([ours, peer, Case("NIXL", "tcp", "tcp")], rows, {"NIXL tcp": "venv not built"})
     assert "4.00 (3.00-5.00)" in text and "not available: venv not built" in text
