@@ -40,6 +40,7 @@ from pathlib import Path
 
 from benchmarks.peers.nixl_venv import ensure_nixl_venv, ucx_env
 from benchmarks.peers.venv import ensure_peer_venv
+from benchmarks.results_md import write_block
 from benchmarks.transfer.common import MiB, Plan
 from benchmarks.transfer.report import Case, Goal, bar_chart, ratio_lines, ratios, summarize, table
 from benchmarks.transfer.runner import WorkerFailed, WorkerSpec, run_alone, run_pair
@@ -47,6 +48,7 @@ from benchmarks.transfer.runner import WorkerFailed, WorkerSpec, run_alone, run_
 REPO_ROOT = Path(__file__).resolve().parents[1]
 WORKERS = REPO_ROOT / "benchmarks" / "transfer"
 OUT_DIR = REPO_ROOT / "benchmarks" / "out"
+PLOT = REPO_ROOT / "benchmarks" / "plots" / "transfer_bench.png"
 GROUPS = ("limits", "ours", "mooncake", "nixl")
 # Peers' loggers: Mooncake's glog writes a line per transfer at INFO.
 PEER_QUIET = {"GLOG_minloglevel": "1", "NIXL_LOG_LEVEL": "WARN"}
@@ -132,6 +134,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--timeout-s", type=float, default=900, help="limit per measured case (default: 900)")
     parser.add_argument("--json", default=str(OUT_DIR / "transfer_bench.json"), help="where the raw numbers go")
     parser.add_argument("--plot", default=str(OUT_DIR / "transfer_bench.png"), help="bar chart PNG ('' for none)")
+    parser.add_argument("--write-results", action="store_true",
+                        help="also put the table and ratios into RESULTS.md (between its transfer markers) "
+                             "and the chart into benchmarks/plots/transfer_bench.png")
     parser.add_argument("--verbose", action="store_true", help="also pass the workers' other output to stderr")
     args = parser.parse_args(argv)
     args.groups = [g for g in args.only.split(",") if g]
@@ -145,7 +150,7 @@ def run(args: argparse.Namespace) -> tuple[dict, list[Case]]:
     plan = make_plan(args)
     chosen = [c for g in args.groups for c in cases(args.streams)[g]]
     python, failed_venvs = peer_pythons(args.groups)
-    rows, unavailable, started = [], {}, time.time()
+    rows, unavailable, started, load_at_start = [], {}, time.time(), os.getloadavg()
     for i, case in enumerate(chosen, 1):
         group = next(g for g, cs in cases(args.streams).items() if case in cs)
         print(f"[{i}/{len(chosen)}] {case.name}", file=sys.stderr, flush=True)
@@ -164,20 +169,29 @@ def run(args: argparse.Namespace) -> tuple[dict, list[Case]]:
         rows += [summarize(case, r) for r in results]
     return {"plan": json.loads(plan.to_json()), "quick": args.quick, "started": started,
             "seconds": time.time() - started, "host": platform.node(), "cpus": os.cpu_count(),
-            "load_average": os.getloadavg(), "cases": [asdict(c) for c in chosen], "rows": rows,
+            "load_average_start": load_at_start, "load_average_end": os.getloadavg(), "cases": [asdict(c) for c in chosen], "rows": rows,
             "unavailable": unavailable, "ratios": ratios(goals(chosen), rows)}, chosen
+
+
+def report_text(result: dict, chosen: list[Case]) -> str:
+    plan = result["plan"]
+    when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(result["started"]))
+    load = "/".join(f"{a:.1f}" for a in (result["load_average_start"][0], result["load_average_end"][0]))
+    return "\n".join([
+        f"Run of {when}, {result['seconds']:.0f} s, {result['cpus']} CPUs, load average {load} (start/end)"
+        f"{'; QUICK: a smoke run, not figures' if result['quick'] else ''}.",
+        f"GB/s, median (min-max) of {plan['rounds']} rounds of {plan['round_bytes'] // MiB} MiB after "
+        f"{plan['warmup_rounds']} warm-up; batches of {plan['slices_per_batch']} slices, {plan['inflight']} in flight; "
+        "every row's bytes checked.", "",
+        table(chosen, result["rows"], result["unavailable"]), "",
+        ratio_lines(result["ratios"])])
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     result, chosen = run(args)
-    plan = result["plan"]
-    print(f"\nGB/s, median (min-max) of {plan['rounds']} rounds of {plan['round_bytes'] // MiB} MiB; "
-          f"batches of {plan['slices_per_batch']} slices, {plan['inflight']} in flight"
-          f"{' (QUICK: smoke run, not figures)' if args.quick else ''}\n")
-    print(table(chosen, result["rows"], result["unavailable"]))
-    print()
-    print(ratio_lines(result["ratios"]))
+    text = report_text(result, chosen)
+    print("\n" + text)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(result, indent=1))
@@ -186,6 +200,10 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
         made = bar_chart(chosen, result["rows"], args.plot, "Messenger throughput (issue #13)")
         print(f"chart: {made}" if made else "chart: not drawn (matplotlib is not installed)")
+    if args.write_results:
+        made = bar_chart(chosen, result["rows"], str(PLOT), "Messenger throughput (issue #13)")
+        if not write_block("transfer", text + (f"\n\n![chart](plots/{PLOT.name})" if made else "")):
+            return 2
     wrong = [r for r in result["rows"] if r["verified"] is False]
     return 1 if wrong else 0
 
