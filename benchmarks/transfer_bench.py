@@ -3,6 +3,7 @@
     python -m benchmarks.transfer_bench            # everything (installs the peers' venvs once)
     python -m benchmarks.transfer_bench --quick    # a smoke run: few, small rounds
     python -m benchmarks.transfer_bench --only limits,ours
+    python -m benchmarks.transfer_bench --write-results   # and update RESULTS.md + its chart
 
 What it measures: write and read throughput between two processes for batches of slices (8 x 1 MiB
 and 8 x 16 MiB by default), several batches in flight, each (op, size) timed over repeated rounds
@@ -11,14 +12,16 @@ Every read is checked against the target's bytes and every write against the ini
 fast wrong transfer shows up as "bytes WRONG".
 
 - limits: a numpy memory copy of the same slices in one process; a raw TCP socket between two
-  processes, one stream and N streams (`--streams`, like our tcp transport's default);
+  processes, one stream and N streams (`--streams`, default: our tcp transport's streams per peer);
 - ours: each transport of `messenger.engine.TransferEngine` that runs here (tcp, shm, nixl over
   UCX tcp and over UCX shared memory when nixl_cu12 is installed in our venv), as shipped
   (checksums on), through write() and read(); a transport that cannot run shows as
   "not available" with the engine's reason;
 - peers, each in its own virtualenv under .venvs/, built on first use and reused: Mooncake's
   Transfer Engine over TCP (benchmarks/peers/venv.py) and NIXL over UCX tcp and shared memory
-  (benchmarks/peers/nixl_venv.py). Their workers run as subprocesses in those venvs.
+  (benchmarks/peers/nixl_venv.py), the latter twice: as vLLM's NixlConnector configures it
+  (a spinning progress thread) and with its progress thread sleeping between idle polls. Their
+  workers run as subprocesses in those venvs.
 
 Then the issue's goals, from medians of the same run: our tcp / Mooncake TE tcp >= 2x; our best
 path / NIXL on the same wire >= 0.9x; our shm / memory copy >= 0.7x. The table and the ratios are
@@ -44,6 +47,7 @@ from benchmarks.results_md import write_block
 from benchmarks.transfer.common import MiB, Plan
 from benchmarks.transfer.report import Case, Goal, bar_chart, ratio_lines, ratios, summarize, table
 from benchmarks.transfer.runner import WorkerFailed, WorkerSpec, run_alone, run_pair
+from messenger.engine import EngineConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 WORKERS = REPO_ROOT / "benchmarks" / "transfer"
@@ -130,7 +134,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--inflight", type=int, default=4, help="batches in flight (default: 4)")
     parser.add_argument("--round-mib", type=int, default=512, help="MiB moved per timed round (default: 512)")
     parser.add_argument("--rounds", type=int, default=7, help="timed rounds per (op, size) (default: 7)")
-    parser.add_argument("--streams", type=int, default=4, help="streams of the multi-stream raw socket (default: 4)")
+    parser.add_argument("--streams", type=int, default=EngineConfig().tcp_streams,
+                        help="streams of the multi-stream raw socket (default: our tcp transport's, %(default)s)")
     parser.add_argument("--timeout-s", type=float, default=900, help="limit per measured case (default: 900)")
     parser.add_argument("--json", default=str(OUT_DIR / "transfer_bench.json"), help="where the raw numbers go")
     parser.add_argument("--plot", default=str(OUT_DIR / "transfer_bench.png"), help="bar chart PNG ('' for none)")
