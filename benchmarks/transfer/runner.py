@@ -47,10 +47,12 @@ class _Process:
     objects: "queue.Queue[dict | None]" = field(default_factory=queue.Queue)
     tail: deque = field(default_factory=lambda: deque(maxlen=40))
     verbose: bool = False
+    stderr_reader: threading.Thread | None = None
 
     def start_readers(self) -> None:
         threading.Thread(target=self._read_stdout, daemon=True).start()
-        threading.Thread(target=self._read_stderr, daemon=True).start()
+        self.stderr_reader = threading.Thread(target=self._read_stderr, daemon=True)
+        self.stderr_reader.start()
 
     def _read_stdout(self) -> None:
         for line in self.popen.stdout:
@@ -81,7 +83,9 @@ class _Process:
         except queue.Empty:
             raise WorkerFailed(f"no {what} before the deadline; last output:\n" + self.output()) from None
         if obj is None:
-            raise WorkerFailed(f"exited ({self.popen.wait()}) before {what}; last output:\n" + self.output())
+            status = self.popen.wait()
+            self.stderr_reader.join(timeout=5)  # its last lines say why
+            raise WorkerFailed(f"exited ({status}) before {what}; last output:\n" + self.output())
         if "unavailable" in obj:
             raise WorkerFailed(obj["unavailable"], unavailable=True)
         return obj

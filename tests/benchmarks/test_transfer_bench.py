@@ -4,6 +4,7 @@ cannot rot: real worker processes, real sockets, every byte checked. No peer ven
 from __future__ import annotations
 
 import json
+import sys
 
 import numpy as np
 import pytest
@@ -11,6 +12,7 @@ import pytest
 from benchmarks import transfer_bench
 from benchmarks.transfer import common
 from benchmarks.transfer.report import Case, Goal, ratios, summarize, table
+from benchmarks.transfer.runner import WorkerFailed, WorkerSpec, run_pair
 
 
 def test_quick_run_of_limits_and_ours(tmp_path, capsys):
@@ -53,3 +55,15 @@ def test_table_and_ratios_say_what_was_not_measured():
     text = table([ours, peer, Case("NIXL", "tcp", "tcp")], rows, {"NIXL tcp": "venv not built"})
     assert "4.00 (3.00-5.00)" in text and "not available: venv not built" in text
     assert np.isclose(rows[0]["median"], 4.0)
+
+
+def test_a_worker_that_cannot_run_or_dies_is_reported_not_awaited():
+    plan = common.Plan((common.MiB,), 1, inflight=1, round_bytes=common.MiB, rounds=1)
+    says_unavailable = WorkerSpec([sys.executable, "-c", 'print(\'{"unavailable": "no such device"}\')'])
+    with pytest.raises(WorkerFailed, match="no such device") as caught:
+        run_pair(says_unavailable, plan, "x", timeout_s=30)
+    assert caught.value.unavailable
+    dies = WorkerSpec([sys.executable, "-c", "import sys; print('boom', file=sys.stderr); sys.exit(3)"])
+    with pytest.raises(WorkerFailed, match="boom") as caught:
+        run_pair(dies, plan, "x", timeout_s=30)
+    assert not caught.value.unavailable
