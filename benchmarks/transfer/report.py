@@ -83,7 +83,10 @@ def ratios(goals: list[Goal], rows: list[dict]) -> list[dict]:
                      "ratio": None, "numerator": None, "denominator": None, "met": None}
             if tops and bottoms:
                 (best, name), (bottom, bottom_name) = max(tops), max(bottoms)
-                entry.update(ratio=best / bottom, numerator=name, denominator=bottom_name,
+                # Name the cases only where the goal picked the best of several.
+                picked = [n for n, several in ((name, len(goal.numerators) > 1),
+                                                (bottom_name, len(goal.denominators) > 1)) if several]
+                entry.update(ratio=best / bottom, numerator=name, denominator=bottom_name, picked=picked,
                              met=best / bottom >= goal.minimum)
             out.append(entry)
     return out
@@ -102,8 +105,8 @@ def ratio_lines(entries: list[dict]) -> str:
             if e["ratio"] is None:
                 cells.append("n/a")
             else:
-                sides = f"{e['numerator']} / {e['denominator']}"
-                cells.append(f"{e['ratio']:.2f}x {'met' if e['met'] else 'MISSED'} ({sides})")
+                picked = f" ({' / '.join(e['picked'])})" if e["picked"] else ""
+                cells.append(f"{e['ratio']:.2f}x {'met' if e['met'] else 'MISSED'}{picked}")
         lines.append(f"| {title} | >= {found[columns[0]]['minimum']:g}x | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
