@@ -154,6 +154,19 @@ def memmove(copies: Sequence[Copy], *, write: bool) -> None:
             ctypes.memmove(local, remote, length)
 
 
+PR_SET_PTRACER = 0x59616D61  # prctl option of the Yama LSM ("Yama")
+PR_SET_PTRACER_ANY = ctypes.c_ulong(-1).value
+
+
+def allow_any_ptracer() -> bool:
+    """Let any process of this uid attach to this one under Yama's ptrace_scope 1, where
+    otherwise only an ancestor may (and a prefill and a decode worker are siblings). No effect
+    under scope 0 (any same-uid process may already) or 2-3 (admin only). False when there is
+    no Yama to ask."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    return libc.prctl(PR_SET_PTRACER, ctypes.c_ulong(PR_SET_PTRACER_ANY), 0, 0, 0) == 0
+
+
 def probe(pid: int, address: int, expected: bytes) -> str | None:
     """None when `pid`'s memory at `address` can be read and holds `expected` (so `pid` is the
     process that published it, not a stranger with a reused pid or from another pid namespace);

@@ -10,12 +10,15 @@ How bytes move, best first, decided per connection when it opens:
    a peer's memory from an address it learnt earlier could scribble on memory since freed.
    Whether CMA is permitted is checked, not assumed: the owner reads a random probe the
    initiator publishes, at the initiator's pid as the kernel reports it (SO_PEERCRED), so a
-   ptrace_scope, another uid, a seccomp filter or another pid namespace turns it off.
+   ptrace_scope, another uid, a seccomp filter or another pid namespace turns it off. Under
+   Yama's ptrace_scope 1 (only ancestors may attach) each process declares same-uid peers
+   allowed (PR_SET_PTRACER, `ShmConfig.allow_ptracer`), since two workers are siblings.
 2. Shared-memory segments (messenger/segments.py), when CMA is off (`ShmConfig.use_cma=False`
    forces it). If the initiator's slices lie in segments, the owner maps them and copies; else
    if the owner's do, the initiator maps the owner's segments and copies, then tells the owner,
    which checks the segments still hold those regions. Private memory on both sides cannot be
-   reached this way: such a batch fails and says to allocate one side as a `SharedBuffer`.
+   reached this way: such a batch fails and says to allocate one side as a `SharedBuffer` (or
+   to leave shm out of EngineConfig.transports, so peers on one host use tcp).
 
 Control (which slices, notifications, acknowledgements, messages) travels on an AF_UNIX socket
 in the abstract namespace (messenger/shm_wire.py), never with the bytes. Each peer pair has one
@@ -60,6 +63,9 @@ class ShmConfig:
 
     use_cma: bool = True
     """Copy by cross-memory attach where the kernel permits it; False forces segments."""
+    allow_ptracer: bool = True
+    """Under Yama's ptrace_scope 1, let same-uid peers attach (prctl PR_SET_PTRACER_ANY) so
+    sibling workers can copy by CMA; it grants any process of this uid what scope 0 grants."""
     copy_threads: int = 0
     """Threads one large batch is cut across (the serving one included); 0: min(4, cores)."""
     parallel_min_bytes: int = 4 << 20
@@ -122,6 +128,8 @@ class ShmTransport:
             self.cma_reason = "disabled (ShmConfig.use_cma=False)"
         else:  # the calls exist and no seccomp filter refuses them; each peer is probed on connect
             self.cma_reason = cma.probe(os.getpid(), self.probe_address, self.probe)
+            if self.cma_reason is None and self.config.allow_ptracer:
+                cma.allow_any_ptracer()
         if self.cma_reason is not None:
             log.info("shm transport copies through shared-memory segments: CMA %s", self.cma_reason)
         self._pool = ThreadPoolExecutor(max(1, self.config.threads() - 1), thread_name_prefix="shm-copy")
