@@ -133,7 +133,7 @@ def bar_chart(cases: list[Case], rows: list[dict], path: str, title: str) -> str
         ax.barh(names, med, xerr=[low, high], color=colors)
         ax.set_title(f"{op}, {size // MiB} MiB slices")
         ax.set_xlabel("GB/s (median, min-max)")
-        ax.invert_yaxis()
+    axes[0][0].invert_yaxis()  # shared: once for all panels, so the first case is on top
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
