@@ -5,9 +5,13 @@ How bytes move, best first, decided per connection when it opens:
    receiver of a write, the source of a read) copies straight between its memory and the
    initiator's with one process_vm_readv/writev per IOV_MAX slices, on several threads when the
    batch is large. Any memory works (numpy arrays, tensors vLLM allocated); nothing is shared
-   beforehand. The owner copies, not the initiator, because only the owner knows, at the moment
-   of the copy, that its region is still registered at that address: an initiator writing into
-   a peer's memory from an address it learnt earlier could scribble on memory since freed.
+   beforehand. The owner copies a write, not the initiator, because only the owner knows, at the
+   moment of the copy, that its region is still registered at that address: an initiator writing
+   into a peer's memory from an address it learnt earlier could scribble on memory since freed.
+   A read is the other way round: process_vm_writev runs at about half the speed of
+   process_vm_readv here, so the initiator reads the owner's memory itself at the addresses the
+   owner gave, and the owner then confirms they still hold those regions (or the read fails:
+   stale bytes are never returned as good ones).
    Whether CMA is permitted is checked, not assumed: the owner reads a random probe the
    initiator publishes, at the initiator's pid as the kernel reports it (SO_PEERCRED), so a
    ptrace_scope, another uid, a seccomp filter or another pid namespace turns it off. Under
@@ -232,6 +236,8 @@ class ShmTransport:
         message = job.message
         common = dict(id=0, write=write, slices=tuples, message=None if message is None else message.payload,
                       sums_follow=write and message is not None)
+        if link.cma and not write and link.pull_pid is not None:
+            return self._pull(link, job, common)
         if link.cma:
             return shm_wire.Move(mode="cma", addresses=[r.address + s.local_offset
                                                           for r, s in zip(job.local, job.slices)], **common)
@@ -240,7 +246,7 @@ class ShmTransport:
             return shm_wire.Move(mode="mapped", spans=[(m.name, m.offset) for m in mine], **common)
         theirs = link.where([s.remote_region for s in job.slices])
         spans = [None if t is None else SegmentSpan(t.name, t.offset + s.remote_offset)
-                 for t, s in zip(theirs, job.slices)]
+                 for (t, _, _), s in zip(theirs, job.slices)]
         if not all(spans):
             raise TransferError(
                 f"shm cannot reach peer {link.peer!r}: cross-memory attach is off ({link.cma_reason}) and "
@@ -252,6 +258,26 @@ class ShmTransport:
             raise TransferError(f"cannot map peer {link.peer!r}'s segment: {exc}") from None
         self.copy(copies, write=write, pid=None)
         return shm_wire.Move(mode="done", spans=[(p.name, p.offset) for p in spans], **common)
+
+    def _pull(self, link: Link, job: Job, common: dict) -> shm_wire.Move:
+        """A read copied here by process_vm_readv from the owner's memory, at the addresses it
+        gave (bounds checked against the lengths it gave); the owner then checks they still hold
+        those regions, so a region that moved fails the read instead of returning stale bytes."""
+        bases = link.where([s.remote_region for s in job.slices])
+        theirs = []
+        for (_, base, length), s in zip(bases, job.slices):
+            if s.remote_offset + s.length > length:
+                raise TransferError(f"slice [{s.remote_offset}, {s.remote_offset + s.length}) is outside "
+                                    f"{link.peer!r}'s region {s.remote_region!r} of {length} B")
+            theirs.append(base + s.remote_offset)
+        assert link.pull_pid is not None
+        try:
+            self.copy([(r.address + s.local_offset, t, s.length) for r, s, t in zip(job.local, job.slices, theirs)],
+                      write=False, pid=link.pull_pid)
+        except OSError as exc:
+            link.forget_where()
+            raise TransferError(f"reading {link.peer!r}'s memory failed: {exc}") from None
+        return shm_wire.Move(mode="pulled", addresses=theirs, **common)
 
     # -- internals -------------------------------------------------------------------------
     def _enqueue(self, peer: PeerInfo, job: Job) -> None:

@@ -8,6 +8,7 @@ the owner copies them, and the sender thread waits for the hashes only after the
 
 from __future__ import annotations
 
+import logging
 import queue
 import socket
 import threading
@@ -16,13 +17,16 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from messenger import shm_wire
+from messenger import cma, shm_wire
 from messenger.api import Batch, ChecksumError, Direction, OutgoingMessage, Region, Slice, TransferError
-from messenger.handshake import HandshakeError, client_handshake
+from messenger.handshake import client_handshake
 from messenger.segments import SegmentSpan
+from messenger.shm_serve import peer_pid
 
 if TYPE_CHECKING:
     from messenger.shm import ShmTransport
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -63,7 +67,8 @@ class Link:
         self._lock = threading.Lock()
         self._pending: dict[int, tuple[Batch | Future, float, int, bool]] = {}
         self._next_id = 0
-        self._where: dict[str, SegmentSpan | None] = {}
+        self._where: dict[str, tuple[SegmentSpan | None, int, int]] = {}  # span, address, length
+        self.pull_pid: int | None = None  # the owner's pid, when this side may read its memory
         self._dead: str | None = None
 
     def start(self) -> None:
@@ -89,7 +94,7 @@ class Link:
     def _send_loop(self) -> None:
         try:
             self._connect()
-        except (OSError, HandshakeError) as exc:
+        except Exception as exc:  # OSError, HandshakeError or a bug: either way no batch may wait forever
             self.die(f"cannot connect: {exc}")
         while (job := self.jobs.get()) is not None:
             if self._dead is not None:
@@ -107,6 +112,9 @@ class Link:
                     self._send_sums(move.id, job.message)
             except TransferError as exc:
                 job.batch.complete(exc)
+            except Exception as exc:  # a bug must fail this batch, not stop the thread every later one needs
+                log.exception("shm sender to %s failed", self.peer)
+                job.batch.complete(TransferError(f"shm sender failed: {type(exc).__name__}: {exc}"))
 
     def _connect(self) -> None:
         transport = self.transport
@@ -129,6 +137,10 @@ class Link:
         if not isinstance(reply, shm_wire.HelloReply):
             raise ConnectionError(f"shm peer answered the hello with {type(reply).__name__}")
         self.cma, self.cma_reason = reply.cma, reply.reason
+        if reply.cma and transport.cma_reason is None:  # reads: may this side read the owner too?
+            owner = peer_pid(sock)
+            if cma.probe(owner, reply.probe_address, reply.probe) is None:
+                self.pull_pid = owner
         sock.settimeout(None)
         threading.Thread(target=self._read_loop, name=f"shm-read-{self.peer}", daemon=True).start()
 
@@ -155,8 +167,9 @@ class Link:
             sums = shm_wire.Sums(move_id, [], f"the sender could not hash the slices: {exc}")
         self._send(sums)
 
-    def where(self, regions: list[str]) -> list[SegmentSpan | None]:
-        """The owner's segment spans of `regions` (cached; asked once per region)."""
+    def where(self, regions: list[str]) -> list[tuple[SegmentSpan | None, int, int]]:
+        """The owner's segment span, address and length of each of `regions` (cached; asked
+        once per region; the owner checks them again after each use)."""
         missing = sorted({r for r in regions if r not in self._where})
         if missing:
             future: Future = Future()
@@ -167,8 +180,12 @@ class Link:
                 raise TransferError(f"shm peer {self.peer!r} did not say where its regions are") from None
             if reply.error is not None:
                 raise TransferError(reply.error)
-            self._where.update({r: None if s is None else SegmentSpan(*s) for r, s in zip(missing, reply.spans)})
+            self._where.update({r: (None if s is None else SegmentSpan(*s), *base)
+                                for r, s, base in zip(missing, reply.spans, reply.bases)})
         return [self._where[r] for r in regions]
+
+    def forget_where(self) -> None:
+        self._where.clear()
 
     def _read_loop(self) -> None:
         sock = self._sock
@@ -187,7 +204,7 @@ class Link:
                 if error is None:
                     self.transport.count_done(nbytes, write, time.perf_counter() - started)
                 else:
-                    self._where.clear()  # a "done" move may have failed on a stale span
+                    self.forget_where()  # a "done" or "pulled" move may have failed on a stale entry
                 waiter.complete(error)
         except OSError as exc:
             self.die(f"control socket failed: {exc}")

@@ -59,6 +59,8 @@ class Served:
         except (OSError, HandshakeError) as exc:
             if not self.transport.closed:
                 log.debug("shm connection from %s ended: %s", self.peer or "?", exc)
+        except Exception:  # a bug: close this connection (its sender's batches fail), keep serving others
+            log.exception("shm connection from %s failed", self.peer or "?")
         finally:
             if replier.is_alive():
                 self._replies.put(None)
@@ -76,7 +78,8 @@ class Served:
             raise ConnectionError(f"expected hello, got {type(hello).__name__}")
         reason = (transport.cma_reason or ("the peer disabled it" if not hello.cma else None)
                   or cma.probe(pid, hello.probe_address, hello.probe))
-        shm_wire.send(conn, shm_wire.HelloReply(transport.local_name(), reason is None, reason))
+        shm_wire.send(conn, shm_wire.HelloReply(transport.local_name(), reason is None, reason,
+                                                transport.probe_address, transport.probe))
         conn.settimeout(None)
         self.peer, self._pid = hello.name, pid if reason is None else None
 
@@ -97,8 +100,10 @@ class Served:
         request_id = getattr(request, "id", -1)
         try:
             if isinstance(request, shm_wire.Where):
-                spans = [transport.span(transport.region(name, 0, 0), 0) for name in request.regions]
-                return shm_wire.WhereReply(request_id, [None if s is None else (s.name, s.offset) for s in spans])
+                regions = [transport.region(name, 0, 0) for name in request.regions]
+                spans = [transport.span(r, 0) for r in regions]
+                return shm_wire.WhereReply(request_id, [None if s is None else (s.name, s.offset) for s in spans],
+                                           bases=[(r.address, r.length) for r in regions])
             if isinstance(request, shm_wire.Note):
                 transport.deliver.message(self.peer, request.payload)
                 return shm_wire.Ack(request_id)
@@ -172,6 +177,10 @@ class Served:
         elif move.mode == "mapped" and len(move.spans) == len(slices):
             theirs = [transport.segments.address(SegmentSpan(*span), s.length) for span, s in zip(move.spans, slices)]
             transport.copy([(o, t, s.length) for o, t, s in zip(own, theirs, slices)], write=not move.write, pid=None)
+        elif move.mode == "pulled" and not move.write and len(move.addresses) == len(slices):
+            for address, s in zip(move.addresses, own):
+                if address != s:  # the initiator read where this region no longer is
+                    raise TransferError("a region moved while the peer read it: read again")
         elif move.mode == "done" and len(move.spans) == len(slices):
             for r, s, span in zip(regions, slices, move.spans):
                 if transport.span(r, s.remote_offset) != SegmentSpan(*span):

@@ -37,6 +37,8 @@ class HelloReply(msgspec.Struct, tag="hello_reply", array_like=True):
     name: str
     cma: bool  # the owner read the probe: it will copy by CMA
     reason: str | None = None  # why not, when not
+    probe_address: int = 0  # the owner's own probe, for the initiator to check it may read the owner
+    probe: bytes = b""
 
 
 class Move(msgspec.Struct, tag="move", array_like=True):
@@ -44,7 +46,9 @@ class Move(msgspec.Struct, tag="move", array_like=True):
     "cma": the owner copies by process_vm_readv/writev; `addresses` are the initiator's, per slice;
     "mapped": the owner maps the initiator's segments; `spans` are the initiator's, per slice;
     "done": the initiator already copied through the owner's segments; `spans` are the owner's
-    memory it used, for the owner to check they still are the slices' regions."""
+    memory it used, for the owner to check they still are the slices' regions;
+    "pulled": a read the initiator already copied by process_vm_readv (twice as fast as the
+    owner's process_vm_writev); `addresses` are the owner's, for it to check the same way."""
 
     id: int
     write: bool  # initiator -> owner; False: owner -> initiator (a read)
@@ -65,7 +69,7 @@ class Sums(msgspec.Struct, tag="sums", array_like=True):
 
 
 class Where(msgspec.Struct, tag="where", array_like=True):
-    """Which segments hold the owner's `regions` (for the "done" mode)."""
+    """Where the owner's `regions` are: their segments ("done") and addresses ("pulled")."""
 
     id: int
     regions: list[str]
@@ -75,6 +79,7 @@ class WhereReply(msgspec.Struct, tag="where_reply", array_like=True):
     id: int
     spans: list[SpanTuple | None]  # None: private memory, no segment
     error: str | None = None
+    bases: list[tuple[int, int]] = []  # (address, length) of each region in the owner
 
 
 class Note(msgspec.Struct, tag="note", array_like=True):

@@ -94,6 +94,7 @@ def _serve(conn, name: str, size: int, config: ShmConfig, shared: bool, uid: int
     segment = SharedBuffer(size) if shared else None
     mem = table.add("mem", segment.array if segment is not None else np.zeros(size, np.uint8))
     inbox = Inbox(table)
+    retired: list[np.ndarray] = []
     transport = ShmTransport(EngineLike(auth_key), shm=config, name=name)
     conn.send(transport.start(table, inbox))
     while True:
@@ -109,6 +110,10 @@ def _serve(conn, name: str, size: int, config: ShmConfig, shared: bool, uid: int
             conn.send(inbox.failed)
         elif command == "set":  # arg: (attribute, value) of the inbox
             setattr(inbox, *arg)
+            conn.send(None)
+        elif command == "remap":  # "mem" moves to new memory holding bytes from seed `arg`
+            retired.append(table.arrays["mem"])  # kept mapped: a stale read gets old bytes, not EFAULT
+            mem = table.add("mem", np.random.default_rng(arg).integers(0, 256, size, dtype=np.uint8))
             conn.send(None)
         elif command == "close":
             transport.close()

@@ -85,6 +85,25 @@ def test_read_copies_the_peers_bytes_here(peer, local):
     assert not mem[untouched].any()
 
 
+def test_a_read_pulls_the_bytes_itself_and_a_region_that_moved_fails_it_once():
+    process = PeerProcess()
+    transport, mem, _, _ = make_local()
+    try:
+        process("fill", 21)
+        submit(transport, process.info, Direction.READ, [Slice("mem", 0, "mem", 0, SIZE)]).wait(10)
+        assert np.array_equal(mem, np.random.default_rng(21).integers(0, 256, SIZE, dtype=np.uint8))
+        (link,) = transport._links.values()
+        assert link.pull_pid == process.process.pid  # read by process_vm_readv on this side
+        process("remap", 22)  # the peer's "mem" is now elsewhere: the address this side knows is stale
+        with pytest.raises(TransferError, match="moved"):
+            submit(transport, process.info, Direction.READ, [Slice("mem", 0, "mem", 0, SIZE)]).wait(10)
+        submit(transport, process.info, Direction.READ, [Slice("mem", 0, "mem", 0, SIZE)]).wait(10)
+        assert np.array_equal(mem, np.random.default_rng(22).integers(0, 256, SIZE, dtype=np.uint8))
+    finally:
+        transport.close()
+        process.stop()
+
+
 def test_a_batch_of_more_slices_than_one_syscall_takes(peer, local):
     transport, mem, _ = local
     mem[:] = np.random.default_rng(4).integers(0, 256, SIZE, dtype=np.uint8)
