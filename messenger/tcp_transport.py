@@ -487,10 +487,14 @@ class _Stream:
         sock = socket.create_connection(parse_address(self.link.address), timeout=config.timeout_s)
         _tune(sock)
         sock.settimeout(config.timeout_s)  # a frame that makes no progress for that long fails the link
-        if config.auth_key is not None:
-            client_handshake(sock, config.auth_key)
-        hello = _encode([transport.local_name])
-        sock.sendall(frame := encode_engine_prefix(Kind.HELLO, self.link.session, 0, hello, 0))
+        try:
+            if config.auth_key is not None:
+                client_handshake(sock, config.auth_key)
+            hello = _encode([transport.local_name])
+            sock.sendall(frame := encode_engine_prefix(Kind.HELLO, self.link.session, 0, hello, 0))
+        except BaseException:
+            _shutdown(sock)
+            raise
         transport.stats_counter.moved(sent=len(frame))
         self.sock = sock
         if self.link.failed is not None:  # failed while connecting: stop() saw no socket yet
