@@ -29,6 +29,7 @@ import itertools
 import logging
 import os
 import queue
+import select
 import socket
 import threading
 import time
@@ -485,10 +486,15 @@ class _Stream:
         config = transport._config
         sock = socket.create_connection(parse_address(self.link.address), timeout=config.timeout_s)
         _tune(sock)
-        if config.auth_key is not None:
-            client_handshake(sock, config.auth_key)
-        hello = _encode([transport.local_name])
-        sock.sendall(frame := encode_engine_prefix(Kind.HELLO, self.link.session, 0, hello, 0))
+        sock.settimeout(config.timeout_s)  # a frame that makes no progress for that long fails the link
+        try:
+            if config.auth_key is not None:
+                client_handshake(sock, config.auth_key)
+            hello = _encode([transport.local_name])
+            sock.sendall(frame := encode_engine_prefix(Kind.HELLO, self.link.session, 0, hello, 0))
+        except BaseException:
+            _shutdown(sock)
+            raise
         transport.stats_counter.moved(sent=len(frame))
         self.sock = sock
         if self.link.failed is not None:  # failed while connecting: stop() saw no socket yet
@@ -537,21 +543,17 @@ class _Stream:
     def _read_loop(self) -> None:
         link, transport, sock = self.link, self.link.transport, self.sock
         timeout = transport._config.timeout_s
-        sock.settimeout(min(1.0, timeout))
+        # The socket's own timeout (set once, shared with the sender thread's sendall) bounds a
+        # frame in progress; idle waits poll instead, so they never shorten the sender's timeout.
+        sock.settimeout(timeout)
         prefix = bytearray(ENGINE_PREFIX_SIZE)
         try:
             while link.failed is None:
-                try:
-                    got = sock.recv_into(prefix)
-                except socket.timeout:
+                if not select.select([sock], [], [], min(1.0, timeout))[0]:
                     if link.busy() and link.silent_for() > timeout:
-                        raise TransferError(f"{link.peer} at {link.address} silent for {timeout} s") from None
+                        raise TransferError(f"{link.peer} at {link.address} silent for {timeout} s")
                     continue
-                if got == 0:
-                    raise WireError("the peer closed the connection")
-                sock.settimeout(timeout)  # mid-frame: the rest must follow
-                if got < ENGINE_PREFIX_SIZE:
-                    recv_into_views(sock, [memoryview(prefix)[got:]])
+                recv_into_views(sock, [memoryview(prefix)])
                 kind, var_len, batch_id, arg, payload_len = decode_engine_prefix(prefix)
                 var = bytes(recv_exactly(sock, var_len)) if var_len else b""
                 link.heard()
@@ -562,7 +564,6 @@ class _Stream:
                 else:
                     raise WireError(f"unexpected frame kind {kind} from a server")
                 transport.stats_counter.moved(received=ENGINE_PREFIX_SIZE + var_len + payload_len)
-                sock.settimeout(min(1.0, timeout))
         except TransferError as exc:
             link.fail(exc)
         except (OSError, ValueError) as exc:
