@@ -60,12 +60,21 @@ class FlippingProxy:
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.address = f"127.0.0.1:{self.listener.getsockname()[1]}"
         self.flipped = False
+        self.sockets = [self.listener]
         threading.Thread(target=self._run, daemon=True).start()
 
+    def close(self):
+        for s in self.sockets:
+            s.close()
+
     def _run(self):
-        client, _ = self.listener.accept()
+        try:
+            client, _ = self.listener.accept()
+        except OSError:
+            return
         host, port = self.target.rsplit(":", 1)
         upstream = socket.create_connection((host, int(port)))
+        self.sockets += [client, upstream]
         threading.Thread(target=self._pump, args=(upstream, client, False), daemon=True).start()
         self._pump(client, upstream, True)
 
@@ -92,9 +101,9 @@ class FlippingProxy:
 @pytest.mark.parametrize("checksums", [True, False])
 def test_a_byte_flipped_on_the_wire_is_caught_by_the_checksum(checksums):
     p = make_pair(EngineConfig(transports=("tcp",), tcp_streams=1, checksums=checksums))
+    info = p.receiver.info()
+    proxy = FlippingProxy(info.transports["tcp"], position=100_000)
     try:
-        info = p.receiver.info()
-        proxy = FlippingProxy(info.transports["tcp"], position=100_000)
         p.sender.add_peer(dataclasses.replace(info, transports={"tcp": proxy.address}))
         batch = p.sender.write("receiver", [Slice("src", 0, "dst", 0, 2 * MiB)], b"kv")
         if checksums:
@@ -107,6 +116,7 @@ def test_a_byte_flipped_on_the_wire_is_caught_by_the_checksum(checksums):
         assert proxy.flipped
         assert int(np.count_nonzero(p.dst[:2 * MiB] != p.src[:2 * MiB])) == 1
     finally:
+        proxy.close()
         p.sender.close()
         p.receiver.close()
 
