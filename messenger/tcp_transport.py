@@ -543,9 +543,8 @@ class _Stream:
     def _read_loop(self) -> None:
         link, transport, sock = self.link, self.link.transport, self.sock
         timeout = transport._config.timeout_s
-        # The socket's own timeout (set once, shared with the sender thread's sendall) bounds a
-        # frame in progress; idle waits poll instead, so they never shorten the sender's timeout.
-        sock.settimeout(timeout)
+        # The socket's own timeout (set in _connect, shared with the sender thread's sendall) bounds
+        # a frame in progress; idle waits poll instead, so they never shorten the sender's timeout.
         prefix = bytearray(ENGINE_PREFIX_SIZE)
         try:
             while link.failed is None:

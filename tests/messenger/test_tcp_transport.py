@@ -191,7 +191,7 @@ def test_write_read_and_call_across_processes():
 
 
 def test_a_killed_peer_fails_its_batches_at_once():
-    engine, child, _ = _engine_and_child(EngineConfig(transports=("tcp",), timeout_s=5))
+    engine, child, _ = _engine_and_child(EngineConfig(transports=("tcp",), timeout_s=10))
     try:
         engine.write("child", [Slice("src", 0, REGION, 0, MiB)]).wait(10)  # connected and working
         stop = threading.Event()
@@ -215,7 +215,7 @@ def test_a_killed_peer_fails_its_batches_at_once():
         thread.join(15)
         stop.set()
         assert outcomes, "no batch failed after the peer was killed"
-        assert time.monotonic() - killed < 3  # well within timeout_s (5): the broken connection, not the watchdog
+        assert time.monotonic() - killed < 5  # well within timeout_s (10): the broken connection, not the watchdog
         with pytest.raises(TransferError):
             engine.write("child", [Slice("src", 0, REGION, 0, MiB)]).wait(10)
         with pytest.raises(TransferError):
@@ -237,11 +237,11 @@ def test_a_silent_peer_fails_its_batches_within_the_timeout():
         for batch in batches:
             with pytest.raises(TransferError):
                 batch.wait(3 * timeout_s)
-        assert time.monotonic() - started < timeout_s + 2
+        assert time.monotonic() - started < timeout_s + 4  # bounded by the timeout (slack: a loaded machine)
         started = time.monotonic()
         with pytest.raises(TransferError):
             engine.call("child", b"hello?")
-        assert time.monotonic() - started < timeout_s + 2
+        assert time.monotonic() - started < timeout_s + 4
         assert engine.stats()["tcp"]["failures"].get("timeout", 0) >= 4
     finally:
         os.kill(child.process.pid, signal.SIGCONT)
