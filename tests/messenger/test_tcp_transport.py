@@ -53,10 +53,11 @@ def test_large_slices_are_split_so_every_stream_gets_work():
 
 class FlippingProxy:
     """Forwards one tcp connection to `target`, flipping the byte at `position` of the client's
-    stream (well inside a data frame's payload, past the handshake and headers)."""
+    stream (well inside a data frame's payload, past the handshake and headers), or with `cut`,
+    closing both sides there instead (a sender that dies mid-batch)."""
 
-    def __init__(self, target: str, position: int):
-        self.target, self.position = target, position
+    def __init__(self, target: str, position: int, cut: bool = False):
+        self.target, self.position, self.cut = target, position, cut
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.address = f"127.0.0.1:{self.listener.getsockname()[1]}"
         self.flipped = False
@@ -83,6 +84,10 @@ class FlippingProxy:
         try:
             while chunk := source.recv(1 << 16):
                 if flip and seen <= self.position < seen + len(chunk):
+                    if self.cut:
+                        sink.sendall(chunk[:self.position - seen])
+                        self.flipped = True
+                        return
                     chunk = bytearray(chunk)
                     chunk[self.position - seen] ^= 0x01
                     self.flipped = True
@@ -115,6 +120,29 @@ def test_a_byte_flipped_on_the_wire_is_caught_by_the_checksum(checksums):
             assert p.notes == [("sender", b"kv", None)]
         assert proxy.flipped
         assert int(np.count_nonzero(p.dst[:2 * MiB] != p.src[:2 * MiB])) == 1
+    finally:
+        proxy.close()
+        p.sender.close()
+        p.receiver.close()
+
+
+def test_a_sender_lost_mid_batch_fails_both_sides_at_once():
+    p = make_pair(EngineConfig(transports=("tcp",), tcp_streams=1, timeout_s=30))
+    info = p.receiver.info()
+    proxy = FlippingProxy(info.transports["tcp"], position=1_000_000, cut=True)
+    try:
+        p.sender.add_peer(dataclasses.replace(info, transports={"tcp": proxy.address}))
+        started = time.monotonic()
+        batch = p.sender.write("receiver", [Slice("src", 0, "dst", 0, 8 * MiB)], b"layer 7")
+        with pytest.raises(TransferError):
+            batch.wait(10)
+        deadline = time.monotonic() + 5
+        while not p.notes and time.monotonic() < deadline:
+            time.sleep(0.01)
+        # The receiver knew the batch's message (it goes first) and was told at once, not after 30 s.
+        assert proxy.flipped and len(p.notes) == 1
+        assert p.notes[0][:2] == ("sender", b"layer 7") and "closed" in p.notes[0][2]
+        assert time.monotonic() - started < 5
     finally:
         proxy.close()
         p.sender.close()
