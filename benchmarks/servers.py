@@ -63,15 +63,18 @@ def mooncake_cluster(model: str, log_dir: Path, extra: list[str] = (), dtype: st
 
 
 @contextmanager
-def colocated_vllm(model: str, log_dir: Path, dtype: str = "float32"):
+def colocated_vllm(model: str, log_dir: Path, dtype: str = "float32", cores: str | None = None):
     port = free_port()
     args = ["-m", "vllm.entrypoints.openai.api_server", "--model", model, "--served-model-name", MODEL_NAME,
             "--port", str(port), "--dtype", dtype, "--max-model-len", "8192", "--enforce-eager",
             "--max-num-batched-tokens", "2048"]
-    # Every core this process may use, bound explicitly: the peer gets the same cores we do.
-    cores = sorted(os.sched_getaffinity(0))
+    # Every core this process may use, bound explicitly: the peer gets the same cores we do
+    # (or `cores`, a VLLM_CPU_OMP_THREADS_BIND value, when a benchmark gives it fewer).
+    if cores is None:
+        mine = sorted(os.sched_getaffinity(0))
+        cores = f"{mine[0]}-{mine[-1]}"
     with running("colocated-vllm", args, f"http://127.0.0.1:{port}/health", log_dir,
-                 env={"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": f"{cores[0]}-{cores[-1]}"}):
+                 env={"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": cores}):
         yield f"http://127.0.0.1:{port}/v1"
 
 

@@ -51,6 +51,29 @@ MAX_BODY_BYTES = 16 << 20
 DRAIN_TIMEOUT_S = 20.0
 """On SIGTERM a worker or conductor stops taking work and waits this long at most for the
 requests in flight (mooncake/drain.py); keep an orchestrator's kill grace above it + 10 s."""
+KV_PUSH_ACK_TIMEOUT_S = 30.0
+"""A prefill that pushed KV sends its last line once the decode worker acknowledged every layer;
+a push not decided by then is reported failed (the decode worker then recomputes)."""
+KV_TRANSFER_TIMEOUT_S = 10.0
+"""A batch of KV (or a call) to a peer not complete by then fails: how long a dead peer takes to find."""
+KV_TRANSPORTS = ("shm", "rdma", "tcp")
+"""The KV path's transports, in order of preference (messenger/select.py picks per peer). NIXL
+is left out by default: on the tcp wire here our tcp moved more than NIXL through our engine
+(benchmarks/RESULTS.md, "Messenger throughput"), and its agent adds a polling thread on the
+engine's pinned core. Name it (`MOONCAKE_KV_TRANSPORTS=shm,nixl,tcp`) to use it."""
+
+# --- the KVCache pool (store/, one per worker) ------------------------------------------------
+POOL_DRAM_BYTES = 2 << 30
+"""DRAM tier of each worker's block pool: a shared-memory arena of this many bytes (pages are
+taken only as blocks fill it)."""
+POOL_SSD_BYTES = 16 << 30
+"""SSD tier of each worker's block pool: at most this many bytes of block files."""
+POOL_SSD_DIR: str | None = None
+"""Directory of the SSD tier; None = DRAM only. (The launcher may give each worker its own.)"""
+POOL_POLICY = "lru"
+"""Eviction policy of both tiers (store/policy.py names the others)."""
+POOL_PIN_LEASE_S = 30.0
+"""A block pinned for a remote reader that never releases it is unpinned after this."""
 
 # --- ports ---------------------------------------------------------------------------------
 CONDUCTOR_PORT = 8000

@@ -1,0 +1,270 @@
+"""Remote gets: nodes read blocks from each other's pools through the messenger.
+
+The arena is a registered region of this node's TransferEngine. A fetch of k blocks from a
+peer is one `call`:
+- small (k x block_bytes up to INLINE_BYTES): the reply carries the bytes (at 64 KiB a round
+  trip and two copies cost less than a round trip plus a transfer);
+- large: the fetcher reserves slots in its own arena and names them in the call; the peer
+  pins the leading keys it holds (promoting SSD blocks), WRITES them straight into those slots
+  (adjacent slots coalesced into one slice), unpins, and replies once the write landed: one
+  call, whose handling includes the transfer, instead of a call to pin, a read and an unpin
+  (measured on loopback tcp: 1.1-1.2 ms against 1.9-2.2 ms per batch of 16 x 64 KiB);
+- when the peer cannot reach this node to write (no transport back): `pin` (a lease that
+  expires, so a reader that died holds nothing for long), a one-sided `read` of the slots, and
+  an `unpin` sent without waiting.
+Every block is verified against the checksum the peer's index holds before it is committed
+here; one that fails is dropped (counted), never served. Slots of a transfer that failed stay
+reserved for twice the engine's timeout before reuse, so a peer that answers late cannot
+overwrite a block stored there since. The messenger's own per-slice
+checksums are off by default for the pool's engine: every block already carries one.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
+
+import msgspec
+
+from messenger.api import PeerInfo, Slice, TransferError
+from store import channel
+from store.pool import checksum
+
+if TYPE_CHECKING:
+    from store.service import PoolService
+
+log = logging.getLogger(__name__)
+
+ARENA_REGION = "kv-pool-arena"
+
+
+class NoWayBack(TransferError):
+    """The peer cannot reach this node to write the blocks (no transport back)."""
+INLINE_BYTES = 256 << 10  # below: the bytes ride the reply (one round trip instead of two)
+
+
+class RemotePool:
+    def __init__(self, service: "PoolService", engine_config=None):
+        from dataclasses import replace
+
+        from messenger.engine import EngineConfig, TransferEngine
+
+        self._service = service
+        config = engine_config or replace(EngineConfig(), checksums=False)
+        self.engine = TransferEngine(f"kv-pool-{socket.gethostname()}-{os.getpid()}", config)
+        self.engine.register(ARENA_REGION, service.arena.array)
+        self._info = self.engine.start(on_call=self._on_call)
+        self._lock = threading.Lock()
+        self._leases: dict[int, tuple[list[int], float]] = {}
+        self._next_lease = 1
+        self._peers: dict[str, str] = {}  # peer name -> the transport the engine chose for it
+        self._introduced: set[str] = set()  # peers that have our PeerInfo (they push to us)
+        self._known: set[str] = set()  # peers whose PeerInfo we have (we push to them)
+        self._unpinner = ThreadPoolExecutor(1, thread_name_prefix="pool-unpin")
+
+    def info(self) -> "PeerInfo":
+        return self._info
+
+    def close(self) -> None:
+        self._unpinner.shutdown(wait=False)
+        self.engine.close()
+
+    # --- fetching from a peer --------------------------------------------------------------
+    def fetch(self, peer: "PeerInfo", keys: Sequence[int]) -> int:
+        """Bring the leading run of `keys` the peer holds; returns how many leading keys this
+        node holds after. One call moves at most what both sides can pin or reserve at once (a
+        long prefix mostly on the peer's SSD, a small DRAM tier here), so it calls again while
+        that makes progress."""
+        service = self._service
+        held = len(service.lookup(keys))
+        if held == len(keys):
+            return held
+        if peer.name not in self._peers:
+            self._peers[peer.name] = self.engine.add_peer(peer)
+        while held < len(keys):
+            want = list(keys[held:])
+            if len(want) * service.config.block_bytes <= INLINE_BYTES:
+                self._fetch_inline(peer.name, want)
+            else:
+                try:
+                    self._fetch_by_push(peer.name, want)
+                except NoWayBack:
+                    self._fetch_by_read(peer.name, want)
+            now = len(service.lookup(keys))
+            if now <= held:
+                break
+            held = now
+        return held
+
+    def _fetch_by_push(self, peer: str, keys: list[int]) -> None:
+        slots = self._service.reserve(keys)
+        if not slots:
+            return
+        request = {"op": "push", "keys": channel.pack_keys([k for k, _ in slots]), "slots": [s for _, s in slots]}
+        if peer not in self._introduced:  # the peer needs our PeerInfo to write to us
+            request["who"] = msgspec.json.encode(self._info)
+        try:
+            reply = channel.decode(self.engine.call(peer, channel.encode(request)))
+            if not reply["ok"] and "unknown peer" in reply.get("error", "") and "who" not in request:
+                self._introduced.discard(peer)  # it restarted and forgot us
+                request["who"] = msgspec.json.encode(self._info)
+                reply = channel.decode(self.engine.call(peer, channel.encode(request)))
+        except BaseException:
+            self._quarantine([k for k, _ in slots])
+            raise
+        if not reply["ok"]:
+            self._quarantine([k for k, _ in slots])
+            if "NoTransport" in reply["error"]:
+                raise NoWayBack(reply["error"])
+            raise TransferError(f"{peer} refused to send blocks: {reply['error']}")
+        self._introduced.add(peer)
+        got = channel.unpack_keys(reply["keys"])
+        digests = dict(zip(got, reply["checksums"]))
+        self._service.abort([k for k, _ in slots if k not in digests])
+        self._commit_verified([(k, s) for k, s in slots if k in digests], digests)
+
+    def _fetch_inline(self, peer: str, keys: list[int]) -> None:
+        reply = _checked(peer, self.engine.call(peer, channel.encode({"op": "get", "keys": channel.pack_keys(keys)})))
+        got = channel.unpack_keys(reply["keys"])
+        bb = self._service.config.block_bytes
+        data = memoryview(reply["data"])
+        digests = dict(zip(got, reply["checksums"]))
+        offsets = {k: i * bb for i, k in enumerate(got)}
+        slots = self._service.reserve(got)
+        for key, slot in slots:
+            self._service.arena.slot(slot)[:] = data[offsets[key]:offsets[key] + bb]
+        self._commit_verified(slots, digests)
+
+    def _fetch_by_read(self, peer: str, keys: list[int]) -> None:
+        reply = _checked(peer, self.engine.call(peer, channel.encode({"op": "pin", "keys": channel.pack_keys(keys)})))
+        lease = reply["lease"]
+        try:
+            got = channel.unpack_keys(reply["keys"])
+            remote = dict(zip(got, reply["slots"]))
+            digests = dict(zip(got, reply["checksums"]))
+            slots = self._service.reserve(got)
+            slices = coalesce([(slot, remote[key]) for key, slot in slots], self._service.config.block_bytes)
+            if slices:
+                try:
+                    self.engine.read(peer, slices).wait()
+                except BaseException:
+                    self._quarantine([k for k, _ in slots])
+                    raise
+            self._commit_verified(slots, digests)
+        finally:
+            self._unpinner.submit(self._unpin, peer, lease)
+
+    def _quarantine(self, keys: list[int]) -> None:
+        """Slots a failed transfer may still write into (a peer that answers late) stay reserved,
+        so never read nor handed to another block, for twice the engine's timeout, then go back."""
+        if keys:
+            timer = threading.Timer(2 * self.engine.config.timeout_s, self._service.abort, [keys])
+            timer.daemon = True
+            timer.start()
+
+    def _unpin(self, peer: str, lease: int) -> None:
+        try:
+            self.engine.call(peer, channel.encode({"op": "unpin", "lease": lease}))
+        except Exception as exc:  # noqa: BLE001 - the peer's lease runs out anyway
+            log.debug("unpinning lease %d on %s failed: %s", lease, peer, exc)
+
+    def _commit_verified(self, slots: list[tuple[int, int]], digests: dict[int, int]) -> None:
+        good, bad = [], []
+        for key, slot in slots:
+            (good if checksum(self._service.arena.slot(slot)) == digests[key] else bad).append(key)
+        if bad:
+            self._service.counters["remote_corrupt"] += len(bad)
+            log.warning("KV pool: %d blocks fetched from a peer failed their checksum; dropped", len(bad))
+            self._service.abort(bad)
+        self._service.commit(good, [digests[k] for k in good])
+        self._service.counters["remote_fetched_blocks"] += len(good)
+
+    # --- serving peers ---------------------------------------------------------------------
+    def _on_call(self, peer: str, request: bytes) -> bytes:
+        try:
+            message = channel.decode(request)
+            reply = {"ok": True, **self._answer(peer, message)}
+        except Exception as exc:  # noqa: BLE001 - the peer gets an answer, never a hang
+            reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+        return channel.encode(reply)
+
+    def _answer(self, peer: str, message: dict) -> dict:
+        service = self._service
+        op = message.get("op")
+        self._expire_leases()
+        if op == "get":
+            got = service.read(channel.unpack_keys(message["keys"]))
+            try:
+                data = b"".join(service.arena.slot(slot).tobytes() for _, slot, _ in got)
+            finally:
+                service.release([k for k, _, _ in got])
+            service.counters["remote_served_blocks"] += len(got)
+            return {"keys": channel.pack_keys([k for k, _, _ in got]), "checksums": [c for _, _, c in got],
+                    "data": data}
+        if op == "push":
+            if "who" in message:
+                self.engine.add_peer(msgspec.json.decode(message["who"], type=PeerInfo))
+                with self._lock:
+                    self._known.add(peer)
+            elif peer not in self._known:
+                raise LookupError(f"unknown peer {peer!r}: send 'who' first")
+            got = service.read(channel.unpack_keys(message["keys"]))
+            try:
+                if got:
+                    dest = dict(zip(channel.unpack_keys(message["keys"]), message["slots"]))
+                    slices = coalesce([(slot, dest[key]) for key, slot, _ in got], service.config.block_bytes)
+                    self.engine.write(peer, slices).wait()
+            finally:
+                service.release([k for k, _, _ in got])
+            service.counters["remote_served_blocks"] += len(got)
+            return {"keys": channel.pack_keys([k for k, _, _ in got]), "checksums": [c for _, _, c in got]}
+        if op == "pin":
+            got = service.read(channel.unpack_keys(message["keys"]))
+            with self._lock:
+                lease = self._next_lease
+                self._next_lease += 1
+                self._leases[lease] = ([k for k, _, _ in got], service._clock() + service.config.pin_lease_s)
+            service.counters["remote_served_blocks"] += len(got)
+            return {"keys": channel.pack_keys([k for k, _, _ in got]), "slots": [s for _, s, _ in got],
+                    "checksums": [c for _, _, c in got], "lease": lease}
+        if op == "unpin":
+            with self._lock:
+                keys, _ = self._leases.pop(int(message["lease"]), ([], 0.0))
+            service.release(keys)
+            return {}
+        raise ValueError(f"unknown remote pool op {op!r}")
+
+    def _expire_leases(self) -> None:
+        now = self._service._clock()
+        with self._lock:
+            expired = [lease for lease, (_, until) in self._leases.items() if until <= now]
+            keys = [k for lease in expired for k in self._leases.pop(lease)[0]]
+        if keys:
+            log.warning("KV pool: %d blocks pinned by a peer that never released them; unpinned", len(keys))
+            self._service.release(keys)
+
+
+def coalesce(pairs: list[tuple[int, int]], block_bytes: int) -> list[Slice]:
+    """Slices for (local slot, remote slot) pairs, runs adjacent on both sides merged into one."""
+    slices: list[Slice] = []
+    for local, remote in pairs:
+        last = slices[-1] if slices else None
+        if (last is not None and last.local_offset + last.length == local * block_bytes
+                and last.remote_offset + last.length == remote * block_bytes):
+            slices[-1] = Slice(ARENA_REGION, last.local_offset, ARENA_REGION, last.remote_offset,
+                               last.length + block_bytes)
+        else:
+            slices.append(Slice(ARENA_REGION, local * block_bytes, ARENA_REGION, remote * block_bytes, block_bytes))
+    return slices
+
+
+def _checked(peer: str, reply_bytes: bytes) -> dict:
+    reply = channel.decode(reply_bytes)
+    if not reply.get("ok"):
+        raise TransferError(f"{peer} refused: {reply.get('error')}")
+    return reply
