@@ -1,4 +1,4 @@
-"""Frame formats: the request/reply frames of tcp.py (below) and, at the end of this file, the
+"""Frame formats: JSON-header frames (below; tests/spine checks them) and, at the end of this file, the
 transfer engine's binary frames (tcp_transport.py).
 
 A frame is a fixed 20-byte prefix, a JSON header and a raw payload:
