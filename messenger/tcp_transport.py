@@ -4,13 +4,15 @@ Sending: a batch's slices are coalesced (neighbours on both sides become one), c
 a few MiB (a large slice spans frames) and dealt round-robin to the peer's `tcp_streams`
 connections, each drained by its own sender thread; frames go back to back, never one round trip
 per slice. A frame is sent with sendmsg straight from the registered region's memoryview. One
-BATCH frame per batch (the slice list, the message, the checksums) follows the data on one stream.
+BATCH frame per batch (the slice list and the message) goes first, so a receiver whose sender dies
+mid-batch can hand the message's owner the error at once; a SUMS frame with the checksums follows
+the data on one stream (hashing overlaps the sending).
 
 Receiving: each connection's reader thread checks a DATA frame's segments against the regions
 BEFORE reading, then recv_into's the bytes straight into them (scatter with recvmsg_into); a bad
 segment is read into a scratch buffer and fails the batch, never writes outside a region. The
 receiver counts frames per (sender session, batch) across all streams; when all landed and the
-BATCH frame came, it calls the engine's `slices_landed` and acks (with the error, if any) on that
+BATCH and SUMS frames came, it calls the engine's `slices_landed` and acks (with the error, if any) on that
 connection. The sender completes the Batch on the ack.
 
 READ: the client sends READ frames (which chunks it wants, where they go is kept on this side);
@@ -115,6 +117,7 @@ class _Inbound:
 
     landed: int = 0
     expected: int = -1  # known once the BATCH frame came
+    checksums: tuple[int, ...] | None = None  # known once the SUMS frame came
     slices: list[Slice] | None = None
     message: OutgoingMessage | None = None
     error: str | None = None
@@ -235,11 +238,13 @@ class TcpTransport:
                 if kind == Kind.DATA:
                     self._on_data(conn, session, peer, batch_id, var, payload_len)
                 elif kind == Kind.BATCH:
-                    slices, payload, checksums = _decode(var)
+                    slices, payload = _decode(var)
                     state = self._state(session, batch_id)
                     state.slices = [Slice(*s) for s in slices]
-                    state.message = OutgoingMessage(payload, tuple(checksums)) if payload is not None else None
+                    state.message = OutgoingMessage(payload) if payload is not None else None
                     self._landed(conn, session, peer, batch_id, expected=arg)
+                elif kind == Kind.SUMS:
+                    self._landed(conn, session, peer, batch_id, checksums=tuple(_decode(var)))
                 elif kind == Kind.READ:
                     self._serve_read(conn, batch_id, var)
                 elif kind == Kind.MSG:
@@ -300,20 +305,25 @@ class TcpTransport:
             return self._inbound.setdefault((session, batch_id), _Inbound())
 
     def _landed(self, conn, session: int, peer: str, batch_id: int, expected: int | None = None,
-                error: str | None = None) -> None:
-        """Count one DATA frame (or take the BATCH frame's count); finish the batch when all landed."""
+                checksums: tuple[int, ...] | None = None, error: str | None = None) -> None:
+        """Count one DATA frame, or take the BATCH frame's count or the SUMS frame's checksums;
+        finish the batch when all of them came."""
         key = (session, batch_id)
         with self._inbound_lock:
             state = self._inbound.setdefault(key, _Inbound())
-            if expected is None:
-                state.landed += 1
-            else:
+            if expected is not None:
                 state.expected = expected
+            elif checksums is not None:
+                state.checksums = checksums
+            else:
+                state.landed += 1
             if error is not None and state.error is None:
                 state.error = error
-            if state.landed != state.expected:
+            if state.landed != state.expected or state.checksums is None:
                 return
             del self._inbound[key]
+        if state.message is not None:
+            state.message = OutgoingMessage(state.message.payload, state.checksums)
         if state.error is not None:
             failed = getattr(self.deliver, "batch_failed", None)
             if failed is not None:
@@ -394,11 +404,12 @@ class _Link:
         if batch_id is None:
             return
         n = len(self.streams)
+        self.streams[0].put((Kind.BATCH, batch_id, (len(frames), slices, message)))
         for i, stream in enumerate(self.streams):
             mine = frames[i::n]
             if mine:
                 stream.put((Kind.DATA, batch_id, mine))
-        self.streams[len(frames) % n].put((Kind.BATCH, batch_id, (len(frames), slices, message)))
+        self.streams[len(frames) % n].put((Kind.SUMS, batch_id, message))
 
     def read(self, slices: list[Slice], batch: Batch) -> None:
         frames = plan_frames(slices, len(self.streams))
@@ -521,12 +532,13 @@ class _Stream:
                         link.heard()  # progress: a big batch's ack may be seconds away, but bytes move
                 elif kind == Kind.BATCH:
                     count, slices, message = body
-                    # Reading message.checksums waits for the hashes, computed while the data went out.
                     var = _encode([[[s.local_region, s.local_offset, s.remote_region, s.remote_offset, s.length]
-                                    for s in slices],
-                                   message.payload if message is not None else None,
-                                   list(message.checksums) if message is not None else []])
+                                    for s in slices], message.payload if message is not None else None])
                     transport._send(self.sock, Kind.BATCH, batch_id, count, var)
+                elif kind == Kind.SUMS:
+                    # Reading message.checksums waits for the hashes, computed while the data went out.
+                    checksums = list(body.checksums) if body is not None else []
+                    transport._send(self.sock, Kind.SUMS, batch_id, 0, _encode(checksums))
                 elif kind == Kind.READ:
                     transport._send(self.sock, Kind.READ, batch_id, 0, _encode(body))
                 elif kind == Kind.MSG:
@@ -543,9 +555,8 @@ class _Stream:
     def _read_loop(self) -> None:
         link, transport, sock = self.link, self.link.transport, self.sock
         timeout = transport._config.timeout_s
-        # The socket's own timeout (set once, shared with the sender thread's sendall) bounds a
-        # frame in progress; idle waits poll instead, so they never shorten the sender's timeout.
-        sock.settimeout(timeout)
+        # The socket's own timeout (set in _connect, shared with the sender thread's sendall) bounds
+        # a frame in progress; idle waits poll instead, so they never shorten the sender's timeout.
         prefix = bytearray(ENGINE_PREFIX_SIZE)
         try:
             while link.failed is None:

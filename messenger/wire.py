@@ -1,4 +1,5 @@
-"""The frame format every messenger transport speaks.
+"""Frame formats: JSON-header frames (below; tests/spine checks them) and, at the end of this file, the
+transfer engine's binary frames (tcp_transport.py).
 
 A frame is a fixed 20-byte prefix, a JSON header and a raw payload:
 
@@ -103,12 +104,13 @@ class Kind:
 
     HELLO = 1  # client -> server, once per connection: who is speaking (engine name, session)
     DATA = 2  # client -> server: bytes for a WRITE batch; var = [[region, offset, length], ...]
-    BATCH = 3  # client -> server: a WRITE batch is complete once `arg` DATA frames landed; var = slices, message
+    BATCH = 3  # client -> server, before the data: a WRITE batch of `arg` DATA frames; var = slices, message
     ACK = 4  # server -> client: a WRITE batch (or a MSG) landed; var = error text, empty when ok
     READ = 5  # client -> server: send these chunks back; var = [[region, offset, length], ...], arg = first chunk index
     READ_DATA = 6  # server -> client: chunk `arg` of a READ batch, payload = its bytes
     READ_ERR = 7  # server -> client: a READ batch cannot be served; var = error text
     MSG = 8  # client -> server: a message without slices; var = payload
+    SUMS = 9  # client -> server, after the data: the batch's checksums (one per slice, maybe none)
 
 
 def encode_engine_prefix(kind: int, batch: int, arg: int, var: bytes, payload_len: int) -> bytes:

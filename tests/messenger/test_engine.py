@@ -246,7 +246,7 @@ def test_calls_get_replies_errors_and_time_out():
         started = time.monotonic()
         with pytest.raises(TransferError, match="no reply within 0.5"):
             p.sender.call("receiver", b"slow", timeout_s=0.5)
-        assert time.monotonic() - started < 2
+        assert time.monotonic() - started < 3
         # Concurrent calls get their own replies.
         replies = {}
         threads = [threading.Thread(target=lambda i=i: replies.__setitem__(i, p.sender.call("receiver", str(i).encode())))

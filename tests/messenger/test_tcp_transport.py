@@ -53,19 +53,29 @@ def test_large_slices_are_split_so_every_stream_gets_work():
 
 class FlippingProxy:
     """Forwards one tcp connection to `target`, flipping the byte at `position` of the client's
-    stream (well inside a data frame's payload, past the handshake and headers)."""
+    stream (well inside a data frame's payload, past the handshake and headers), or with `cut`,
+    closing both sides there instead (a sender that dies mid-batch)."""
 
-    def __init__(self, target: str, position: int):
-        self.target, self.position = target, position
+    def __init__(self, target: str, position: int, cut: bool = False):
+        self.target, self.position, self.cut = target, position, cut
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.address = f"127.0.0.1:{self.listener.getsockname()[1]}"
         self.flipped = False
+        self.sockets = [self.listener]
         threading.Thread(target=self._run, daemon=True).start()
 
+    def close(self):
+        for s in self.sockets:
+            s.close()
+
     def _run(self):
-        client, _ = self.listener.accept()
+        try:
+            client, _ = self.listener.accept()
+        except OSError:
+            return
         host, port = self.target.rsplit(":", 1)
         upstream = socket.create_connection((host, int(port)))
+        self.sockets += [client, upstream]
         threading.Thread(target=self._pump, args=(upstream, client, False), daemon=True).start()
         self._pump(client, upstream, True)
 
@@ -74,6 +84,10 @@ class FlippingProxy:
         try:
             while chunk := source.recv(1 << 16):
                 if flip and seen <= self.position < seen + len(chunk):
+                    if self.cut:
+                        sink.sendall(chunk[:self.position - seen])
+                        self.flipped = True
+                        return
                     chunk = bytearray(chunk)
                     chunk[self.position - seen] ^= 0x01
                     self.flipped = True
@@ -92,9 +106,9 @@ class FlippingProxy:
 @pytest.mark.parametrize("checksums", [True, False])
 def test_a_byte_flipped_on_the_wire_is_caught_by_the_checksum(checksums):
     p = make_pair(EngineConfig(transports=("tcp",), tcp_streams=1, checksums=checksums))
+    info = p.receiver.info()
+    proxy = FlippingProxy(info.transports["tcp"], position=100_000)
     try:
-        info = p.receiver.info()
-        proxy = FlippingProxy(info.transports["tcp"], position=100_000)
         p.sender.add_peer(dataclasses.replace(info, transports={"tcp": proxy.address}))
         batch = p.sender.write("receiver", [Slice("src", 0, "dst", 0, 2 * MiB)], b"kv")
         if checksums:
@@ -107,6 +121,30 @@ def test_a_byte_flipped_on_the_wire_is_caught_by_the_checksum(checksums):
         assert proxy.flipped
         assert int(np.count_nonzero(p.dst[:2 * MiB] != p.src[:2 * MiB])) == 1
     finally:
+        proxy.close()
+        p.sender.close()
+        p.receiver.close()
+
+
+def test_a_sender_lost_mid_batch_fails_both_sides_at_once():
+    p = make_pair(EngineConfig(transports=("tcp",), tcp_streams=1, timeout_s=30))
+    info = p.receiver.info()
+    proxy = FlippingProxy(info.transports["tcp"], position=1_000_000, cut=True)
+    try:
+        p.sender.add_peer(dataclasses.replace(info, transports={"tcp": proxy.address}))
+        started = time.monotonic()
+        batch = p.sender.write("receiver", [Slice("src", 0, "dst", 0, 8 * MiB)], b"layer 7")
+        with pytest.raises(TransferError):
+            batch.wait(10)
+        deadline = time.monotonic() + 5
+        while not p.notes and time.monotonic() < deadline:
+            time.sleep(0.01)
+        # The receiver knew the batch's message (it goes first) and was told at once, not after 30 s.
+        assert proxy.flipped and len(p.notes) == 1
+        assert p.notes[0][:2] == ("sender", b"layer 7") and "closed" in p.notes[0][2]
+        assert time.monotonic() - started < 5
+    finally:
+        proxy.close()
         p.sender.close()
         p.receiver.close()
 
@@ -181,7 +219,7 @@ def test_write_read_and_call_across_processes():
 
 
 def test_a_killed_peer_fails_its_batches_at_once():
-    engine, child, _ = _engine_and_child(EngineConfig(transports=("tcp",), timeout_s=5))
+    engine, child, _ = _engine_and_child(EngineConfig(transports=("tcp",), timeout_s=10))
     try:
         engine.write("child", [Slice("src", 0, REGION, 0, MiB)]).wait(10)  # connected and working
         stop = threading.Event()
@@ -205,7 +243,7 @@ def test_a_killed_peer_fails_its_batches_at_once():
         thread.join(15)
         stop.set()
         assert outcomes, "no batch failed after the peer was killed"
-        assert time.monotonic() - killed < 3  # well within timeout_s (5): the broken connection, not the watchdog
+        assert time.monotonic() - killed < 5  # well within timeout_s (10): the broken connection, not the watchdog
         with pytest.raises(TransferError):
             engine.write("child", [Slice("src", 0, REGION, 0, MiB)]).wait(10)
         with pytest.raises(TransferError):
@@ -227,11 +265,11 @@ def test_a_silent_peer_fails_its_batches_within_the_timeout():
         for batch in batches:
             with pytest.raises(TransferError):
                 batch.wait(3 * timeout_s)
-        assert time.monotonic() - started < timeout_s + 2
+        assert time.monotonic() - started < timeout_s + 4  # bounded by the timeout (slack: a loaded machine)
         started = time.monotonic()
         with pytest.raises(TransferError):
             engine.call("child", b"hello?")
-        assert time.monotonic() - started < timeout_s + 2
+        assert time.monotonic() - started < timeout_s + 4
         assert engine.stats()["tcp"]["failures"].get("timeout", 0) >= 4
     finally:
         os.kill(child.process.pid, signal.SIGCONT)
