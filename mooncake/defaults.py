@@ -52,6 +52,19 @@ DRAIN_TIMEOUT_S = 20.0
 """On SIGTERM a worker or conductor stops taking work and waits this long at most for the
 requests in flight (mooncake/drain.py); keep an orchestrator's kill grace above it + 10 s."""
 
+# --- the KVCache pool (store/, one per worker) ------------------------------------------------
+POOL_DRAM_BYTES = 2 << 30
+"""DRAM tier of each worker's block pool: a shared-memory arena of this many bytes (pages are
+taken only as blocks fill it)."""
+POOL_SSD_BYTES = 16 << 30
+"""SSD tier of each worker's block pool: at most this many bytes of block files."""
+POOL_SSD_DIR: str | None = None
+"""Directory of the SSD tier; None = DRAM only. (The launcher may give each worker its own.)"""
+POOL_POLICY = "lru"
+"""Eviction policy of both tiers (store/policy.py names the others)."""
+POOL_PIN_LEASE_S = 30.0
+"""A block pinned for a remote reader that never releases it is unpinned after this."""
+
 # --- ports ---------------------------------------------------------------------------------
 CONDUCTOR_PORT = 8000
 PREFILL_PORT = 8100

@@ -1,0 +1,126 @@
+"""The DRAM tier's memory: one shared-memory file of fixed-size slots.
+
+The pool service (in the worker shell) creates it; vLLM's worker process maps the same file by
+path, so the connector copies between the paged KV cache and the slots directly, with no hop
+through the shell; the messenger registers it as a region, so other nodes read slots from it.
+Slot i is bytes [i * block_bytes, (i + 1) * block_bytes). Which slot holds which block is the
+pool's business (store/pool.py hands slots out); the arena only maps memory.
+
+A plain file under /dev/shm, opened and mmapped, rather than multiprocessing.shared_memory:
+Python 3.11's resource tracker unlinks a segment when ANY process that attached it exits, so
+vLLM's worker ending would tear the arena from under the shell. Pages are taken only when a
+slot is first written (the file is sparse). The file name carries the creator's pid, so a
+segment left by a shell that was SIGKILLed is removed by the next one to start.
+"""
+
+from __future__ import annotations
+
+import glob
+import logging
+import mmap
+import os
+import secrets
+from dataclasses import dataclass
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+SHM_DIR = "/dev/shm"
+PREFIX = "mooncake-pool-"
+
+
+@dataclass(frozen=True)
+class ArenaInfo:
+    """What a process needs to map an arena (travels to vLLM's worker, msgspec-encodable)."""
+
+    path: str
+    block_bytes: int
+    slots: int
+
+
+class Arena:
+    """A mapping of the arena file. `array` is the whole arena as uint8 (writable);
+    `slot(i)` is slot i's view. The creator unlinks the file on close()."""
+
+    def __init__(self, info: ArenaInfo, owner: bool):
+        self.info = info
+        self._owner = owner
+        fd = os.open(info.path, os.O_RDWR)
+        try:
+            self._mmap = mmap.mmap(fd, info.slots * info.block_bytes)
+        finally:
+            os.close(fd)
+        self.array = np.frombuffer(self._mmap, dtype=np.uint8)
+
+    @classmethod
+    def create(cls, slots: int, block_bytes: int, directory: str | None = None) -> "Arena":
+        if slots <= 0 or block_bytes <= 0:
+            raise ValueError(f"an arena needs slots > 0 and block_bytes > 0, got {slots} x {block_bytes}")
+        directory = directory or (SHM_DIR if os.path.isdir(SHM_DIR) else "/tmp")
+        remove_stale(directory)
+        path = os.path.join(directory, f"{PREFIX}{os.getpid()}-{secrets.token_hex(4)}")
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, slots * block_bytes)
+        except OSError:
+            os.close(fd)
+            os.unlink(path)
+            raise
+        os.close(fd)
+        return cls(ArenaInfo(path, block_bytes, slots), owner=True)
+
+    @classmethod
+    def attach(cls, info: ArenaInfo) -> "Arena":
+        """Map an arena another process created (vLLM's worker maps the shell's)."""
+        size = os.stat(info.path).st_size
+        if size != info.slots * info.block_bytes:
+            raise ValueError(f"arena {info.path} is {size} B, expected {info.slots} x {info.block_bytes} B")
+        return cls(info, owner=False)
+
+    @property
+    def block_bytes(self) -> int:
+        return self.info.block_bytes
+
+    @property
+    def slots(self) -> int:
+        return self.info.slots
+
+    def offset(self, slot: int) -> int:
+        if not 0 <= slot < self.info.slots:
+            raise IndexError(f"slot {slot} outside the arena's {self.info.slots}")
+        return slot * self.info.block_bytes
+
+    def slot(self, slot: int) -> np.ndarray:
+        start = self.offset(slot)
+        return self.array[start:start + self.info.block_bytes]
+
+    def close(self) -> None:
+        self.array = None  # drop the export before closing the map
+        try:
+            self._mmap.close()
+        except BufferError:  # a view is still alive somewhere; the OS unmaps at exit
+            log.debug("arena %s still has views; left mapped", self.info.path)
+        if self._owner:
+            try:
+                os.unlink(self.info.path)
+            except FileNotFoundError:
+                pass
+
+
+def remove_stale(directory: str) -> None:
+    """Delete arena files whose creating process is gone (a shell that was SIGKILLed)."""
+    for path in glob.glob(os.path.join(directory, PREFIX + "*")):
+        pid_text = os.path.basename(path)[len(PREFIX):].split("-", 1)[0]
+        if not pid_text.isdigit():
+            continue
+        try:
+            os.kill(int(pid_text), 0)
+        except ProcessLookupError:
+            try:
+                os.unlink(path)
+                log.info("removed arena %s left by a process that is gone", path)
+            except OSError:
+                pass
+        except PermissionError:
+            pass  # alive, someone else's

@@ -1,0 +1,142 @@
+"""The local channel between a node's pool service and the connectors of its engine.
+
+vLLM's scheduler asks `lookup` for every new request, so a call must cost tens of microseconds,
+not a connection: the client keeps one AF_UNIX connection open (standard library
+`multiprocessing.connection`, HMAC handshake once, on the same kind of per-worker key as
+mooncake/control.py) and each call is one msgpack message each way. Keys travel packed, 16
+big-endian bytes each (they are 128-bit; msgpack integers stop at 64).
+
+Ops (request fields -> reply fields; every reply has "ok", and "error" when not ok):
+  configure  block_bytes, layout        -> arena {path, block_bytes, slots}
+  lookup     keys                       -> tiers ("dram"/"ssd" per leading key held)
+  reserve    keys                       -> keys, slots (DRAM slots to fill; held keys skipped)
+  commit     keys, checksums (or None: the service hashes the slots) -> committed
+  abort      keys                       -> {}
+  read       keys                       -> keys, slots, checksums (leading keys, pinned; SSD
+                                           blocks promoted first)
+  release    keys                       -> {} (unpin what read pinned)
+  fetch_remote peer (PeerInfo JSON), keys -> fetched (leading keys now held here)
+  stats                                 -> usage, counters
+  events     since                      -> seq, reset, events [[kind, key bytes, tier], ...]
+
+Pins taken by `read` belong to the connection: if the connector dies, they are released.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from multiprocessing import AuthenticationError
+from multiprocessing.connection import Client, Connection
+from typing import Any
+
+import msgspec
+
+from mooncake.control import ControlEndpoint
+from store.arena import ArenaInfo
+
+KEY_BYTES = 16
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder()
+
+
+class PoolUnavailable(ConnectionError):
+    """The pool service did not answer (not started, gone) or refused the call."""
+
+
+def pack_keys(keys: Sequence[int]) -> bytes:
+    return b"".join(k.to_bytes(KEY_BYTES, "big") for k in keys)
+
+
+def unpack_keys(blob: bytes) -> list[int]:
+    if len(blob) % KEY_BYTES:
+        raise ValueError(f"packed keys of {len(blob)} B are not a multiple of {KEY_BYTES}")
+    return [int.from_bytes(blob[i:i + KEY_BYTES], "big") for i in range(0, len(blob), KEY_BYTES)]
+
+
+def encode(message: dict[str, Any]) -> bytes:
+    return _encoder.encode(message)
+
+
+def decode(data: bytes) -> dict[str, Any]:
+    message = _decoder.decode(data)
+    if not isinstance(message, dict):
+        raise ValueError("a pool message must be a map")
+    return message
+
+
+class PoolClient:
+    """A connector's handle on its node's pool. Thread-safe (one call at a time on the
+    connection); reconnects once if the connection broke."""
+
+    def __init__(self, endpoint: ControlEndpoint, timeout_s: float = 10.0):
+        self._endpoint = endpoint
+        self._timeout_s = timeout_s
+        self._lock = threading.Lock()
+        self._conn: Connection | None = None
+
+    def configure(self, block_bytes: int, layout: str) -> ArenaInfo:
+        """Tell the pool the engine's block size and KV layout; the first call creates the
+        arena. Returns where to map it (store.arena.Arena.attach)."""
+        reply = self._call({"op": "configure", "block_bytes": block_bytes, "layout": layout})
+        return ArenaInfo(**reply["arena"])
+
+    def lookup(self, keys: Sequence[int]) -> list[str]:
+        return self._call({"op": "lookup", "keys": pack_keys(keys)})["tiers"]
+
+    def reserve(self, keys: Sequence[int]) -> list[tuple[int, int]]:
+        reply = self._call({"op": "reserve", "keys": pack_keys(keys)})
+        return list(zip(unpack_keys(reply["keys"]), reply["slots"]))
+
+    def commit(self, keys: Sequence[int], checksums: Sequence[int] | None = None) -> int:
+        reply = self._call({"op": "commit", "keys": pack_keys(keys),
+                            "checksums": None if checksums is None else list(checksums)})
+        return reply["committed"]
+
+    def abort(self, keys: Sequence[int]) -> None:
+        self._call({"op": "abort", "keys": pack_keys(keys)})
+
+    def read(self, keys: Sequence[int]) -> list[tuple[int, int, int]]:
+        """(key, slot, checksum) of the leading keys held, each pinned until release()."""
+        reply = self._call({"op": "read", "keys": pack_keys(keys)})
+        return list(zip(unpack_keys(reply["keys"]), reply["slots"], reply["checksums"]))
+
+    def release(self, keys: Sequence[int]) -> None:
+        self._call({"op": "release", "keys": pack_keys(keys)})
+
+    def fetch_remote(self, peer_json: bytes, keys: Sequence[int]) -> int:
+        """Bring `keys` from another node's pool into this one (its PeerInfo as msgspec JSON).
+        Returns how many leading keys this node holds after."""
+        return self._call({"op": "fetch_remote", "peer": peer_json, "keys": pack_keys(keys)})["fetched"]
+
+    def stats(self) -> dict[str, Any]:
+        return self._call({"op": "stats"})
+
+    def close(self) -> None:
+        with self._lock:
+            if self._conn is not None:
+                self._conn.close()
+                self._conn = None
+
+    def _call(self, request: dict[str, Any]) -> dict[str, Any]:
+        payload = encode(request)
+        with self._lock:
+            for attempt in (0, 1):
+                try:
+                    if self._conn is None:
+                        self._conn = Client(self._endpoint.path, family="AF_UNIX", authkey=self._endpoint.authkey)
+                    self._conn.send_bytes(payload)
+                    if not self._conn.poll(self._timeout_s):
+                        raise TimeoutError(f"no answer within {self._timeout_s} s")
+                    reply = decode(self._conn.recv_bytes())
+                    break
+                except (OSError, EOFError, AuthenticationError, TimeoutError) as exc:
+                    if self._conn is not None:
+                        self._conn.close()
+                        self._conn = None
+                    if attempt or isinstance(exc, TimeoutError):
+                        raise PoolUnavailable(f"pool call {request['op']!r} failed: {type(exc).__name__}: {exc}") \
+                            from exc
+        if not reply.get("ok"):
+            raise PoolUnavailable(f"pool refused {request['op']!r}: {reply.get('error')}")
+        return reply

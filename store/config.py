@@ -1,0 +1,49 @@
+"""The block pool's configuration: one frozen dataclass, its defaults in mooncake/defaults.py."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mooncake import defaults
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    """Sizes and policy of one node's KVCache pool.
+
+    dram_bytes: the DRAM tier (a shared-memory arena of dram_bytes // block_bytes slots).
+    ssd_dir:    the SSD tier's directory (created if missing); None = DRAM only.
+    ssd_bytes:  the most bytes of block files the SSD tier keeps (headers not counted).
+    policy:     eviction policy of both tiers, a name from store/policy.py ("lru", "fifo").
+    block_bytes: bytes of one block, all layers. 0 = not known yet: the pool service takes it
+                from the first connector that attaches (the engine's KV layout decides it).
+    """
+
+    dram_bytes: int = defaults.POOL_DRAM_BYTES
+    ssd_dir: str | None = defaults.POOL_SSD_DIR
+    ssd_bytes: int = defaults.POOL_SSD_BYTES
+    policy: str = defaults.POOL_POLICY
+    block_bytes: int = 0
+    pin_lease_s: float = defaults.POOL_PIN_LEASE_S
+
+    def __post_init__(self) -> None:
+        from store.policy import POLICIES  # the names live next to the policies
+
+        if self.dram_bytes < 0 or self.ssd_bytes < 0 or self.block_bytes < 0:
+            raise ValueError(f"pool sizes must be >= 0 bytes (dram_bytes={self.dram_bytes}, "
+                             f"ssd_bytes={self.ssd_bytes}, block_bytes={self.block_bytes})")
+        if self.policy not in POLICIES:
+            raise ValueError(f"unknown pool policy {self.policy!r}; choose one of {sorted(POLICIES)}")
+        if self.block_bytes and self.dram_bytes and self.dram_bytes < self.block_bytes:
+            raise ValueError(f"the pool's DRAM tier ({self.dram_bytes} B) cannot hold one block "
+                             f"of {self.block_bytes} B; give it at least that, or 0 to turn the pool off")
+        if self.pin_lease_s <= 0:
+            raise ValueError(f"pin_lease_s must be > 0, got {self.pin_lease_s}")
+
+    @property
+    def dram_slots(self) -> int:
+        return self.dram_bytes // self.block_bytes if self.block_bytes else 0
+
+    @property
+    def ssd_slots(self) -> int:
+        return self.ssd_bytes // self.block_bytes if self.block_bytes and self.ssd_dir else 0

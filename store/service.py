@@ -1,0 +1,365 @@
+"""PoolService: one node's KVCache pool, in the worker shell process.
+
+It owns the index (store/pool.py), the DRAM arena (store/arena.py), the SSD tier
+(store/ssd.py) and the event log (store/events.py), and answers:
+- the local connectors over the local channel (store/channel.py: lookup, reserve, commit,
+  read/release, fetch_remote, stats, events);
+- other nodes through the messenger (store/remote.py): the arena is a registered region, a
+  remote get is one call that looks up and pins plus one one-sided read of the slots.
+
+The arena is created when the first connector attaches (`configure`): only the engine knows
+the KV layout, hence the bytes of a block. Until then lookups answer nothing held.
+
+Faults never crash the pool: an SSD directory that is not writable, or a disk that fills up,
+turns the pool DRAM-only with one warning and a counter (`ssd_errors`); a block that fails its
+checksum on the way back from disk is a miss (counted as `corrupt`), and the caller recomputes.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from multiprocessing.connection import Connection, Listener
+from typing import Any
+
+from mooncake.control import ControlEndpoint
+from store import channel
+from store.arena import Arena, ArenaInfo
+from store.config import PoolConfig
+from store.events import TierEventLog, TierEventsPage
+from store.pool import BlockPool, Plan, checksum
+from store.ssd import SpillWriter, SsdTier
+
+log = logging.getLogger(__name__)
+
+# Errors that mean the SSD tier cannot be used at all (rather than one bad write).
+_FATAL_SSD_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS}
+SPILL_QUEUE_BYTES = 256 << 20  # spills waiting for the disk; more are dropped (lost cache, not data)
+
+
+class PoolService:
+    def __init__(self, config: PoolConfig, endpoint: ControlEndpoint | None = None,
+                 clock: Callable[[], float] = time.monotonic, remote: bool = True, engine_config=None):
+        """`endpoint`: where the local channel listens (a fresh one if None). `remote`: serve
+        and fetch blocks through the messenger once configured. `engine_config`: the
+        messenger's EngineConfig (None: its defaults, with per-slice checksums off, since
+        every block carries its own)."""
+        self.config = config
+        self.endpoint = endpoint or ControlEndpoint.new()
+        self._clock = clock
+        self._lock = threading.Lock()  # configure and close; the pool has its own lock
+        self.pool: BlockPool | None = None
+        self.arena: Arena | None = None
+        self.ssd: SsdTier | None = None
+        self._writer: SpillWriter | None = None
+        self.events = TierEventLog()
+        self.counters: Counter[str] = Counter()
+        self.layout: str | None = None
+        self._listener: Listener | None = None
+        self._closed = threading.Event()
+        self._want_remote = remote
+        self._engine_config = engine_config
+        self.remote = None  # store.remote.RemotePool once configured
+
+    # --- life ----------------------------------------------------------------------------
+    def start(self) -> "PoolService":
+        """Listen on the local channel (a daemon thread per connection)."""
+        import os
+
+        if os.path.exists(self.endpoint.path):
+            os.unlink(self.endpoint.path)
+        self._listener = Listener(self.endpoint.path, family="AF_UNIX", authkey=self.endpoint.authkey)
+        threading.Thread(target=self._accept_loop, name="pool-channel", daemon=True).start()
+        if self.config.block_bytes:
+            self.configure(self.config.block_bytes, self.layout or "")
+        return self
+
+    def configure(self, block_bytes: int, layout: str) -> ArenaInfo:
+        """Create the arena, the index and the SSD tier for blocks of `block_bytes` of KV in
+        `layout` (the engine's description of its KV: model, dtype, block size, shapes). Later
+        calls must agree (two engines of one node share its pool only if their KV is alike)."""
+        with self._lock:
+            if self.arena is not None:
+                if (block_bytes, layout) != (self.arena.block_bytes, self.layout):
+                    raise ValueError(f"the pool holds blocks of {self.arena.block_bytes} B in layout "
+                                     f"{self.layout!r}; asked for {block_bytes} B in {layout!r}")
+                return self.arena.info
+            config = replace(self.config, block_bytes=block_bytes)
+            if config.dram_slots < 1:
+                raise ValueError(f"the pool's DRAM tier ({config.dram_bytes} B) cannot hold a block of {block_bytes} B")
+            arena = Arena.create(config.dram_slots, block_bytes)
+            self.config, self.layout, self.arena = config, layout, arena
+            self.pool = BlockPool(config)
+            self._open_ssd()
+            if self._want_remote:
+                from store.remote import RemotePool
+
+                self.remote = RemotePool(self, self._engine_config)
+            log.info("KV pool: %d DRAM slots of %d B (%s)%s", config.dram_slots, block_bytes, arena.info.path,
+                     f", SSD {config.ssd_bytes} B in {self.ssd.root}" if self.ssd else ", no SSD tier")
+            return arena.info
+
+    def close(self) -> None:
+        self._closed.set()
+        if self._listener is not None:
+            try:
+                self._listener.close()
+            except OSError:
+                pass
+        if self.remote is not None:
+            self.remote.close()
+        if self._writer is not None:
+            self._writer.close()
+        if self.arena is not None:
+            self.arena.close()
+        import os
+        import shutil
+
+        shutil.rmtree(os.path.dirname(self.endpoint.path), ignore_errors=True)
+
+    # --- operations (the channel's ops call these; the shell may too) ---------------------
+    def lookup(self, keys: Sequence[int]) -> list[str]:
+        if self.pool is None:
+            return []
+        return [tier.value for tier in self.pool.lookup(keys)]
+
+    def reserve(self, keys: Sequence[int]) -> list[tuple[int, int]]:
+        if self.pool is None:
+            return []
+        reservation = self.pool.reserve(keys, self._clock())
+        self._execute(reservation.plan)  # spills leave the slots before anyone may write them
+        return reservation.slots
+
+    def commit(self, keys: Sequence[int], checksums: Sequence[int] | None = None) -> int:
+        """Commit filled slots. Without checksums the service hashes the slots itself."""
+        if self.pool is None:
+            return 0
+        if checksums is None:
+            slots = dict(self._reserved_slots(keys))
+            keys = [k for k in keys if k in slots]
+            checksums = [checksum(self.arena.slot(slots[k])) for k in keys]
+        committed = self.pool.commit(keys, checksums, self._clock())
+        self._flush_events()
+        return len(committed)
+
+    def abort(self, keys: Sequence[int]) -> None:
+        if self.pool is not None:
+            self.pool.abort(keys)
+
+    def read(self, keys: Sequence[int]) -> list[tuple[int, int, int]]:
+        """(key, slot, checksum) of the leading keys held, each pinned (release() unpins).
+        Blocks only on SSD are loaded into DRAM and verified first; one that fails is a miss
+        and ends the run."""
+        if self.pool is None:
+            return []
+        out = []
+        for key in keys:
+            plan = self.pool.read(key, self._clock())
+            if plan is None:
+                break
+            self._execute(plan.plan)
+            if plan.load_from_ssd and not self._promote(key, plan.slot, plan.checksum):
+                break
+            out.append((key, plan.slot, plan.checksum))
+        self._flush_events()
+        return out
+
+    def release(self, keys: Sequence[int]) -> None:
+        if self.pool is not None:
+            self.pool.unpin(keys)
+
+    def fetch_remote(self, peer, keys: Sequence[int]) -> int:
+        """Bring `keys` from another node's pool (its messenger PeerInfo) into this one; the
+        leading keys this node holds after. Raises messenger TransferError if the peer fails."""
+        if self.remote is None:
+            raise RuntimeError("this pool does not reach other nodes (not configured, or remote=False)")
+        return self.remote.fetch(peer, keys)
+
+    def peer_info(self):
+        """This pool's messenger PeerInfo (publish it with the node's registration); None until
+        configured."""
+        return self.remote.info() if self.remote is not None else None
+
+    def stats(self) -> dict[str, Any]:
+        usage = self.pool.usage() if self.pool is not None else {}
+        counters = dict(self.counters)
+        if self.pool is not None:
+            counters.update(self.pool.counters)
+        if self.ssd is not None:
+            counters.update({f"ssd_skipped_{k}": v for k, v in self.ssd.skipped.items()})
+        return {"usage": usage, "counters": counters, "block_bytes": self.config.block_bytes,
+                "ssd_enabled": self.ssd is not None}
+
+    def events_since(self, seq: int) -> TierEventsPage:
+        self._flush_events()
+        return self.events.since(seq)
+
+    def flush(self, timeout_s: float = 30.0) -> None:
+        """Wait until every spill queued so far is on disk (tests, shutdown)."""
+        if self._writer is not None:
+            self._writer.flush(timeout_s)
+        self._flush_events()
+
+    # --- the SSD tier ---------------------------------------------------------------------
+    def _open_ssd(self) -> None:
+        if not self.config.ssd_dir or not self.config.ssd_slots:
+            return
+        tier = SsdTier(self.config.ssd_dir, self.layout or "", self.config.block_bytes)
+        try:
+            tier.open()
+            found = tier.scan()
+        except OSError as exc:
+            self._degrade(exc, f"cannot use {self.config.ssd_dir}")
+            return
+        self.ssd = tier
+        now = self._clock()
+        restored = 0
+        for block in found:
+            if self.pool.restore_ssd(block.key, block.checksum, now):
+                restored += 1
+            else:
+                tier.delete(block.key)  # beyond ssd_bytes now (the limit shrank)
+        self._writer = SpillWriter(tier, self._spill_done, SPILL_QUEUE_BYTES)
+        self._flush_events()
+        if found:
+            log.info("KV pool: %d blocks restored from %s", restored, tier.root)
+
+    def _execute(self, plan: Plan) -> None:
+        for spill in plan.spills:
+            if self._writer is None:
+                self.pool.ssd_written(spill.key, False)
+                continue
+            data = self.arena.slot(spill.slot).tobytes()  # before the slot is handed out again
+            if not self._writer.submit(spill.key, data, spill.checksum):
+                self.counters["spills_dropped"] += 1
+                self._execute(self.pool.ssd_written(spill.key, False))
+        for key in plan.ssd_deletes:
+            if self.ssd is not None:
+                try:
+                    self.ssd.delete(key)
+                except OSError as exc:
+                    log.debug("pool SSD tier: deleting %x failed: %s", key, exc)
+
+    def _spill_done(self, key: int, error: OSError | None) -> None:
+        if error is None:
+            self._execute(self.pool.ssd_written(key, True))
+        else:
+            self._execute(self.pool.ssd_written(key, False))
+            if error.errno in _FATAL_SSD_ERRNOS:
+                self._degrade(error, "writing a block failed")
+            else:
+                self.counters["ssd_errors_io"] += 1
+                log.warning("KV pool: writing block %x to SSD failed: %s", key, error)
+        self._flush_events()
+
+    def _promote(self, key: int, slot: int, digest: int) -> bool:
+        try:
+            ok = self.ssd is not None and self.ssd.read_into(key, self.arena.slot(slot), digest)
+        except OSError as exc:
+            log.warning("KV pool: reading block %x from SSD failed: %s", key, exc)
+            self.counters["ssd_errors_io"] += 1
+            ok = False
+        if not ok and self.ssd is not None:
+            log.warning("KV pool: block %x on SSD is missing or fails its checksum; recomputed", key)
+        self._execute(self.pool.loaded(key, ok, self._clock()))
+        return ok
+
+    def _degrade(self, exc: OSError, what: str) -> None:
+        """The SSD tier is unusable: DRAM only from now on, said once, counted."""
+        reason = {errno.ENOSPC: "full", errno.EDQUOT: "full"}.get(exc.errno, "unwritable")
+        self.counters[f"ssd_errors_{reason}"] += 1
+        if self.ssd is None and self._writer is None and self.pool is not None and not self.config.ssd_slots:
+            return
+        log.warning("KV pool: SSD tier off, DRAM only from now on (%s: %s)", what, exc)
+        self.ssd = None
+        if self.pool is not None:
+            self.pool.disable_ssd()  # its files stay: a later start may use them
+        self.config = replace(self.config, ssd_dir=None)
+
+    def _reserved_slots(self, keys: Sequence[int]):
+        return self.pool.reserved_slots(keys)
+
+    def _flush_events(self) -> None:
+        if self.pool is not None:
+            events = self.pool.drain_events()
+            if events:
+                self.events.append(events)
+
+    # --- the local channel ----------------------------------------------------------------
+    def _accept_loop(self) -> None:
+        while not self._closed.is_set():
+            try:
+                conn = self._listener.accept()
+            except OSError:
+                return
+            except Exception as exc:  # noqa: BLE001 - a caller with the wrong key; keep serving
+                log.warning("refused a pool connection: %s", exc)
+                continue
+            threading.Thread(target=self._serve, args=(conn,), name="pool-conn", daemon=True).start()
+
+    def _serve(self, conn: Connection) -> None:
+        pins: Counter[int] = Counter()  # what this connection holds pinned
+        try:
+            while not self._closed.is_set():
+                try:
+                    data = conn.recv_bytes()
+                except (EOFError, OSError):
+                    return
+                try:
+                    reply = {"ok": True, **self._answer(channel.decode(data), pins)}
+                except Exception as exc:  # noqa: BLE001 - the caller must get an answer, never a hang
+                    reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+                try:
+                    conn.send_bytes(channel.encode(reply))
+                except OSError:
+                    return
+        finally:
+            conn.close()
+            if pins and self.pool is not None:  # a connector that died holds nothing
+                self.pool.unpin(list(pins.elements()))
+
+    def _answer(self, request: dict[str, Any], pins: Counter[int]) -> dict[str, Any]:
+        op = request.get("op")
+        keys = channel.unpack_keys(request["keys"]) if "keys" in request else []
+        if op == "lookup":
+            return {"tiers": self.lookup(keys)}
+        if op == "reserve":
+            slots = self.reserve(keys)
+            return {"keys": channel.pack_keys([k for k, _ in slots]), "slots": [s for _, s in slots]}
+        if op == "commit":
+            return {"committed": self.commit(keys, request.get("checksums"))}
+        if op == "abort":
+            self.abort(keys)
+            return {}
+        if op == "read":
+            got = self.read(keys)
+            pins.update(k for k, _, _ in got)
+            return {"keys": channel.pack_keys([k for k, _, _ in got]), "slots": [s for _, s, _ in got],
+                    "checksums": [c for _, _, c in got]}
+        if op == "release":
+            held = [k for k in keys if pins[k] > 0]
+            pins.subtract(held)
+            self.release(held)
+            return {}
+        if op == "fetch_remote":
+            import msgspec
+
+            from messenger.api import PeerInfo
+
+            peer = msgspec.json.decode(request["peer"], type=PeerInfo)
+            return {"fetched": self.fetch_remote(peer, keys)}
+        if op == "configure":
+            info = self.configure(int(request["block_bytes"]), str(request["layout"]))
+            return {"arena": {"path": info.path, "block_bytes": info.block_bytes, "slots": info.slots}}
+        if op == "stats":
+            return self.stats()
+        if op == "events":
+            page = self.events_since(int(request.get("since", -1)))
+            return {"seq": page.seq, "reset": page.reset,
+                    "events": [[kind, key.to_bytes(16, "big"), tier] for kind, key, tier in page.events]}
+        raise ValueError(f"unknown pool op {op!r}")
