@@ -26,6 +26,7 @@ class TransportStats:
         self._received = 0
         self._counts = [0] * (len(self._buckets) + 1)  # the last one: above every bound
         self._seconds = 0.0
+        self._failures: dict[str, int] = {}
 
     def moved(self, sent: int = 0, received: int = 0) -> None:
         """Bytes of whole frames sent or received (either side of a connection)."""
@@ -40,16 +41,25 @@ class TransportStats:
             self._counts[i] += 1
             self._seconds += seconds
 
+    def failed(self, kind: str) -> None:
+        """One request (a transfer engine's batch) failed; `kind` says how ("timeout", "checksum",
+        "transfer"), so a dashboard can tell a dead peer from corrupt bytes."""
+        with self._lock:
+            self._failures[kind] = self._failures.get(kind, 0) + 1
+
     def snapshot(self) -> dict:
-        """{sent_bytes, received_bytes, request_seconds: {le, cumulative, count, sum}}, where
-        cumulative[i] counts the requests that took at most le[i] seconds."""
+        """{sent_bytes, received_bytes, request_seconds: {le, cumulative, count, sum}, failures:
+        {kind: count}}, where cumulative[i] counts the requests that took at most le[i] seconds
+        (failed ones are counted in failures only)."""
         with self._lock:
             counts, seconds = list(self._counts), self._seconds
             sent, received = self._sent, self._received
+            failures = dict(self._failures)
         cumulative, total = [], 0
         for n in counts[:-1]:
             total += n
             cumulative.append(total)
         return {"sent_bytes": sent, "received_bytes": received,
                 "request_seconds": {"le": list(self._buckets), "cumulative": cumulative, "count": sum(counts),
-                                    "sum": seconds}}
+                                    "sum": seconds},
+                "failures": failures}

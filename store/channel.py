@@ -20,6 +20,8 @@ Ops (request fields -> reply fields; every reply has "ok", and "error" when not 
   events     since                      -> seq, reset, events [[kind, key bytes, tier], ...]
 
 Pins taken by `read` belong to the connection: if the connector dies, they are released.
+release, abort and commit(wait=False) carry "noreply": the service answers nothing (a failure is
+logged there), so they cost the caller no round trip; one connection keeps them in order.
 """
 
 from __future__ import annotations
@@ -88,13 +90,18 @@ class PoolClient:
         reply = self._call({"op": "reserve", "keys": pack_keys(keys)})
         return list(zip(unpack_keys(reply["keys"]), reply["slots"]))
 
-    def commit(self, keys: Sequence[int], checksums: Sequence[int] | None = None) -> int:
-        reply = self._call({"op": "commit", "keys": pack_keys(keys),
-                            "checksums": None if checksums is None else list(checksums)})
-        return reply["committed"]
+    def commit(self, keys: Sequence[int], checksums: Sequence[int] | None = None, wait: bool = True) -> int | None:
+        """How many were committed; with wait=False the message is only sent (a saver off the
+        critical path need not wait: the next call on this client sees it applied) and None
+        is returned."""
+        request = {"op": "commit", "keys": pack_keys(keys), "checksums": None if checksums is None else list(checksums)}
+        if not wait:
+            self._send(request)
+            return None
+        return self._call(request)["committed"]
 
     def abort(self, keys: Sequence[int]) -> None:
-        self._call({"op": "abort", "keys": pack_keys(keys)})
+        self._send({"op": "abort", "keys": pack_keys(keys)})
 
     def read(self, keys: Sequence[int]) -> list[tuple[int, int, int]]:
         """(key, slot, checksum) of the leading keys held, each pinned until release()."""
@@ -102,7 +109,8 @@ class PoolClient:
         return list(zip(unpack_keys(reply["keys"]), reply["slots"], reply["checksums"]))
 
     def release(self, keys: Sequence[int]) -> None:
-        self._call({"op": "release", "keys": pack_keys(keys)})
+        """Unpin; sent without waiting for an answer (there is nothing to answer)."""
+        self._send({"op": "release", "keys": pack_keys(keys)})
 
     def fetch_remote(self, peer_json: bytes, keys: Sequence[int]) -> int:
         """Bring `keys` from another node's pool into this one (its PeerInfo as msgspec JSON).
@@ -117,6 +125,23 @@ class PoolClient:
             if self._conn is not None:
                 self._conn.close()
                 self._conn = None
+
+    def _send(self, request: dict[str, Any]) -> None:
+        """A message the service answers with nothing (release, abort, commit without wait)."""
+        payload = encode({**request, "noreply": True})
+        with self._lock:
+            for attempt in (0, 1):
+                try:
+                    if self._conn is None:
+                        self._conn = Client(self._endpoint.path, family="AF_UNIX", authkey=self._endpoint.authkey)
+                    self._conn.send_bytes(payload)
+                    return
+                except (OSError, AuthenticationError) as exc:
+                    if self._conn is not None:
+                        self._conn.close()
+                        self._conn = None
+                    if attempt:
+                        raise PoolUnavailable(f"pool message {request['op']!r} failed: {exc}") from exc
 
     def _call(self, request: dict[str, Any]) -> dict[str, Any]:
         payload = encode(request)

@@ -11,7 +11,8 @@ The life of a block:
   commit(keys, checksums) -> COMMITTED (xxh3-64 of the slot's bytes), or abort(keys) -> freed.
   read(key)      -> (slot, checksum), pinned: never evicted until unpin(key). A block only on
                     SSD gets a DRAM slot (state LOADING) and the plan says load it; the owner
-                    reads the file into the slot, verifies the checksum and calls loaded(key, ok).
+                    reads the file (or, for a spill not yet on disk, its copy) into the slot,
+                    verifies the checksum and calls loaded(key, ok).
   eviction       -> the least valuable unpinned COMMITTED block (the policy's order) leaves DRAM
                     to make room. Without an SSD copy it is spilled: the plan carries a Spill
                     that the owner must copy out of the slot BEFORE anyone writes the slot
@@ -28,6 +29,7 @@ that stops at the first evictable block.
 from __future__ import annotations
 
 import enum
+import heapq
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -102,7 +104,7 @@ class _DramEntry:
 @dataclass
 class _SsdEntry:
     checksum: int
-    ready: bool  # the file is written (a spill in flight is not)
+    ready: bool  # the file is written (a spill in flight is not: its owner still holds a copy)
     readers: int = 0  # promotions reading the file now: not evicted meanwhile
 
 
@@ -115,7 +117,9 @@ class BlockPool:
             raise ValueError("BlockPool needs PoolConfig.block_bytes (the KV bytes of one block)")
         self.config = config
         self._lock = threading.Lock()
-        self._free_slots = list(range(config.dram_slots - 1, -1, -1))  # pop() hands out slot 0 first
+        # A min-heap: the lowest free slot goes first, so blocks reserved together get adjacent
+        # slots and a transfer of a run of them is one slice (store/remote.py coalesces).
+        self._free_slots = list(range(config.dram_slots))
         self._dram: dict[int, _DramEntry] = {}
         self._ssd: dict[int, _SsdEntry] = {}
         self._ssd_capacity = config.ssd_slots
@@ -135,8 +139,7 @@ class BlockPool:
                 if entry is not None and entry.state is State.COMMITTED:
                     tiers.append(Tier.DRAM)
                     continue
-                ssd = self._ssd.get(key)
-                if ssd is not None and ssd.ready:
+                if key in self._ssd:  # a spill still on its way to disk is served from its copy
                     tiers.append(Tier.SSD)
                     continue
                 break
@@ -148,7 +151,7 @@ class BlockPool:
         bb = self.config.block_bytes
         with self._lock:
             dram_blocks = sum(1 for e in self._dram.values() if e.state is State.COMMITTED)
-            ssd_blocks = sum(1 for e in self._ssd.values() if e.ready)
+            ssd_blocks = len(self._ssd)
             return {
                 Tier.DRAM.value: {"capacity_bytes": self.config.dram_slots * bb, "used_bytes": len(self._dram) * bb,
                                   "blocks": dram_blocks},
@@ -208,7 +211,7 @@ class BlockPool:
                 entry = self._dram.get(key)
                 if entry is not None and entry.state is State.RESERVED:
                     del self._dram[key]
-                    self._free_slots.append(entry.slot)
+                    heapq.heappush(self._free_slots, entry.slot)
 
     # --- reading -------------------------------------------------------------------------
     def read(self, key: int, now: float, pin: bool = True) -> ReadPlan | None:
@@ -227,7 +230,7 @@ class BlockPool:
                     self._ssd_order.touch(key, now)
                 return ReadPlan(key, entry.slot, entry.checksum, False, Plan())
             ssd = self._ssd.get(key)
-            if ssd is None or not ssd.ready:
+            if ssd is None:
                 return None
             plan = Plan()
             slot = self._take_slot(plan)
@@ -257,7 +260,7 @@ class BlockPool:
                 return plan
             self.counters["corrupt"] += 1
             del self._dram[key]
-            self._free_slots.append(entry.slot)
+            heapq.heappush(self._free_slots, entry.slot)
             if ssd is not None:
                 self._drop_ssd(key, plan)
         return plan
@@ -343,7 +346,7 @@ class BlockPool:
     # --- internals (under the lock) ----------------------------------------------------------
     def _take_slot(self, plan: Plan) -> int | None:
         if self._free_slots:
-            return self._free_slots.pop()
+            return heapq.heappop(self._free_slots)
         victim = next((k for k in self._dram_order.victims() if self._evictable(k)), None)
         if victim is None:
             return None
@@ -365,7 +368,7 @@ class BlockPool:
         self._dram_order.remove(key)
         self._events.append(("removed", key, Tier.DRAM.value))
         if free:
-            self._free_slots.append(entry.slot)
+            heapq.heappush(self._free_slots, entry.slot)
         return entry.slot
 
     def _ssd_room(self, plan: Plan) -> bool:

@@ -1,14 +1,17 @@
 """Remote gets: nodes read blocks from each other's pools through the messenger.
 
 The arena is a registered region of this node's TransferEngine. A fetch of k blocks from a
-peer is:
-- large (k x block_bytes above INLINE_BYTES): one `call` that looks the keys up on the peer and
-  pins the leading ones held (promoting SSD blocks), one one-sided `read` of their slots
-  straight into slots reserved here (adjacent slots coalesced into one slice), then an unpin
-  sent without waiting (the peer also drops pins whose lease ran out: a fetcher that died
-  holds nothing for long);
-- small: one `call` whose reply carries the bytes (a round trip and two copies cost less than
-  two round trips at 64 KiB).
+peer is one `call`:
+- small (k x block_bytes up to INLINE_BYTES): the reply carries the bytes (at 64 KiB a round
+  trip and two copies cost less than a round trip plus a transfer);
+- large: the fetcher reserves slots in its own arena and names them in the call; the peer
+  pins the leading keys it holds (promoting SSD blocks), WRITES them straight into those slots
+  (adjacent slots coalesced into one slice), unpins, and replies once the write landed: one
+  call, whose handling includes the transfer, instead of a call to pin, a read and an unpin
+  (measured on loopback tcp: 1.1-1.2 ms against 1.9-2.2 ms per batch of 16 x 64 KiB);
+- when the peer cannot reach this node to write (no transport back): `pin` (a lease that
+  expires, so a reader that died holds nothing for long), a one-sided `read` of the slots, and
+  an `unpin` sent without waiting.
 Every block is verified against the checksum the peer's index holds before it is committed
 here; one that fails is dropped (counted), never served. The messenger's own per-slice
 checksums are off by default for the pool's engine: every block already carries one.
@@ -24,17 +27,23 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
+import msgspec
+
+from messenger.api import PeerInfo, Slice, TransferError
 from store import channel
 from store.pool import checksum
 
 if TYPE_CHECKING:
-    from messenger.api import PeerInfo
     from store.service import PoolService
 
 log = logging.getLogger(__name__)
 
 ARENA_REGION = "kv-pool-arena"
-INLINE_BYTES = 1 << 20
+
+
+class NoWayBack(TransferError):
+    """The peer cannot reach this node to write the blocks (no transport back)."""
+INLINE_BYTES = 256 << 10  # below: the bytes ride the reply (one round trip instead of two)
 
 
 class RemotePool:
@@ -51,7 +60,9 @@ class RemotePool:
         self._lock = threading.Lock()
         self._leases: dict[int, tuple[list[int], float]] = {}
         self._next_lease = 1
-        self._peers: set[str] = set()
+        self._peers: dict[str, str] = {}  # peer name -> the transport the engine chose for it
+        self._introduced: set[str] = set()  # peers that have our PeerInfo (they push to us)
+        self._known: set[str] = set()  # peers whose PeerInfo we have (we push to them)
         self._unpinner = ThreadPoolExecutor(1, thread_name_prefix="pool-unpin")
 
     def info(self) -> "PeerInfo":
@@ -69,13 +80,42 @@ class RemotePool:
         if not want:
             return held
         if peer.name not in self._peers:
-            self.engine.add_peer(peer)
-            self._peers.add(peer.name)
+            self._peers[peer.name] = self.engine.add_peer(peer)
         if len(want) * service.config.block_bytes <= INLINE_BYTES:
             self._fetch_inline(peer.name, want)
         else:
-            self._fetch_by_read(peer.name, want)
+            try:
+                self._fetch_by_push(peer.name, want)
+            except NoWayBack:
+                self._fetch_by_read(peer.name, want)
         return len(service.lookup(keys))
+
+    def _fetch_by_push(self, peer: str, keys: list[int]) -> None:
+        slots = self._service.reserve(keys)
+        if not slots:
+            return
+        request = {"op": "push", "keys": channel.pack_keys([k for k, _ in slots]), "slots": [s for _, s in slots]}
+        if peer not in self._introduced:  # the peer needs our PeerInfo to write to us
+            request["who"] = msgspec.json.encode(self._info)
+        try:
+            reply = channel.decode(self.engine.call(peer, channel.encode(request)))
+            if not reply["ok"] and "unknown peer" in reply.get("error", "") and "who" not in request:
+                self._introduced.discard(peer)  # it restarted and forgot us
+                request["who"] = msgspec.json.encode(self._info)
+                reply = channel.decode(self.engine.call(peer, channel.encode(request)))
+        except BaseException:
+            self._service.abort([k for k, _ in slots])
+            raise
+        if not reply["ok"]:
+            self._service.abort([k for k, _ in slots])
+            if "NoTransport" in reply["error"]:
+                raise NoWayBack(reply["error"])
+            raise TransferError(f"{peer} refused to send blocks: {reply['error']}")
+        self._introduced.add(peer)
+        got = channel.unpack_keys(reply["keys"])
+        digests = dict(zip(got, reply["checksums"]))
+        self._service.abort([k for k, _ in slots if k not in digests])
+        self._commit_verified([(k, s) for k, s in slots if k in digests], digests)
 
     def _fetch_inline(self, peer: str, keys: list[int]) -> None:
         reply = channel.decode(self.engine.call(peer, channel.encode({"op": "get", "keys": channel.pack_keys(keys)})))
@@ -90,8 +130,6 @@ class RemotePool:
         self._commit_verified(slots, digests)
 
     def _fetch_by_read(self, peer: str, keys: list[int]) -> None:
-        from messenger.api import Slice
-
         reply = channel.decode(self.engine.call(peer, channel.encode({"op": "pin", "keys": channel.pack_keys(keys)})))
         lease = reply["lease"]
         try:
@@ -99,16 +137,7 @@ class RemotePool:
             remote = dict(zip(got, reply["slots"]))
             digests = dict(zip(got, reply["checksums"]))
             slots = self._service.reserve(got)
-            bb = self._service.config.block_bytes
-            slices: list[Slice] = []
-            for key, slot in slots:  # coalesce runs adjacent on both sides into one slice
-                last = slices[-1] if slices else None
-                if (last is not None and last.local_offset + last.length == slot * bb
-                        and last.remote_offset + last.length == remote[key] * bb):
-                    slices[-1] = Slice(ARENA_REGION, last.local_offset, ARENA_REGION, last.remote_offset,
-                                       last.length + bb)
-                else:
-                    slices.append(Slice(ARENA_REGION, slot * bb, ARENA_REGION, remote[key] * bb, bb))
+            slices = coalesce([(slot, remote[key]) for key, slot in slots], self._service.config.block_bytes)
             if slices:
                 try:
                     self.engine.read(peer, slices).wait()
@@ -140,12 +169,12 @@ class RemotePool:
     def _on_call(self, peer: str, request: bytes) -> bytes:
         try:
             message = channel.decode(request)
-            reply = {"ok": True, **self._answer(message)}
+            reply = {"ok": True, **self._answer(peer, message)}
         except Exception as exc:  # noqa: BLE001 - the peer gets an answer, never a hang
             reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
         return channel.encode(reply)
 
-    def _answer(self, message: dict) -> dict:
+    def _answer(self, peer: str, message: dict) -> dict:
         service = self._service
         op = message.get("op")
         self._expire_leases()
@@ -158,6 +187,23 @@ class RemotePool:
             service.counters["remote_served_blocks"] += len(got)
             return {"keys": channel.pack_keys([k for k, _, _ in got]), "checksums": [c for _, _, c in got],
                     "data": data}
+        if op == "push":
+            if "who" in message:
+                self.engine.add_peer(msgspec.json.decode(message["who"], type=PeerInfo))
+                with self._lock:
+                    self._known.add(peer)
+            elif peer not in self._known:
+                raise LookupError(f"unknown peer {peer!r}: send 'who' first")
+            got = service.read(channel.unpack_keys(message["keys"]))
+            try:
+                if got:
+                    dest = dict(zip(channel.unpack_keys(message["keys"]), message["slots"]))
+                    slices = coalesce([(slot, dest[key]) for key, slot, _ in got], service.config.block_bytes)
+                    self.engine.write(peer, slices).wait()
+            finally:
+                service.release([k for k, _, _ in got])
+            service.counters["remote_served_blocks"] += len(got)
+            return {"keys": channel.pack_keys([k for k, _, _ in got]), "checksums": [c for _, _, c in got]}
         if op == "pin":
             got = service.read(channel.unpack_keys(message["keys"]))
             with self._lock:
@@ -182,3 +228,17 @@ class RemotePool:
         if keys:
             log.warning("KV pool: %d blocks pinned by a peer that never released them; unpinned", len(keys))
             self._service.release(keys)
+
+
+def coalesce(pairs: list[tuple[int, int]], block_bytes: int) -> list[Slice]:
+    """Slices for (local slot, remote slot) pairs, runs adjacent on both sides merged into one."""
+    slices: list[Slice] = []
+    for local, remote in pairs:
+        last = slices[-1] if slices else None
+        if (last is not None and last.local_offset + last.length == local * block_bytes
+                and last.remote_offset + last.length == remote * block_bytes):
+            slices[-1] = Slice(ARENA_REGION, last.local_offset, ARENA_REGION, last.remote_offset,
+                               last.length + block_bytes)
+        else:
+            slices.append(Slice(ARENA_REGION, local * block_bytes, ARENA_REGION, remote * block_bytes, block_bytes))
+    return slices

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
+import shutil
 import threading
 import time
 from collections import Counter
@@ -52,25 +54,29 @@ class PoolService:
         self.config = config
         self.endpoint = endpoint or ControlEndpoint.new()
         self._clock = clock
-        self._lock = threading.Lock()  # configure and close; the pool has its own lock
+        self._lock = threading.RLock()  # configure (which may degrade) and degrade; the pool has its own
         self.pool: BlockPool | None = None
         self.arena: Arena | None = None
         self.ssd: SsdTier | None = None
         self._writer: SpillWriter | None = None
         self.events = TierEventLog()
+        self._events_lock = threading.Lock()
+        # Held from a pool call that returns I/O until that I/O is queued (reentrant: a dropped
+        # spill reports back to the pool inside _execute).
+        self._io_lock = threading.RLock()
         self.counters: Counter[str] = Counter()
         self.layout: str | None = None
         self._listener: Listener | None = None
         self._closed = threading.Event()
         self._want_remote = remote
+        self._ssd_off = False
+        self._spilling: dict[int, bytes] = {}  # key -> bytes of a spill not yet on disk
         self._engine_config = engine_config
         self.remote = None  # store.remote.RemotePool once configured
 
     # --- life ----------------------------------------------------------------------------
     def start(self) -> "PoolService":
         """Listen on the local channel (a daemon thread per connection)."""
-        import os
-
         if os.path.exists(self.endpoint.path):
             os.unlink(self.endpoint.path)
         self._listener = Listener(self.endpoint.path, family="AF_UNIX", authkey=self.endpoint.authkey)
@@ -117,9 +123,6 @@ class PoolService:
             self._writer.close()
         if self.arena is not None:
             self.arena.close()
-        import os
-        import shutil
-
         shutil.rmtree(os.path.dirname(self.endpoint.path), ignore_errors=True)
 
     # --- operations (the channel's ops call these; the shell may too) ---------------------
@@ -131,8 +134,9 @@ class PoolService:
     def reserve(self, keys: Sequence[int]) -> list[tuple[int, int]]:
         if self.pool is None:
             return []
-        reservation = self.pool.reserve(keys, self._clock())
-        self._execute(reservation.plan)  # spills leave the slots before anyone may write them
+        with self._io_lock:
+            reservation = self.pool.reserve(keys, self._clock())
+            self._execute(reservation.plan)  # spills leave the slots before anyone may write them
         return reservation.slots
 
     def commit(self, keys: Sequence[int], checksums: Sequence[int] | None = None) -> int:
@@ -140,7 +144,7 @@ class PoolService:
         if self.pool is None:
             return 0
         if checksums is None:
-            slots = dict(self._reserved_slots(keys))
+            slots = dict(self.pool.reserved_slots(keys))
             keys = [k for k in keys if k in slots]
             checksums = [checksum(self.arena.slot(slots[k])) for k in keys]
         committed = self.pool.commit(keys, checksums, self._clock())
@@ -159,10 +163,11 @@ class PoolService:
             return []
         out = []
         for key in keys:
-            plan = self.pool.read(key, self._clock())
-            if plan is None:
-                break
-            self._execute(plan.plan)
+            with self._io_lock:
+                plan = self.pool.read(key, self._clock())
+                if plan is None:
+                    break
+                self._execute(plan.plan)
             if plan.load_from_ssd and not self._promote(key, plan.slot, plan.checksum):
                 break
             out.append((key, plan.slot, plan.checksum))
@@ -172,6 +177,13 @@ class PoolService:
     def release(self, keys: Sequence[int]) -> None:
         if self.pool is not None:
             self.pool.unpin(keys)
+
+    def remove(self, keys: Sequence[int]) -> None:
+        """Forget blocks in every tier (their files go too)."""
+        if self.pool is not None:
+            with self._io_lock:
+                self._execute(self.pool.remove(keys))
+            self._flush_events()
 
     def fetch_remote(self, peer, keys: Sequence[int]) -> int:
         """Bring `keys` from another node's pool (its messenger PeerInfo) into this one; the
@@ -230,26 +242,28 @@ class PoolService:
             log.info("KV pool: %d blocks restored from %s", restored, tier.root)
 
     def _execute(self, plan: Plan) -> None:
+        """Carry out a plan: copy spills out of their slots and queue the file operations. The
+        caller holds _io_lock from the pool call that made the plan until this returns, so file
+        operations are queued in the order the index decided them."""
         for spill in plan.spills:
             if self._writer is None:
                 self.pool.ssd_written(spill.key, False)
                 continue
             data = self.arena.slot(spill.slot).tobytes()  # before the slot is handed out again
+            self._spilling[spill.key] = data  # readable until it is on disk
             if not self._writer.submit(spill.key, data, spill.checksum):
                 self.counters["spills_dropped"] += 1
                 self._execute(self.pool.ssd_written(spill.key, False))
+                self._spilling.pop(spill.key, None)
         for key in plan.ssd_deletes:
-            if self.ssd is not None:
-                try:
-                    self.ssd.delete(key)
-                except OSError as exc:
-                    log.debug("pool SSD tier: deleting %x failed: %s", key, exc)
+            if self.ssd is not None and self._writer is not None:
+                self._writer.delete(key)  # in order with the writes (store/ssd.py, SpillWriter)
 
     def _spill_done(self, key: int, error: OSError | None) -> None:
-        if error is None:
-            self._execute(self.pool.ssd_written(key, True))
-        else:
-            self._execute(self.pool.ssd_written(key, False))
+        with self._io_lock:
+            self._execute(self.pool.ssd_written(key, error is None))
+            self._spilling.pop(key, None)
+        if error is not None:
             if error.errno in _FATAL_SSD_ERRNOS:
                 self._degrade(error, "writing a block failed")
             else:
@@ -258,37 +272,42 @@ class PoolService:
         self._flush_events()
 
     def _promote(self, key: int, slot: int, digest: int) -> bool:
+        pending = self._spilling.get(key)
         try:
-            ok = self.ssd is not None and self.ssd.read_into(key, self.arena.slot(slot), digest)
+            if pending is not None:  # spilled moments ago, not on disk yet
+                self.arena.slot(slot)[:] = memoryview(pending)
+                ok = checksum(self.arena.slot(slot)) == digest
+            else:
+                ok = self.ssd is not None and self.ssd.read_into(key, self.arena.slot(slot), digest)
         except OSError as exc:
             log.warning("KV pool: reading block %x from SSD failed: %s", key, exc)
             self.counters["ssd_errors_io"] += 1
             ok = False
         if not ok and self.ssd is not None:
             log.warning("KV pool: block %x on SSD is missing or fails its checksum; recomputed", key)
-        self._execute(self.pool.loaded(key, ok, self._clock()))
+        with self._io_lock:
+            self._execute(self.pool.loaded(key, ok, self._clock()))
         return ok
 
     def _degrade(self, exc: OSError, what: str) -> None:
-        """The SSD tier is unusable: DRAM only from now on, said once, counted."""
-        reason = {errno.ENOSPC: "full", errno.EDQUOT: "full"}.get(exc.errno, "unwritable")
+        """The SSD tier is unusable: DRAM only from now on, said once, counted each time."""
+        reason = "full" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else "unwritable"
         self.counters[f"ssd_errors_{reason}"] += 1
-        if self.ssd is None and self._writer is None and self.pool is not None and not self.config.ssd_slots:
-            return
+        with self._lock:
+            if self._ssd_off:
+                return
+            self._ssd_off = True
         log.warning("KV pool: SSD tier off, DRAM only from now on (%s: %s)", what, exc)
         self.ssd = None
         if self.pool is not None:
-            self.pool.disable_ssd()  # its files stay: a later start may use them
-        self.config = replace(self.config, ssd_dir=None)
-
-    def _reserved_slots(self, keys: Sequence[int]):
-        return self.pool.reserved_slots(keys)
+            self.pool.disable_ssd()  # the files stay (self.ssd is gone): a later start may use them
 
     def _flush_events(self) -> None:
         if self.pool is not None:
-            events = self.pool.drain_events()
-            if events:
-                self.events.append(events)
+            with self._events_lock:  # drained and appended as one step, or two threads could swap batches
+                events = self.pool.drain_events()
+                if events:
+                    self.events.append(events)
 
     # --- the local channel ----------------------------------------------------------------
     def _accept_loop(self) -> None:
@@ -310,10 +329,16 @@ class PoolService:
                     data = conn.recv_bytes()
                 except (EOFError, OSError):
                     return
+                request: dict[str, Any] = {}
                 try:
-                    reply = {"ok": True, **self._answer(channel.decode(data), pins)}
+                    request = channel.decode(data)
+                    reply = {"ok": True, **self._answer(request, pins)}
                 except Exception as exc:  # noqa: BLE001 - the caller must get an answer, never a hang
                     reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+                if request.get("noreply"):
+                    if not reply["ok"]:
+                        log.warning("KV pool: %s from a connector failed: %s", request.get("op"), reply["error"])
+                    continue
                 try:
                     conn.send_bytes(channel.encode(reply))
                 except OSError:

@@ -175,6 +175,10 @@ class SpillWriter:
     one memory copy, not a disk write. Bounded by bytes queued: a spill that does not fit is
     dropped (reported as failed), which loses a cache entry, never correctness.
 
+    Deletions go through the same queue, so the files change in the order the index decided:
+    a block evicted from the tier and spilled again soon after is deleted, then written, never
+    the other way round (which would lose the new file).
+
     `done(key, error)` is called on the writer thread after each write (error None when it
     succeeded)."""
 
@@ -182,7 +186,8 @@ class SpillWriter:
         self._tier = tier
         self._done = done
         self._max = max_queued_bytes
-        self._queued = 0
+        self._queued = 0  # bytes of writes queued
+        self._pending = 0  # writes and deletions queued
         self._lock = threading.Lock()
         self._queue: queue.Queue = queue.Queue()
         self._idle = threading.Condition(self._lock)
@@ -194,13 +199,19 @@ class SpillWriter:
             if self._queued + len(data) > self._max:
                 return False
             self._queued += len(data)
+            self._pending += 1
         self._queue.put((key, data, digest))
         return True
 
+    def delete(self, key: int) -> None:
+        with self._lock:
+            self._pending += 1
+        self._queue.put((key, None, 0))
+
     def flush(self, timeout_s: float = 30.0) -> bool:
-        """Wait until every queued spill is written (tests, shutdown)."""
+        """Wait until every queued write and deletion is done (tests, shutdown)."""
         with self._idle:
-            return self._idle.wait_for(lambda: self._queued == 0, timeout_s)
+            return self._idle.wait_for(lambda: self._pending == 0, timeout_s)
 
     def close(self) -> None:
         self._queue.put(None)
@@ -209,6 +220,15 @@ class SpillWriter:
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:
             key, data, digest = item
+            if data is None:
+                try:
+                    self._tier.delete(key)
+                except OSError as exc:
+                    log.debug("pool SSD tier: deleting %x failed: %s", key, exc)
+                with self._idle:
+                    self._pending -= 1
+                    self._idle.notify_all()
+                continue
             error = None
             try:
                 self._tier.write(key, data, digest)
@@ -220,6 +240,7 @@ class SpillWriter:
                 log.exception("pool SSD tier: spill callback failed")
             with self._idle:
                 self._queued -= len(data)
+                self._pending -= 1
                 self._idle.notify_all()
 
 

@@ -1,0 +1,577 @@
+"""The transfer engine: registered regions, transports chosen per peer, checksums, calls, timeouts.
+
+Users (the KV path, the pool) register memory, publish `info()`, `add_peer` what others publish,
+then `write`/`read` batches of slices and `call` peers. The engine does what is the same for every
+transport (messenger/api.py's Transport moves bytes and messages only):
+
+- Transports: those of `config.transports` (preference order) whose module imports and whose
+  `available()` is None. Each lives in its own module with a class built from the EngineConfig
+  (`_TRANSPORT_CLASSES`); a missing module is skipped, so transports plug in without this file.
+- Choice per peer: `messenger.select.choose(local, peer, transports)` when that module exists
+  (transports: name -> Transport, in preference order; it returns a name), else the first
+  transport in preference order whose `can_reach` says yes.
+- Checksums: xxh3-64 per slice, hashed on a small thread pool while the transport already moves
+  the bytes. The message handed to `Transport.submit` is a `PendingMessage`: its `checksums` blocks
+  until the hashes are ready, so a transport reads it when it sends the message, after the slices.
+  The receiving engine verifies them over its own memory in `slices_landed` before `on_notify`.
+  A mismatch fails the sender's batch with ChecksumError (a transport passes the text
+  `slices_landed` returned back into its TransferError; "ChecksumError:" in it marks the kind) and
+  hands on_notify the error. Reads are not checksummed here: the
+  side that serves a read has no engine hook in the contract (the pool checks its blocks itself).
+- Messages: the engine wraps every payload in a one-byte envelope (a batch's notification or
+  none; a call request with the caller's PeerInfo so the callee can answer; a call reply).
+- Timeouts: a watchdog fails every batch and call that is not complete `timeout_s` after it was
+  submitted, whatever the transport does (a dead or silent peer).
+
+on_notify and on_call run on the engine's and transports' threads: keep on_notify short (it holds
+the stream it arrived on); on_call runs on a small pool of its own.
+"""
+
+from __future__ import annotations
+
+import heapq
+import importlib
+import itertools
+import logging
+import socket
+import struct
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import msgspec
+import numpy as np
+import xxhash
+
+from messenger.api import (Batch, CallHandler, ChecksumError, Direction, NoTransport, NotifyHandler,
+                           OutgoingMessage, PeerInfo, Region, Slice, TransferError, Transport)
+from messenger.stats import TransportStats
+
+log = logging.getLogger(__name__)
+
+# name -> (module, class); the class is built as cls(config: EngineConfig).
+_TRANSPORT_CLASSES = {
+    "tcp": ("messenger.tcp_transport", "TcpTransport"),
+    "shm": ("messenger.shm", "ShmTransport"),
+    "rdma": ("messenger.rdma", "RdmaTransport"),
+    "nixl": ("messenger.nixl_transport", "NixlTransport"),
+}
+
+# Envelope kinds (first byte of every payload the engine hands a transport).
+_NOTIFY, _SILENT, _CALL, _REPLY, _REPLY_ERROR = 1, 2, 3, 4, 5
+_CALL_HEAD = struct.Struct("!BQI")  # kind, call id, length of the caller's PeerInfo JSON
+_REPLY_HEAD = struct.Struct("!BQ")
+CHECKSUM_ERROR_PREFIX = "ChecksumError"
+# Below this many bytes a batch's slices are hashed in one task: a pool hop costs more than xxh3.
+_PARALLEL_HASH_BYTES = 8 << 20
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """One transfer engine's settings (the one source of truth for their defaults)."""
+
+    transports: tuple[str, ...] = ("shm", "rdma", "nixl", "tcp")
+    """Preference order; those that do not import or say they cannot run here are skipped."""
+    host: str = "127.0.0.1"
+    """Where the tcp transport listens and what it publishes (0.0.0.0: all, publishes the hostname's address)."""
+    port: int = 0
+    """tcp listen port (0: a free one)."""
+    tcp_streams: int = 4
+    """Parallel connections per peer: a batch's slices are spread over them."""
+    timeout_s: float = 10.0
+    """A batch or call not complete by then fails with TransferError (a dead or silent peer)."""
+    checksums: bool = True
+    """xxh3-64 per slice, computed off the caller's thread, verified by the receiver."""
+    auth_key: bytes | None = field(default=None, repr=False)
+    """Shared key every connection proves (messenger/handshake.py); None: no handshake."""
+    hash_threads: int = 2
+    """Threads hashing slices (xxh3 releases the GIL, so they overlap the sockets)."""
+
+    def __post_init__(self) -> None:
+        unknown = [t for t in self.transports if t not in _TRANSPORT_CLASSES]
+        if unknown or not self.transports:
+            raise ValueError(f"EngineConfig.transports: unknown {unknown}; choose from {sorted(_TRANSPORT_CLASSES)}")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"EngineConfig.port {self.port} is not a port")
+        if self.tcp_streams < 1 or self.hash_threads < 1:
+            raise ValueError("EngineConfig.tcp_streams and hash_threads must be >= 1")
+        if self.timeout_s <= 0:
+            raise ValueError("EngineConfig.timeout_s must be positive")
+        if self.auth_key is not None and len(self.auth_key) < 16:
+            raise ValueError("EngineConfig.auth_key must be at least 16 bytes")
+
+
+class PendingMessage(OutgoingMessage):
+    """An OutgoingMessage whose checksums are still being computed: reading `checksums` waits
+    for them (transports read it when they send the message, after the slices)."""
+
+    def __init__(self, payload: bytes, checksums: Future) -> None:  # noqa: D107 (frozen parent)
+        object.__setattr__(self, "payload", payload)
+        object.__setattr__(self, "_future", checksums)
+
+    @property
+    def checksums(self) -> tuple[int, ...]:  # type: ignore[override]
+        return self._future.result()
+
+
+class RegionTable:
+    """Registered regions by name (thread-safe)."""
+
+    def __init__(self) -> None:
+        self._regions: dict[str, Region] = {}
+        self._lock = threading.Lock()
+
+    def add(self, region: Region) -> None:
+        with self._lock:
+            if region.name in self._regions:
+                raise ValueError(f"region {region.name!r} is already registered")
+            self._regions[region.name] = region
+
+    def remove(self, name: str) -> None:
+        with self._lock:
+            if self._regions.pop(name, None) is None:
+                raise KeyError(f"no region {name!r}")
+
+    def get(self, name: str) -> Region:
+        region = self._regions.get(name)
+        if region is None:
+            raise TransferError(f"no region {name!r} is registered here")
+        return region
+
+    def all(self) -> list[Region]:
+        with self._lock:
+            return list(self._regions.values())
+
+
+def slice_checksums(views: list[memoryview]) -> tuple[int, ...]:
+    return tuple(xxhash.xxh3_64_intdigest(v) for v in views)
+
+
+class _Watchdog:
+    """Fails whatever is not done by its deadline: one thread, one heap."""
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[float, int, Batch, str]] = []
+        self._seq = itertools.count()
+        self._cond = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="messenger-watchdog", daemon=True)
+        self._thread.start()
+
+    def watch(self, batch: Batch, timeout_s: float, what: str) -> None:
+        with self._cond:
+            heapq.heappush(self._heap, (time.monotonic() + timeout_s, next(self._seq), batch, what))
+            if self._heap[0][2] is batch:
+                self._cond.notify()
+
+    def _run(self) -> None:
+        with self._cond:
+            while not self._closed:
+                while self._heap and self._heap[0][2].done():
+                    heapq.heappop(self._heap)
+                if not self._heap:
+                    self._cond.wait()
+                    continue
+                deadline, _, batch, what = self._heap[0]
+                wait = deadline - time.monotonic()
+                if wait > 0:
+                    self._cond.wait(wait)
+                    continue
+                heapq.heappop(self._heap)
+                self._cond.release()
+                try:
+                    batch.complete(TransferError(f"{what} timed out (the peer is dead or silent)"))
+                finally:
+                    self._cond.acquire()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+
+
+@dataclass
+class _Peer:
+    info: PeerInfo
+    transport: Transport
+
+
+class TransferEngine:
+    """Moves bytes between this process's registered regions and its peers'. Thread-safe."""
+
+    def __init__(self, name: str, config: EngineConfig = EngineConfig()) -> None:
+        self.name = name
+        self.config = config
+        self._regions = RegionTable()
+        self._transports: dict[str, Transport] = {}
+        self._stats: dict[str, TransportStats] = {}
+        self._peers: dict[str, _Peer] = {}
+        self._peers_lock = threading.Lock()
+        self._addresses: dict[str, str] = {}
+        self._on_notify: NotifyHandler | None = None
+        self._on_call: CallHandler | None = None
+        self._calls: dict[int, Future] = {}
+        self._call_ids = itertools.count(1)
+        self._hashers = ThreadPoolExecutor(config.hash_threads, thread_name_prefix=f"messenger-hash-{name}")
+        self._callers = ThreadPoolExecutor(4, thread_name_prefix=f"messenger-call-{name}")
+        self._watchdog = _Watchdog()
+        self._host_id = _host_id()
+        self._started = False
+        self._closed = False
+
+    # --- regions -----------------------------------------------------------------------------
+
+    def register(self, name: str, buffer=None, *, address: int | None = None, length: int | None = None,
+                 device: str = "cpu") -> Region:
+        """Register a writable CPU buffer (anything with the buffer protocol, C-contiguous), or
+        device memory by `address` and `length` (only transports that reach devices can use it)."""
+        if buffer is not None:
+            view = memoryview(buffer)
+            if view.readonly:
+                raise ValueError(f"region {name!r}: the buffer is read-only")
+            if not view.c_contiguous:
+                raise ValueError(f"region {name!r}: the buffer is not contiguous")
+            view = view.cast("B")
+            if view.nbytes == 0:
+                raise ValueError(f"region {name!r} is empty")
+            region = Region(name, view.nbytes, np.frombuffer(view, dtype=np.uint8).ctypes.data, view, device)
+        else:
+            if address is None or not length or length <= 0:
+                raise ValueError(f"region {name!r}: give a buffer, or an address and a positive length")
+            region = Region(name, length, address, None, device)
+        self._regions.add(region)
+        return region
+
+    def unregister(self, name: str) -> None:
+        self._regions.remove(name)
+
+    # --- lifecycle -----------------------------------------------------------------------------
+
+    def start(self, on_notify: NotifyHandler | None = None, on_call: CallHandler | None = None) -> PeerInfo:
+        """Start every transport that can run here; returns this engine's PeerInfo."""
+        if self._started:
+            raise RuntimeError(f"engine {self.name!r} already started")
+        self._on_notify, self._on_call = on_notify, on_call
+        reasons = {}
+        for name in self.config.transports:
+            transport, why = _make_transport(name, self.config)
+            if transport is None:
+                reasons[name] = why
+                continue
+            try:
+                self._addresses[name] = transport.start(self._regions, self)
+            except Exception as exc:  # a transport that fails to start must not stop the others
+                reasons[name] = f"failed to start: {exc}"
+                log.warning("messenger transport %s failed to start: %s", name, exc)
+                continue
+            self._transports[name] = transport
+            self._stats[name] = TransportStats()
+        if not self._transports:
+            raise NoTransport(f"no messenger transport can run here: {reasons}")
+        log.info("messenger %s: transports %s (skipped: %s)", self.name, list(self._transports), reasons)
+        self._started = True
+        return self.info()
+
+    def info(self) -> PeerInfo:
+        return PeerInfo(self.name, self._host_id, dict(self._addresses),
+                        tuple(r.info() for r in self._regions.all()))
+
+    def add_peer(self, peer: PeerInfo) -> str:
+        """Remember `peer` (replacing what was known of it) and pick the transport to reach it."""
+        name = self._choose(peer)
+        with self._peers_lock:
+            self._peers[peer.name] = _Peer(peer, self._transports[name])
+        return name
+
+    def _choose(self, peer: PeerInfo) -> str:
+        if not self._started:
+            raise RuntimeError(f"engine {self.name!r} is not started")
+        local = self.info()
+        try:
+            select = importlib.import_module("messenger.select")
+        except ModuleNotFoundError:
+            select = None
+        if select is not None and hasattr(select, "choose"):
+            name = select.choose(local, peer, dict(self._transports))
+            if name is None or name not in self._transports:
+                raise NoTransport(f"no transport reaches peer {peer.name!r} (offers {sorted(peer.transports)})")
+            return name
+        for name, transport in self._transports.items():
+            if transport.can_reach(local, peer):
+                return name
+        raise NoTransport(f"no transport reaches peer {peer.name!r}: it offers {sorted(peer.transports)}, "
+                          f"this side runs {list(self._transports)}")
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for transport in self._transports.values():
+            try:
+                transport.close()
+            except Exception:  # closing the others matters more
+                log.exception("closing messenger transport %s", transport.name)
+        for future in list(self._calls.values()):
+            if not future.done():
+                future.set_exception(TransferError(f"engine {self.name!r} closed"))
+        self._watchdog.close()
+        self._hashers.shutdown(wait=False, cancel_futures=True)
+        self._callers.shutdown(wait=False, cancel_futures=True)
+
+    # --- batches -------------------------------------------------------------------------------
+
+    def write(self, peer: str, slices: list[Slice], message: bytes | None = None) -> Batch:
+        """Copy `slices` from local regions into `peer`'s; `message` reaches its on_notify after
+        every slice landed and verified. Returns at once; wait on the Batch."""
+        return self._submit(peer, Direction.WRITE, slices, message)
+
+    def read(self, peer: str, slices: list[Slice]) -> Batch:
+        """Copy `slices` from `peer`'s regions (remote_*) into local ones (local_*)."""
+        return self._submit(peer, Direction.READ, slices, None)
+
+    def _submit(self, peer_name: str, direction: Direction, slices: list[Slice], message: bytes | None) -> Batch:
+        peer = self._peer(peer_name)
+        views = self._local_views(slices, direction)
+        for s in slices:
+            remote = peer.info.region(s.remote_region)
+            if remote is not None and s.remote_offset + s.length > remote.length:
+                raise TransferError(f"slice {s} is outside {peer_name}'s region {remote.name!r} of {remote.length} B")
+        nbytes = sum(s.length for s in slices)
+        batch = Batch(nbytes, len(slices))
+        outgoing = None
+        if direction is Direction.WRITE:
+            envelope = bytes([_NOTIFY]) + message if message is not None else bytes([_SILENT])
+            if self.config.checksums and views:
+                outgoing = PendingMessage(envelope, self._hash(views))
+            else:
+                outgoing = OutgoingMessage(envelope)
+        self._launch(peer, batch, f"{direction.value} of {len(slices)} slices to {peer_name}",
+                     lambda inner: peer.transport.submit(peer.info, direction, slices, inner, outgoing))
+        return batch
+
+    def _launch(self, peer: _Peer, batch: Batch, what: str, submit) -> None:
+        """Hand the transport an inner batch and finish the user's from it: the engine maps the
+        error kinds, counts stats, and the watchdog bounds the user's batch either way."""
+        inner = Batch(batch.nbytes, batch.num_slices)
+        stats, started = self._stats[peer.transport.name], time.perf_counter()
+
+        def finished(done: Batch) -> None:
+            error = done.error
+            if error is not None and not isinstance(error, ChecksumError) \
+                    and f"{CHECKSUM_ERROR_PREFIX}:" in str(error):
+                error = ChecksumError(str(error))
+            batch.complete(error)
+
+        def count(done: Batch) -> None:
+            inner.complete(done.error)  # a timed-out batch lets the transport drop its state
+            if done.error is None:
+                stats.request(time.perf_counter() - started)
+            else:
+                stats.failed("checksum" if isinstance(done.error, ChecksumError)
+                             else "timeout" if "timed out" in str(done.error) else "transfer")
+
+        inner.add_done_callback(finished)
+        batch.add_done_callback(count)
+        self._watchdog.watch(batch, self.config.timeout_s, what)
+        try:
+            submit(inner)
+        except TransferError as exc:
+            batch.complete(exc)
+        except OSError as exc:
+            batch.complete(TransferError(f"{what}: {exc}"))
+
+    def _peer(self, name: str) -> _Peer:
+        peer = self._peers.get(name)
+        if peer is None:
+            raise TransferError(f"unknown peer {name!r}: add_peer its PeerInfo first")
+        return peer
+
+    def _local_views(self, slices: list[Slice], direction: Direction) -> list[memoryview]:
+        """Bounds-check the local side; the views to hash for a WRITE (CPU regions only)."""
+        views = []
+        for s in slices:
+            region = self._regions.get(s.local_region)
+            region.check(s.local_offset, s.length)
+            if direction is Direction.WRITE and region.view is not None:
+                views.append(region.view[s.local_offset:s.local_offset + s.length])
+        return views if len(views) == len(slices) else []
+
+    def _hash(self, views: list[memoryview]) -> Future:
+        if sum(v.nbytes for v in views) < _PARALLEL_HASH_BYTES or len(views) == 1:
+            return self._hashers.submit(slice_checksums, views)
+        # Split the slices into one task per thread: xxh3 releases the GIL, so they run in parallel.
+        n = self.config.hash_threads
+        parts = [self._hashers.submit(slice_checksums, views[i::n]) for i in range(n)]
+        merged: Future = Future()
+
+        def gather(_: Future) -> None:
+            if merged.done() or not all(p.done() for p in parts):
+                return
+            try:
+                results = [p.result() for p in parts]
+            except BaseException as exc:  # noqa: BLE001 (handed to the waiter)
+                merged.set_exception(exc)
+                return
+            out = [0] * len(views)
+            for i, result in enumerate(results):
+                out[i::n] = result
+            try:
+                merged.set_result(tuple(out))
+            except Exception:  # another part's callback won the race
+                pass
+
+        for p in parts:
+            p.add_done_callback(gather)
+        return merged
+
+    # --- calls ---------------------------------------------------------------------------------
+
+    def call(self, peer: str, request: bytes, timeout_s: float | None = None) -> bytes:
+        """Send `request` to `peer`'s on_call and return its reply (TransferError on failure or
+        after timeout_s, the engine's by default)."""
+        target = self._peer(peer)
+        call_id = next(self._call_ids)
+        reply: Future = Future()
+        self._calls[call_id] = reply
+        caller = msgspec.json.encode(self.info())
+        payload = _CALL_HEAD.pack(_CALL, call_id, len(caller)) + caller + request
+        timeout = timeout_s if timeout_s is not None else self.config.timeout_s
+        sent = Batch(len(payload), 0)
+        sent.add_done_callback(lambda b: b.error is not None and not reply.done() and _fail(reply, b.error))
+        try:
+            self._launch(target, sent, f"call to {peer}",
+                         lambda inner: target.transport.send_message(target.info, payload, inner))
+            return reply.result(timeout)
+        except TimeoutError:
+            raise TransferError(f"call to {peer} got no reply within {timeout} s") from None
+        finally:
+            self._calls.pop(call_id, None)
+
+    # --- inbound (the transports call these) ---------------------------------------------------
+
+    def slices_landed(self, peer: str, slices: list[Slice], message: OutgoingMessage | None) -> str | None:
+        error = None
+        checksums = message.checksums if message is not None else ()
+        if checksums:
+            error = self._verify(slices, checksums)
+        if message is not None and message.payload[:1] == bytes([_NOTIFY]) and self._on_notify is not None:
+            try:
+                self._on_notify(peer, bytes(message.payload[1:]), error)
+            except Exception:  # the sender's batch landed; a failing handler is this side's bug
+                log.exception("on_notify failed for a batch from %s", peer)
+        return error
+
+    def batch_failed(self, peer: str, message: OutgoingMessage | None, error: str) -> None:
+        """A transport lost a batch part-way (its peer died): tell on_notify at once."""
+        if message is not None and message.payload[:1] == bytes([_NOTIFY]) and self._on_notify is not None:
+            try:
+                self._on_notify(peer, bytes(message.payload[1:]), error)
+            except Exception:
+                log.exception("on_notify failed for a lost batch from %s", peer)
+
+    def _verify(self, slices: list[Slice], checksums: tuple[int, ...]) -> str | None:
+        if len(checksums) != len(slices):
+            return f"{CHECKSUM_ERROR_PREFIX}: {len(checksums)} checksums for {len(slices)} slices"
+        try:
+            views = []
+            for s in slices:
+                region = self._regions.get(s.remote_region)
+                region.check(s.remote_offset, s.length)
+                if region.view is None:
+                    return None  # device memory: the transport that reached it vouches for it
+                views.append(region.view[s.remote_offset:s.remote_offset + s.length])
+        except TransferError as exc:
+            return str(exc)
+        actual = self._hash(views).result()
+        for i, (want, got) in enumerate(zip(checksums, actual)):
+            if want != got:
+                s = slices[i]
+                return (f"{CHECKSUM_ERROR_PREFIX}: slice {i} ({s.length} B into {s.remote_region!r} at "
+                        f"{s.remote_offset}) arrived with xxh3 {got:016x}, sent as {want:016x}")
+        return None
+
+    def message(self, peer: str, payload: bytes) -> None:
+        kind = payload[0] if payload else 0
+        if kind == _CALL:
+            _, call_id, info_len = _CALL_HEAD.unpack_from(payload)
+            start = _CALL_HEAD.size
+            caller = msgspec.json.decode(payload[start:start + info_len], type=PeerInfo)
+            request = bytes(payload[start + info_len:])
+            self._callers.submit(self._answer, caller, call_id, request)
+        elif kind in (_REPLY, _REPLY_ERROR):
+            _, call_id = _REPLY_HEAD.unpack_from(payload)
+            future = self._calls.get(call_id)
+            body = bytes(payload[_REPLY_HEAD.size:])
+            if future is not None and not future.done():
+                if kind == _REPLY:
+                    future.set_result(body)
+                else:
+                    _fail(future, TransferError(f"{peer} failed the call: {body.decode(errors='replace')}"))
+        else:
+            log.warning("dropped a message of unknown kind %d from %s", kind, peer)
+
+    def _answer(self, caller: PeerInfo, call_id: int, request: bytes) -> None:
+        try:
+            if self._on_call is None:
+                raise TransferError(f"engine {self.name!r} takes no calls")
+            kind, body = _REPLY, self._on_call(caller.name, request)
+        except Exception as exc:  # the caller gets the error instead of a timeout
+            kind, body = _REPLY_ERROR, f"{type(exc).__name__}: {exc}".encode()
+        if self._closed:
+            return
+        known = self._peers.get(caller.name)
+        try:
+            if known is None or known.info != caller:
+                self.add_peer(caller)
+            target = self._peer(caller.name)
+            done = Batch(0, 0)
+            self._watchdog.watch(done, self.config.timeout_s, f"reply to {caller.name}")
+            target.transport.send_message(target.info, _REPLY_HEAD.pack(kind, call_id) + body, done)
+        except Exception:
+            log.exception("could not answer call %d from %s", call_id, caller.name)
+
+    # --- stats ---------------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, dict]:
+        """Per transport: its bytes moved (sent/received), batches completed (request_seconds:
+        submit to completion) and failed by kind."""
+        out = {}
+        for name, transport in self._transports.items():
+            snap = dict(transport.stats())
+            engine = self._stats[name].snapshot()
+            snap["request_seconds"], snap["failures"] = engine["request_seconds"], engine["failures"]
+            out[name] = snap
+        return out
+
+
+def _fail(future: Future, error: BaseException) -> None:
+    try:
+        future.set_exception(error)
+    except Exception:  # already resolved by the reply that raced it
+        pass
+
+
+def _make_transport(name: str, config: EngineConfig) -> tuple[Transport | None, str]:
+    module_name, class_name = _TRANSPORT_CLASSES[name]
+    try:
+        cls = getattr(importlib.import_module(module_name), class_name)
+    except ModuleNotFoundError as exc:
+        if exc.name != module_name:
+            return None, f"needs {exc.name}, not installed"
+        return None, "not built"
+    except (ImportError, AttributeError) as exc:
+        return None, f"does not import: {exc}"
+    transport = cls(config)
+    why = transport.available()
+    return (transport, "") if why is None else (None, why)
+
+
+def _host_id() -> str:
+    try:
+        select = importlib.import_module("messenger.select")
+    except ModuleNotFoundError:
+        select = None
+    if select is not None and hasattr(select, "host_id"):
+        return select.host_id()
+    return socket.gethostname()

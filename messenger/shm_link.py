@@ -1,0 +1,189 @@
+"""The initiator's side of one shm connection (messenger/shm.py): a sender thread that sends
+requests in submission order, connecting first, and a reader thread that completes batches as
+the owner's acknowledgements arrive, so many batches are in flight at once.
+
+A write's checksums follow its `Move` in a `Sums` frame: the engine hashes the slices while
+the owner copies them, and the sender thread waits for the hashes only after the Move is out.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import queue
+import socket
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from messenger import shm_wire
+from messenger.api import Batch, ChecksumError, Direction, OutgoingMessage, Region, Slice, TransferError
+from messenger.handshake import HandshakeError, client_handshake
+from messenger.segments import SegmentSpan
+
+if TYPE_CHECKING:
+    from messenger.shm import ShmTransport
+
+
+@dataclass
+class Job:
+    """One submitted batch (or message) waiting for the sender thread."""
+
+    batch: Batch
+    direction: Direction | None  # None: a message without slices
+    slices: list[Slice]
+    local: list[Region]  # the region of each slice's local side, checked at submit
+    message: OutgoingMessage | None
+
+
+def shutdown(sock: socket.socket) -> None:
+    """Wake a thread blocked in accept/recv on `sock` (close alone does not), then close it."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    sock.close()
+
+
+def _error_of(ack: shm_wire.Ack) -> TransferError | None:
+    if ack.error is None:
+        return None
+    return ChecksumError(ack.error) if ack.checksum else TransferError(ack.error)
+
+
+class Link:
+    """This process's connection to one peer's shm transport."""
+
+    def __init__(self, transport: ShmTransport, peer: str, address: str):
+        self.transport, self.peer, self.address = transport, peer, address
+        self.jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
+        self.cma = False
+        self.cma_reason: str | None = "not connected"
+        self._sock: socket.socket | None = None
+        self._lock = threading.Lock()
+        self._pending: dict[int, tuple[Batch | Future, float, int, bool]] = {}
+        self._next_id = 0
+        self._where: dict[str, SegmentSpan | None] = {}
+        self._dead: str | None = None
+
+    def start(self) -> None:
+        threading.Thread(target=self._send_loop, name=f"shm-send-{self.peer}", daemon=True).start()
+
+    def die(self, reason: str) -> None:
+        """Fail everything in flight and queued; the transport opens a new link next time."""
+        with self._lock:
+            if self._dead is None:
+                self._dead = reason
+            pending, self._pending = self._pending, {}
+        self.transport._forget(self)  # no job is queued after the sentinel: both under the transport's lock
+        self.jobs.put(None)
+        if self._sock is not None:
+            shutdown(self._sock)
+        error = TransferError(f"shm peer {self.peer!r}: {self._dead}")
+        for waiter, *_ in pending.values():
+            if isinstance(waiter, Batch):
+                waiter.complete(error)
+            elif not waiter.done():
+                waiter.set_exception(error)
+
+    def _send_loop(self) -> None:
+        try:
+            self._connect()
+        except (OSError, HandshakeError) as exc:
+            self.die(f"cannot connect: {exc}")
+        while (job := self.jobs.get()) is not None:
+            if self._dead is not None:
+                job.batch.complete(TransferError(f"shm peer {self.peer!r}: {self._dead}"))
+                continue
+            try:
+                if job.direction is None:
+                    assert job.message is not None
+                    self._request(shm_wire.Note(0, job.message.payload), job.batch)
+                    continue
+                move = self.transport._plan(self, job)
+                self._request(move, job.batch, sum(s.length for s in job.slices), move.write)
+                if move.sums_follow:
+                    assert job.message is not None
+                    self._send_sums(move.id, job.message)
+            except TransferError as exc:
+                job.batch.complete(exc)
+
+    def _connect(self) -> None:
+        transport = self.transport
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock = sock
+        sock.settimeout(transport.config.connect_timeout_s)
+        sock.connect("\0" + self.address)
+        if transport._auth_key is not None:
+            client_handshake(sock, transport._auth_key)
+        shm_wire.send(sock, shm_wire.Hello(transport.local_name(), ctypes.addressof(transport._probe_buffer),
+                                           transport._probe, transport.cma_reason is None))
+        reply = shm_wire.recv_reply(sock)
+        if not isinstance(reply, shm_wire.HelloReply):
+            raise ConnectionError(f"shm peer answered the hello with {type(reply).__name__}")
+        self.cma, self.cma_reason = reply.cma, reply.reason
+        sock.settimeout(None)
+        threading.Thread(target=self._read_loop, name=f"shm-read-{self.peer}", daemon=True).start()
+
+    def _request(self, request: Any, waiter: Batch | Future, nbytes: int = 0, write: bool = False) -> None:
+        with self._lock:
+            if self._dead is not None:
+                raise TransferError(f"shm peer {self.peer!r}: {self._dead}")
+            self._next_id += 1
+            request.id = self._next_id
+            self._pending[request.id] = (waiter, time.perf_counter(), nbytes, write)
+        self._send(request)
+
+    def _send(self, frame: Any) -> None:
+        try:
+            assert self._sock is not None
+            shm_wire.send(self._sock, frame)
+        except OSError as exc:
+            self.die(f"control socket failed: {exc}")
+
+    def _send_sums(self, move_id: int, message: OutgoingMessage) -> None:
+        try:
+            sums = shm_wire.Sums(move_id, list(message.checksums))  # waits for the engine's hashes
+        except Exception as exc:  # the owner waits for this frame: it must come, failed or not
+            sums = shm_wire.Sums(move_id, [], f"the sender could not hash the slices: {exc}")
+        self._send(sums)
+
+    def where(self, regions: list[str]) -> list[SegmentSpan | None]:
+        """The owner's segment spans of `regions` (cached; asked once per region)."""
+        missing = sorted({r for r in regions if r not in self._where})
+        if missing:
+            future: Future = Future()
+            self._request(shm_wire.Where(0, missing), future)
+            try:
+                reply = future.result(self.transport.config.connect_timeout_s)
+            except TimeoutError:
+                raise TransferError(f"shm peer {self.peer!r} did not say where its regions are") from None
+            if reply.error is not None:
+                raise TransferError(reply.error)
+            self._where.update({r: None if s is None else SegmentSpan(*s) for r, s in zip(missing, reply.spans)})
+        return [self._where[r] for r in regions]
+
+    def _read_loop(self) -> None:
+        sock = self._sock
+        assert sock is not None
+        try:
+            while (reply := shm_wire.recv_reply(sock)) is not None:
+                with self._lock:
+                    entry = self._pending.pop(getattr(reply, "id", -1), None)
+                if entry is None:
+                    continue
+                waiter, started, nbytes, write = entry
+                if isinstance(waiter, Future):
+                    waiter.set_result(reply)
+                    continue
+                error = _error_of(reply) if isinstance(reply, shm_wire.Ack) else TransferError("bad reply")
+                if error is None:
+                    self.transport._count(nbytes, write, time.perf_counter() - started)
+                else:
+                    self._where.clear()  # a "done" move may have failed on a stale span
+                waiter.complete(error)
+        except OSError as exc:
+            self.die(f"control socket failed: {exc}")
+            return
+        self.die("closed its control socket (it exited?)")

@@ -1,0 +1,122 @@
+"""Remote gets between two processes through the messenger (tcp on loopback)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import msgspec
+import numpy as np
+import pytest
+
+from messenger.api import PeerInfo, TransferError
+from store.config import PoolConfig
+from store.remote import INLINE_BYTES
+from store.service import PoolService
+from tests.processes import ROOT
+from tests.store.pool_peer import LAYOUT, block_data
+
+
+def start_peer(block_bytes: int, blocks: int, keys: list[int]):
+    proc = subprocess.Popen([sys.executable, "-m", "tests.store.pool_peer", str(block_bytes), str(blocks),
+                             *map(str, keys)], cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    line = proc.stdout.readline()
+    assert line, "the peer pool did not start"
+    return proc, msgspec.json.decode(line, type=PeerInfo)
+
+
+def stop_peer(proc) -> None:
+    proc.stdin.close()
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def local_pool(block_bytes: int, blocks: int, **kwargs) -> PoolService:
+    service = PoolService(PoolConfig(dram_bytes=blocks * block_bytes, ssd_dir=None), **kwargs).start()
+    service.configure(block_bytes, LAYOUT)
+    return service
+
+
+def verify(service: PoolService, keys) -> bool:
+    got = service.read(keys)
+    try:
+        return len(got) == len(keys) and all(
+            np.array_equal(service.arena.slot(slot), block_data(key, service.config.block_bytes))
+            for key, slot, _ in got)
+    finally:
+        service.release([k for k, _, _ in got])
+
+
+@pytest.mark.parametrize("block_bytes", [32 << 10, 1 << 20], ids=["inline-32KiB", "push-1MiB"])
+def test_fetch_from_another_process(block_bytes):
+    keys = [2**127 + i for i in range(6)]  # 128-bit keys, the hashing function's size
+    proc, peer = start_peer(block_bytes, 8, keys[:5])  # the peer holds the first 5
+    local = local_pool(block_bytes, 16)
+    try:
+        assert (len(keys[:5]) * block_bytes <= INLINE_BYTES) == (block_bytes == 32 << 10)
+        assert local.fetch_remote(peer, keys) == 5  # the leading run the peer holds
+        assert local.lookup(keys) == ["dram"] * 5
+        assert verify(local, keys[:5])
+        assert local.stats()["counters"]["remote_fetched_blocks"] == 5
+        assert local.fetch_remote(peer, keys[:3]) == 3  # held here now: nothing moves
+        assert local.stats()["counters"]["remote_fetched_blocks"] == 5
+    finally:
+        local.close()
+        stop_peer(proc)
+
+
+def test_one_sided_read_with_pins_is_the_fallback():
+    """When the peer cannot write to us, blocks are pinned there and read one-sidedly."""
+    block_bytes, keys = 1 << 20, [11, 12, 13]
+    proc, peer = start_peer(block_bytes, 4, keys)
+    local = local_pool(block_bytes, 4)
+    try:
+        local.remote.engine.add_peer(peer)
+        local.remote._fetch_by_read(peer.name, keys)
+        assert local.lookup(keys) == ["dram"] * 3 and verify(local, keys)
+    finally:
+        local.close()
+        stop_peer(proc)
+
+
+def test_a_dead_peer_fails_within_the_timeout():
+    from messenger.engine import EngineConfig
+
+    proc, peer = start_peer(64 << 10, 4, [1, 2])
+    local = local_pool(64 << 10, 4, engine_config=EngineConfig(transports=("tcp",), timeout_s=2.0, checksums=False))
+    try:
+        proc.kill()
+        proc.wait()
+        started = time.monotonic()
+        with pytest.raises(TransferError):
+            local.fetch_remote(peer, [1, 2])
+        assert time.monotonic() - started < 10
+        assert local.lookup([1, 2]) == [] and local.reserve([1]) != []  # nothing left reserved
+    finally:
+        local.close()
+        stop_peer(proc)
+
+
+def test_pins_of_a_peer_that_never_releases_expire():
+    clock = [0.0]
+    server = PoolService(PoolConfig(dram_bytes=4 << 10, ssd_dir=None, pin_lease_s=5.0), clock=lambda: clock[0])
+    server.start()
+    server.configure(1 << 10, LAYOUT)
+    try:
+        server.reserve([7])
+        server.commit([7])
+        from store import channel
+
+        reply = channel.decode(server.remote._on_call("peer", channel.encode({"op": "pin", "keys": channel.pack_keys([7])})))
+        assert reply["ok"] and server.pool.pins(7) == 1
+        clock[0] = 6.0
+        server.remote._on_call("peer", channel.encode({"op": "unpin", "lease": 999}))  # any call sweeps
+        assert server.pool.pins(7) == 0
+        bad = channel.decode(server.remote._on_call("peer", b"\x01garbage"))
+        assert not bad["ok"]
+    finally:
+        server.close()

@@ -1,0 +1,342 @@
+"""PoolService with its arena, SSD tier and local channel (no messenger: remote=False)."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from store.arena import Arena
+from store.channel import PoolClient, PoolUnavailable
+from store.config import PoolConfig
+from store.pool import checksum
+from store.service import PoolService
+from store.ssd import HEADER, SsdTier
+
+BB = 8192
+LAYOUT = "test-model/float32/block128"
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def data(key: int) -> np.ndarray:
+    return np.random.default_rng(key).integers(0, 256, BB, dtype=np.uint8)
+
+
+def service(tmp_path=None, dram_blocks=4, ssd_blocks=16, ssd_dir=None) -> PoolService:
+    ssd_dir = ssd_dir or (str(tmp_path / "ssd") if tmp_path is not None else None)
+    config = PoolConfig(dram_bytes=dram_blocks * BB, ssd_dir=ssd_dir, ssd_bytes=ssd_blocks * BB)
+    s = PoolService(config, remote=False).start()
+    s.configure(BB, LAYOUT)
+    return s
+
+
+def put(s: PoolService, keys):
+    for key, slot in s.reserve(keys):
+        s.arena.slot(slot)[:] = data(key)
+    return s.commit(keys)
+
+
+def held_bytes(s: PoolService, keys) -> list[bool]:
+    got = s.read(keys)
+    try:
+        return [np.array_equal(s.arena.slot(slot), data(key)) and checksum(s.arena.slot(slot)) == c
+                for key, slot, c in got]
+    finally:
+        s.release([k for k, _, _ in got])
+
+
+@pytest.fixture
+def svc(tmp_path):
+    s = service(tmp_path)
+    yield s
+    s.close()
+
+
+def test_another_process_maps_the_arena_and_saves_through_the_channel(svc):
+    """What vLLM's worker does: attach the arena by path, fill reserved slots, commit."""
+    endpoint = svc.endpoint
+    code = textwrap.dedent(f"""
+        import numpy as np
+        from mooncake.control import ControlEndpoint
+        from store.arena import Arena
+        from store.channel import PoolClient
+        from store.pool import checksum
+        client = PoolClient(ControlEndpoint({endpoint.path!r}, {endpoint.authkey_hex!r}))
+        arena = Arena.attach(client.configure({BB}, {LAYOUT!r}))
+        slots = client.reserve([11, 12])
+        for key, slot in slots:
+            arena.slot(slot)[:] = np.random.default_rng(key).integers(0, 256, {BB}, dtype=np.uint8)
+        print(client.commit([k for k, _ in slots], [checksum(arena.slot(s)) for _, s in slots]))
+        print(client.lookup([11, 12, 13]))
+    """)
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split("\n")[:2] == ["2", "['dram', 'dram']"]
+    assert held_bytes(svc, [11, 12]) == [True, True]
+
+
+def test_client_roundtrip_pins_and_releases(svc):
+    client = PoolClient(svc.endpoint)
+    try:
+        assert client.lookup([1]) == []
+        slots = client.reserve([1, 2])
+        for key, slot in slots:
+            svc.arena.slot(slot)[:] = data(key)
+        assert client.commit([1], wait=False) is None
+        assert client.commit([2]) == 1  # the service hashes the slots
+        assert client.lookup([1, 2]) == ["dram", "dram"]
+        got = client.read([1, 2, 3])
+        assert [(k, c) for k, _, c in got] == [(1, checksum(data(1))), (2, checksum(data(2)))]
+        assert svc.pool.pins(1) == 1
+        client.release([1, 2])  # sent without an answer; the next call on the connection sees it done
+        client.lookup([1])
+        assert svc.pool.pins(1) == 0
+        client.read([1])
+        assert svc.stats()["usage"]["dram"]["blocks"] == 2
+        with pytest.raises(PoolUnavailable, match="unknown pool op"):
+            client._call({"op": "nonsense"})
+        with pytest.raises(PoolUnavailable, match="layout"):
+            client.configure(BB, "another-model")
+    finally:
+        client.close()
+    # The connection is gone: its pins go with it.
+    for _ in range(100):
+        if svc.pool.pins(1) == 0:
+            break
+        import time
+        time.sleep(0.01)
+    assert svc.pool.pins(1) == 0
+
+
+def test_wrong_key_is_refused(svc):
+    from mooncake.control import ControlEndpoint
+
+    with pytest.raises(PoolUnavailable):
+        PoolClient(ControlEndpoint(svc.endpoint.path, "00" * 16)).lookup([1])
+
+
+def test_eviction_spills_and_a_read_promotes_the_same_bytes(svc):
+    keys = list(range(1, 11))
+    for key in keys:
+        put(svc, [key])
+    svc.flush()
+    tiers = svc.lookup(keys)
+    assert tiers == ["ssd"] * 6 + ["dram"] * 4
+    assert held_bytes(svc, keys[:4]) == [True] * 4  # promoted, each verified
+    assert held_bytes(svc, keys) == [True] * 4  # 4 DRAM slots: a pinned read stops when they are all pinned
+    for i in range(0, 10, 2):
+        assert held_bytes(svc, keys[i:i + 2]) == [True, True]
+    assert svc.stats()["counters"]["promotions"] >= 6
+
+
+def test_restart_rebuilds_the_ssd_index(tmp_path):
+    first = service(tmp_path)
+    for key in range(1, 9):
+        put(first, [key])
+    first.close()  # spills queued are written before it returns
+    second = service(tmp_path)
+    try:
+        assert second.lookup(list(range(1, 5))) == ["ssd"] * 4
+        assert held_bytes(second, list(range(1, 5))) == [True] * 4
+        assert second.events_since(-1).reset
+    finally:
+        second.close()
+
+
+def test_corrupt_block_on_disk_is_a_counted_miss(svc, caplog):
+    for key in range(1, 6):
+        put(svc, [key])
+    svc.flush()
+    assert svc.lookup([1]) == ["ssd"]
+    path = svc.ssd.path(1)
+    with open(path, "r+b") as f:
+        f.seek(HEADER.size + 5)
+        f.write(b"\x00\x01\x02")
+    with caplog.at_level(logging.WARNING):
+        assert svc.read([1, 2]) == []  # the run stops at the bad block; the caller recomputes
+    assert "fails its checksum" in caplog.text
+    assert svc.stats()["counters"]["corrupt"] == 1
+    svc.flush()  # the file's deletion is queued behind the writes
+    assert svc.lookup([1]) == [] and not os.path.exists(path)
+    assert held_bytes(svc, [2]) == [True]
+
+
+def test_unusable_directory_degrades_to_dram_only(tmp_path, caplog):
+    (tmp_path / "file").write_text("x")
+    with caplog.at_level(logging.WARNING):
+        s = service(ssd_dir=str(tmp_path / "file" / "ssd"))
+    try:
+        assert "DRAM only" in caplog.text
+        assert s.stats()["counters"]["ssd_errors_unwritable"] == 1 and not s.stats()["ssd_enabled"]
+        for key in range(1, 9):
+            put(s, [key])
+        assert s.lookup(list(range(1, 9))) == [] and s.lookup([5, 6, 7, 8]) == ["dram"] * 4
+        assert held_bytes(s, [5, 6, 7, 8]) == [True] * 4
+    finally:
+        s.close()
+
+
+def test_read_only_directory_degrades_to_dram_only(tmp_path, caplog):
+    target = tmp_path / "ro"
+    target.mkdir()
+    if os.geteuid() == 0:  # root ignores permissions: a read-only mount is the honest test
+        if subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(target)]).returncode:
+            pytest.skip("cannot mount a read-only tmpfs here")
+    else:
+        target.chmod(0o500)
+    try:
+        with caplog.at_level(logging.WARNING):
+            s = service(ssd_dir=str(target))
+        assert "DRAM only" in caplog.text and s.stats()["counters"]["ssd_errors_unwritable"] == 1
+        put(s, [1])
+        assert held_bytes(s, [1]) == [True]
+        s.close()
+    finally:
+        if os.geteuid() == 0:
+            subprocess.run(["umount", str(target)])
+        else:
+            target.chmod(0o700)
+
+
+def test_full_disk_while_spilling_degrades_without_losing_correctness(svc, monkeypatch, caplog):
+    real_write = SsdTier.write
+    writes = []
+
+    def write(self, key, data_, digest):
+        writes.append(key)
+        if len(writes) > 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_write(self, key, data_, digest)
+
+    monkeypatch.setattr(SsdTier, "write", write)
+    with caplog.at_level(logging.WARNING):
+        for key in range(1, 12):
+            put(svc, [key])
+            svc.flush()
+    assert "DRAM only" in caplog.text
+    stats = svc.stats()
+    assert stats["counters"]["ssd_errors_full"] == 1 and not stats["ssd_enabled"]
+    assert stats["usage"]["ssd"]["capacity_bytes"] == 0
+    assert svc.lookup([8, 9, 10, 11]) == ["dram"] * 4
+    assert held_bytes(svc, [8, 9, 10, 11]) == [True] * 4
+    assert svc.lookup([1]) == []  # what was on disk is no longer offered
+
+
+def test_a_real_full_filesystem_degrades(tmp_path, caplog):
+    """A tmpfs of 64 KiB holds a few 8 KiB blocks, then the disk is really full."""
+    target = tmp_path / "tiny"
+    target.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs",
+                                            str(target)]).returncode:
+        pytest.skip("mounting a small tmpfs needs root")
+    try:
+        s = service(ssd_dir=str(target), dram_blocks=2, ssd_blocks=64)
+        with caplog.at_level(logging.WARNING):
+            for key in range(1, 30):
+                put(s, [key])
+                s.flush()
+        assert "DRAM only" in caplog.text and s.stats()["counters"]["ssd_errors_full"] >= 1
+        assert held_bytes(s, [28, 29]) == [True, True]
+        s.close()
+    finally:
+        subprocess.run(["umount", str(target)])
+
+
+def test_events_page_orders_stored_and_removed_per_tier(svc):
+    put(svc, [1])
+    page = svc.events_since(-1)
+    assert page.reset and page.events == [("stored", 1, "dram")]
+    for key in range(2, 7):
+        put(svc, [key])
+    svc.flush()
+    later = svc.events_since(page.seq)
+    assert not later.reset
+    assert ("removed", 1, "dram") in later.events and ("stored", 1, "ssd") in later.events
+    assert later.events.index(("removed", 1, "dram")) < later.events.index(("stored", 1, "ssd"))
+
+
+def test_stale_arena_of_a_dead_process_is_removed(tmp_path):
+    from store.arena import PREFIX, remove_stale
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale = tmp_path / f"{PREFIX}{dead.stdout.strip()}-abcd"
+    stale.write_bytes(b"x")
+    alive = Arena.create(2, 64, directory=str(tmp_path))
+    try:
+        remove_stale(str(tmp_path))
+        assert not stale.exists() and os.path.exists(alive.info.path)
+    finally:
+        alive.close()
+    assert not os.path.exists(alive.info.path)
+
+
+def test_a_spill_still_on_its_way_to_disk_is_served_from_its_copy(svc, monkeypatch):
+    import threading
+
+    real_write = SsdTier.write
+    gate = threading.Event()
+
+    def slow_write(self, key, data_, digest):
+        gate.wait(10)
+        real_write(self, key, data_, digest)
+
+    monkeypatch.setattr(SsdTier, "write", slow_write)
+    for key in range(1, 6):
+        put(svc, [key])  # 1 is spilled, its write held at the gate
+    assert svc.lookup([1]) == ["ssd"]
+    assert held_bytes(svc, [1]) == [True]  # promoted from the in-memory copy, checksum verified
+    gate.set()
+    svc.flush()
+    assert svc.stats()["counters"]["corrupt"] == 0
+
+
+def test_concurrent_connectors_never_read_wrong_bytes(tmp_path):
+    """Four connectors save and load overlapping keys through spills and promotions at once;
+    every block read must be the block saved under its key."""
+    import random
+    import threading
+
+    s = service(tmp_path, dram_blocks=8, ssd_blocks=24)
+    errors, reads = [], [0]
+
+    def connector(seed):
+        rng = random.Random(seed)
+        client = PoolClient(s.endpoint)
+        arena = Arena.attach(client.configure(BB, LAYOUT))
+        try:
+            for _ in range(150):
+                keys = [rng.randrange(40) for _ in range(rng.randint(1, 3))]
+                if rng.random() < 0.5:
+                    slots = client.reserve(keys)
+                    for key, slot in slots:
+                        arena.slot(slot)[:] = data(key)
+                    client.commit([k for k, _ in slots], [checksum(data(k)) for k, _ in slots])
+                else:
+                    got = client.read(keys)
+                    for key, slot, digest in got:
+                        if digest != checksum(data(key)) or not np.array_equal(arena.slot(slot), data(key)):
+                            errors.append(key)
+                        reads[0] += 1
+                    client.release([k for k, _, _ in got])
+        except Exception as exc:  # noqa: BLE001
+            errors.append(exc)
+        finally:
+            client.close()
+
+    threads = [threading.Thread(target=connector, args=(i,)) for i in range(4)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert errors == [] and reads[0] > 20
+        stats = s.stats()
+        assert stats["counters"]["spills"] > 0 and stats["counters"]["corrupt"] == 0
+    finally:
+        s.close()

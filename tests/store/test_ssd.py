@@ -1,0 +1,95 @@
+"""The SSD tier's files: headers, restart scan, truncated/foreign files, corruption."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import numpy as np
+import pytest
+
+from store.pool import checksum
+from store.ssd import HEADER, SpillWriter, SsdTier
+
+BB = 4096
+
+
+def block(seed: int) -> bytes:
+    return np.random.default_rng(seed).integers(0, 256, BB, dtype=np.uint8).tobytes()
+
+
+def tier(tmp_path, layout="model-a") -> SsdTier:
+    t = SsdTier(str(tmp_path), layout, BB)
+    t.open()
+    return t
+
+
+def test_write_read_roundtrip_and_scan(tmp_path):
+    t = tier(tmp_path)
+    data = {1: block(1), 2**127 + 5: block(5)}  # keys are 128-bit
+    for key, value in data.items():
+        t.write(key, value, checksum(value))
+    out = bytearray(BB)
+    assert t.read_into(2**127 + 5, out, checksum(data[2**127 + 5]))
+    assert bytes(out) == data[2**127 + 5]
+    found = {b.key: b.checksum for b in tier(tmp_path).scan()}  # a new process: rebuilt from headers
+    assert found == {key: checksum(value) for key, value in data.items()}
+    assert os.path.getsize(t.path(1)) == HEADER.size + BB
+
+
+def test_missing_wrong_checksum_and_corrupt_data_are_misses(tmp_path):
+    t = tier(tmp_path)
+    data = block(1)
+    t.write(7, data, checksum(data))
+    out = bytearray(BB)
+    assert not t.read_into(8, out, 0)  # no file
+    assert not t.read_into(7, out, checksum(data) ^ 1)  # the index expects another block
+    with open(t.path(7), "r+b") as f:  # one flipped byte in the data
+        f.seek(HEADER.size + 100)
+        byte = f.read(1)
+        f.seek(HEADER.size + 100)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    assert not t.read_into(7, out, checksum(data))
+
+
+def test_truncated_foreign_and_other_layout_files_are_skipped_with_a_warning(tmp_path, caplog):
+    t = tier(tmp_path)
+    for key in (1, 2, 3):
+        t.write(key, block(key), checksum(block(key)))
+    with open(t.path(1), "r+b") as f:  # a write cut short
+        f.truncate(HEADER.size + 10)
+    foreign = os.path.join(t.root, "ab", "notes.txt")
+    os.makedirs(os.path.dirname(foreign), exist_ok=True)
+    with open(foreign, "wb") as f:
+        f.write(b"somebody else's file")
+    renamed = t.path(99)  # a valid block under the wrong name
+    os.makedirs(os.path.dirname(renamed), exist_ok=True)
+    os.rename(t.path(3), renamed)
+    with open(t.path(4) + ".123.tmp", "wb") as f:
+        os.makedirs(os.path.dirname(t.path(4)), exist_ok=True)
+    with caplog.at_level(logging.WARNING):
+        found = tier(tmp_path).scan()
+    assert [b.key for b in found] == [2]
+    assert "truncated" in caplog.text and "foreign" in caplog.text
+    assert not os.path.exists(t.path(1))  # ours and broken: deleted
+    assert os.path.exists(foreign)  # not ours: left alone
+    assert tier(tmp_path, layout="model-b").scan() == []  # another layout sees none of them
+
+
+def test_a_directory_that_cannot_be_made_raises_oserror(tmp_path):
+    (tmp_path / "file").write_text("not a directory")
+    with pytest.raises(OSError):
+        SsdTier(str(tmp_path / "file" / "pool"), "x", BB).open()
+
+
+def test_spill_writer_reports_each_write_and_drops_beyond_its_budget(tmp_path):
+    t = tier(tmp_path)
+    results = []
+    writer = SpillWriter(t, lambda key, error: results.append((key, error)), max_queued_bytes=BB)
+    try:
+        assert writer.submit(1, block(1), checksum(block(1)))
+        writer.flush()
+        assert results == [(1, None)]
+        assert not writer.submit(2, block(2) + b"x", 0)  # larger than the budget
+    finally:
+        writer.close()
