@@ -72,6 +72,7 @@ class CopierStats:
     loaded_blocks: int = 0
     load_seconds: float = 0.0
     load_failures: int = 0
+    fetched_blocks: int = 0
     saved_blocks: int = 0
     save_seconds: float = 0.0
     save_failures: int = 0
@@ -196,10 +197,16 @@ class PoolCopier:
             self.stats.load_seconds += time.perf_counter() - start
 
     def _load_async(self, load: PoolLoad) -> None:
-        """A load with SSD blocks: the pool reads them into DRAM (checking each checksum), then
-        they are copied in whole. Any block missing fails the load: vLLM recomputes the prompt."""
+        """A load with SSD blocks, or from another node's pool: the pool brings them into its DRAM
+        (from the other pool through the messenger; reading files, checking each checksum), then
+        they are copied in whole and stay in this pool. Any block missing fails the load: vLLM
+        recomputes the prompt."""
         start = time.perf_counter()
         assert self._layout is not None
+        if load.peer is not None:  # Algorithm 1's fetch_from: the blocks come from another node's pool
+            held = self._async_client.fetch_remote(load.peer.encode(), load.keys)
+            with self._lock:
+                self.stats.fetched_blocks += held
         got = self._async_client.read(load.keys)
         keys = [k for k, _, _ in got]
         try:

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from mooncake.hashing import BlockHash, hash_block_tokens, hash_prompt_blocks
-from mooncake.protocol import CONSUMER_KEY
+from mooncake.protocol import CONSUMER_KEY, BadTransferParams, FetchParams, parse_fetch
 from store.channel import PoolClient, PoolUnavailable
 
 if TYPE_CHECKING:
@@ -52,6 +52,7 @@ class PoolLoad:
     keys: tuple[BlockHash, ...]
     block_ids: tuple[int, ...]
     sync: bool
+    peer: str | None = None  # fetch the blocks from this pool (another node's) first
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,7 @@ class _Hit:
     start_block: int  # first block of the hit (vLLM's own cache holds the ones before)
     keys: tuple[BlockHash, ...]
     in_dram: bool
+    peer: str | None = None  # the blocks come from this other node's pool (Algorithm 1's fetch_from)
 
 
 @dataclass
@@ -100,6 +102,7 @@ class PoolPlanner:
         self._loads: list[PoolLoad] = []  # planned since the last step
         self._tracked: dict[str, _Tracked] = {}
         self._saving: set[str] = set()  # requests with saves handed to the worker half
+        self._waited: set[str] = set()  # requests that had an asynchronous load: never offered twice
         self.stats = PlannerStats()
 
     def bind_kv_cache_manager(self, manager: "KVCacheManager") -> None:
@@ -110,6 +113,10 @@ class PoolPlanner:
     def matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
         if CONSUMER_KEY in (request.kv_transfer_params or {}):
             return 0, False  # its prompt arrives from a prefill worker (the serve connector)
+        if request.request_id in self._waited:
+            # Its asynchronous load ended (a failed one too, which vLLM recomputes): offering it
+            # again could fail the same way forever.
+            return 0, False
         start = num_computed_tokens // self._block_size
         # vLLM must compute at least the prompt's last token, to sample from it.
         end = (request.num_tokens - 1) // self._block_size
@@ -128,6 +135,13 @@ class PoolPlanner:
                 self.stats.pool_errors += 1
                 log.warning("pool lookup failed (%s); computing the prompt", exc)
                 return 0, False
+            fetch = self._fetch_of(request)
+            if fetch is not None:
+                remote_end = min(fetch.num_tokens // self._block_size, end)
+                if remote_end - start > len(tiers):  # the other node has more: bring it here
+                    hit = _Hit(start, tuple(keys[:remote_end - start]), False, fetch.peer)
+                    self._hits[request.request_id] = hit
+                    return len(hit.keys) * self._block_size, True
             if not tiers:
                 return 0, False
             # Not pinned here: the worker half pins them when it reads them, on its own line to the
@@ -144,7 +158,9 @@ class PoolPlanner:
             return
         count = num_external_tokens // self._block_size
         block_ids = blocks.get_block_ids()[0][hit.start_block: hit.start_block + count]
-        self._loads.append(PoolLoad(request.request_id, hit.keys[:count], tuple(block_ids), hit.in_dram))
+        self._loads.append(PoolLoad(request.request_id, hit.keys[:count], tuple(block_ids), hit.in_dram, hit.peer))
+        if not hit.in_dram:
+            self._waited.add(request.request_id)
         self.stats.hit_blocks += count
         if hit.in_dram:
             self.stats.sync_loads += 1
@@ -202,6 +218,7 @@ class PoolPlanner:
         """True: keep the request's blocks until the worker half reports its saves copied."""
         req_id = request.request_id
         self._hits.pop(req_id, None)
+        self._waited.discard(req_id)
         self._tracked.pop(req_id, None)
         if req_id in self._saving:
             self._saving.discard(req_id)
@@ -226,6 +243,14 @@ class PoolPlanner:
                 parent = hash_block_tokens(parent, tokens[i * bs:(i + 1) * bs])
                 tracked.keys.append(parent)
         return tracked.keys[:want]
+
+    @staticmethod
+    def _fetch_of(request: "Request") -> FetchParams | None:
+        try:
+            return parse_fetch(request.kv_transfer_params)
+        except BadTransferParams as exc:  # never kill the scheduler over one bad instruction
+            log.error("request %s: ignoring %s", request.request_id, exc)
+            return None
 
     def _block_ids(self, req_id: str) -> list[int]:
         assert self._kv_cache_manager is not None, "vLLM did not bind the KV cache manager"

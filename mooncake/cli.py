@@ -124,8 +124,8 @@ def _start_pool(config):
 
     pool = PoolConfig(dram_bytes=config.pool_dram_bytes, ssd_dir=config.pool_ssd_dir,
                       ssd_bytes=config.pool_ssd_bytes, policy=config.pool_policy)
-    # remote=False: fetching from other nodes' pools (Algorithm 1's fetch_from) is not wired yet.
-    return PoolService(pool, remote=False).start()
+    # remote: other nodes fetch blocks from this pool through the messenger (fetch_from).
+    return PoolService(pool, remote=True).start()
 
 
 def _cmd_prepare(args: argparse.Namespace) -> int:

@@ -149,6 +149,9 @@ def create_app(config: WorkerConfig, kv_port: int, events_port: int, control: Co
         state: WorkerState = request.app.state.worker
         body = {"instance_id": config.instance_id, "role": config.role, "model": config.served_model_name,
                 "kv_address": f"{config.public_host}:{state.kv_port}"}
+        peer = state.pool.peer_info() if state.pool is not None else None
+        if peer is not None:  # other nodes fetch from this pool with it (Algorithm 1's fetch_from)
+            body["pool_peer"] = msgspec.json.encode(peer).decode()
         if config.cluster_token is not None:  # so a conductor with another token knows why it is refused
             body["cluster_token_accepted"] = token_matches(request.headers.get(TOKEN_HEADER), config.cluster_token)
         if state.drain.active:  # leaving: the conductors stop routing here

@@ -36,26 +36,29 @@ class PoolWorker:
     def __init__(self, log_dir: Path, ssd_dir: Path):
         self.log_dir, self.ssd_dir = log_dir, ssd_dir
         self.token_file = log_dir / "pool-token"
-        self.token_file.write_text(secrets.token_urlsafe(32))
+        if not self.token_file.exists():
+            self.token_file.write_text(secrets.token_urlsafe(32))
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.headers = {"X-Mooncake-Cluster-Token": self.token_file.read_text()}
         self.starts = 0
         self.proc = None
+        self.name = f"pool-worker-{self.port}"
 
     def start(self) -> None:
         self.starts += 1
-        self.proc = start(f"pool-worker-{self.starts}", [
+        self.proc = start(f"{self.name}-{self.starts}", [
             "-m", "mooncake.cli", "prefill", "--port", str(self.port), "--kv-cache-gib", "1",
             "--pool-dram-gib", str(DRAM_GIB), "--pool-ssd-dir", str(self.ssd_dir), "--pool-ssd-gib", "1",
-            "--cluster-token-file", str(self.token_file)], self.log_dir)
+            "--instance-id", self.name, "--cluster-token-file", str(self.token_file)], self.log_dir)
         wait_http(self.proc, self.url + "/health", 300)
 
     def stop(self) -> None:
         self.proc.stop(grace_s=30)
 
-    def generate(self, prompt: list[int], max_tokens: int = 12) -> tuple[list[int], int]:
-        body = {"request_id": uuid.uuid4().hex, "prompt_token_ids": prompt,
+    def generate(self, prompt: list[int], max_tokens: int = 12,
+                 kv_transfer_params: dict | None = None) -> tuple[list[int], int]:
+        body = {"request_id": uuid.uuid4().hex, "prompt_token_ids": prompt, "kv_transfer_params": kv_transfer_params or {},
                 "sampling": {"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}}
         tokens, cached = [], None
         with httpx.stream("POST", self.url + "/internal/generate", json=body, headers=self.headers,
@@ -199,3 +202,31 @@ def test_block_corrupted_on_disk_is_recomputed(pool_worker, colocated_server):
     out, _ = pool_worker.generate(second)
     assert out == cold(colocated_server, second)
     assert pool_worker.metric("mooncake_store_events_total", kind="corrupt") == corrupt + 1
+
+
+def test_prefix_on_another_instance_is_fetched_from_its_pool_and_kept(pool_worker, colocated_server, log_dir,
+                                                                     tmp_path):
+    """Algorithm 1's fetch_from, carried out: the prefill worker is told (kv_transfer_params, as
+    the conductor's relay does) to take the prefix from another worker's pool."""
+    prefix = prompt_of(6, 5 * BLOCK)
+    pool_worker.generate(prefix + prompt_of(61, 20))  # computed on the first worker, saved in its pool
+    holder = httpx.get(pool_worker.url + "/health").json()
+    assert holder.get("pool_peer"), holder
+    other = PoolWorker(log_dir, tmp_path / "ssd")
+    other.token_file, other.headers = pool_worker.token_file, pool_worker.headers
+    other.start()
+    try:
+        second = prefix + prompt_of(62, 40)
+        fetch = {"mooncake_fetch": {"peer": holder["pool_peer"], "num_tokens": len(prefix)}}
+        out, cached = other.generate(second, kv_transfer_params=fetch)
+        assert cached == 5 * BLOCK  # fetched, not computed
+        assert out == cold(colocated_server, second)
+        assert other.metric("mooncake_store_events_total", kind="remote_fetched_blocks") >= 5
+        # Kept after: the same prefix hits the second worker's own pool now.
+        other.forget()
+        third = prefix + prompt_of(63, 10)
+        out, cached = other.generate(third)
+        assert cached == 5 * BLOCK
+        assert out == cold(colocated_server, third)
+    finally:
+        other.stop()

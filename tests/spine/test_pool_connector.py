@@ -198,3 +198,31 @@ def test_an_unreachable_pool_is_a_cache_miss_not_an_error(tmp_path):
     planner = PoolPlanner(PoolClient(ControlEndpoint(str(tmp_path / "nobody.sock"), "00" * 16), 0.2), BS)
     assert planner.matched_tokens(FakeRequest("a", list(range(3 * BS))), 0) == (0, False)
     assert planner.stats.pool_errors == 1
+
+
+def test_a_fetch_instruction_loads_the_other_pools_prefix_asynchronously_once(service):
+    service.configure(LAYERS * int(torch.zeros(BLOCK_SHAPE).numel() * 4), "x")
+    planner = PoolPlanner(PoolClient(service.endpoint), BS)
+    params = {"mooncake_fetch": {"peer": "{}", "num_tokens": 3 * BS}}
+    req = FakeRequest("f", list(range(4 * BS)), params)
+    assert planner.matched_tokens(req, 0) == (3 * BS, True)  # nothing here: all of it comes from the peer
+    assert planner.matched_tokens(req, 0) == (3 * BS, True)  # asked again: the same answer
+    planner.after_alloc(req, blocks_of([0, 1, 2, 3]), 3 * BS)
+    loads, _, _ = planner.plan(step())
+    assert [(l.block_ids, l.sync, l.peer) for l in loads] == [((0, 1, 2), False, "{}")]
+    assert planner.matched_tokens(req, 0) == (0, False)  # after a failed load vLLM recomputes: no retry
+
+
+def test_the_conductor_fetches_only_from_a_holder_whose_pool_it_can_reach():
+    from conductor.core.types import Decision
+    from conductor.routing import fetch_params
+    from conductor.workers import WorkerHandle
+
+    decision = Decision(request_id="r", prefill_instance="p0", decode_instance="d0", cached_prefix_tokens=512,
+                        fetch_from="p1", fetched_blocks=4, predicted_ttft_s=0.1, predicted_tbt_s=0.01,
+                        predicted_queue_s=0.0, predicted_prefill_s=0.05, predicted_transfer_s=0.05)
+    holder = WorkerHandle("http://p1", pool_peer='{"name": "p1"}')
+    assert fetch_params(decision, {"p1": holder}).to_params() == {
+        "mooncake_fetch": {"peer": '{"name": "p1"}', "num_tokens": 512}}
+    assert fetch_params(decision, {"p1": WorkerHandle("http://p1")}) is None  # no pool to fetch from
+    assert fetch_params(decision, {}) is None  # the holder left
