@@ -270,9 +270,9 @@ async def _stream(state: WorkerState, gen: GenerateRequest):
 async def _start_engine(state: WorkerState) -> None:
     try:
         # Building the engine blocks for tens of seconds; keep the event loop (and /health) free.
+        pool = {"pool": state.pool.endpoint} if state.pool is not None else {}
         engine = await asyncio.to_thread(build_engine, state.config, state.kv_port, state.events_port, state.control,
-                                         [engine_stat_logger(state.metrics)],
-                                         state.pool.endpoint if state.pool is not None else None)
+                                         [engine_stat_logger(state.metrics)], **pool)
         state.block_size, state.kv_capacity_tokens = kv_capacity_tokens(engine)
         state.subscriber.start()
         state.engine = engine
