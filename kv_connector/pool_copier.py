@@ -128,8 +128,15 @@ class PoolCopier:
         self._caches = dict(kv_caches)
         self._layout = ArenaLayout.of(self._caches)
         self._layer_of = {name: i for i, name in enumerate(self._layout.names)}
-        info = self._client.configure(self._layout.block_bytes, self._layout.describe(self._caches, self._block_size))
-        self._mapping = Arena.attach(info)
+        try:
+            info = self._client.configure(self._layout.block_bytes,
+                                          self._layout.describe(self._caches, self._block_size))
+            self._mapping = Arena.attach(info)
+        except (PoolUnavailable, OSError, ValueError) as exc:
+            # No arena (shared memory full, a pool of another layout...): the engine runs without
+            # the pool rather than not at all. The pool then holds nothing, so nothing is planned.
+            log.error("KVCache pool unavailable, running without it: %s", exc)
+            return
         self._arena = torch.from_numpy(self._mapping.array).view(info.slots, info.block_bytes)
         log.info("KVCache pool: %d arena slots of %d B mapped from %s", info.slots, info.block_bytes, info.path)
 
@@ -142,6 +149,9 @@ class PoolCopier:
     # -- loads ----------------------------------------------------------------------------
 
     def start_loads(self, loads: list[PoolLoad]) -> None:
+        if self._arena is None and loads:  # no arena mapped: nothing can be loaded, vLLM recomputes
+            self._invalid_blocks.update(b for load in loads if load.sync for b in load.block_ids)
+            loads = [load for load in loads if not load.sync]
         for load in loads:
             if not load.sync:
                 self._async[load.request_id] = self._async_loader.submit(self._load_async, load)
@@ -250,7 +260,7 @@ class PoolCopier:
     # -- saves ----------------------------------------------------------------------------
 
     def save_layer(self, saves: list[PoolSave], layer_name: str) -> None:
-        if not saves:
+        if not saves or self._arena is None:
             return
         index = self._layer_of[layer_name]
         with self._lock:
