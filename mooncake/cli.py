@@ -119,13 +119,21 @@ def _cmd_worker(module):
 
 def _start_pool(config):
     """The worker's KVCache pool service (store/), started in its shell before the engine."""
+    from dataclasses import replace
+
+    from messenger.engine import EngineConfig
+    from mooncake.auth import kv_key
     from store.config import PoolConfig
     from store.service import PoolService
 
     pool = PoolConfig(dram_bytes=config.pool_dram_bytes, ssd_dir=config.pool_ssd_dir,
                       ssd_bytes=config.pool_ssd_bytes, policy=config.pool_policy)
-    # remote: other nodes fetch blocks from this pool through the messenger (fetch_from).
-    return PoolService(pool, remote=True).start()
+    # Other nodes fetch blocks from this pool through the messenger (Algorithm 1's fetch_from),
+    # proving the key derived from the cluster token, like the KV socket; each block carries its
+    # own checksum, so the messenger's per-slice one is off.
+    messenger = replace(EngineConfig(), host=config.kv_host, checksums=False,
+                        auth_key=kv_key(config.cluster_token) if config.cluster_token else None)
+    return PoolService(pool, remote=True, engine_config=messenger).start()
 
 
 def _cmd_prepare(args: argparse.Namespace) -> int:
