@@ -10,7 +10,7 @@ ENGINE_EXTRA := $(if $(GPU),gpu,cpu)
 PORT      ?= 8000
 ARGS      ?=
 
-.PHONY: setup serve test test-fast etcd helm-tools monitoring-tools model clean help
+.PHONY: setup serve test test-fast etcd helm-tools monitoring-tools messenger-libs model clean help
 
 help:
 	@echo "make serve   set up, then serve SmolLM2-135M on http://127.0.0.1:$(PORT)/v1 (Ctrl-C stops)"
@@ -50,13 +50,22 @@ monitoring-tools:
 	@command -v promtool >/dev/null 2>&1 || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null; }
 	@promtool --version 2>&1 | head -1
 
+# The messenger's optional transports (tests/messenger/): NIXL without its dependencies (they pull
+# in torch and CUDA, 5.6 GB; it needs only numpy; about 10 s, 340 MB), and Debian's pyverbs linked
+# into the venv (PyPI's builds but does not load against Debian's libibverbs 44). No RDMA device
+# exists on these machines: rdma then says so and the engine skips it.
+messenger-libs: $(STAMP)
+	@$(PY) -c "import nixl_cu12" 2>/dev/null || $(PIP) install -q --no-deps "nixl-cu12==1.5.1"
+	@test -d /usr/lib/python3/dist-packages/pyverbs || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends python3-pyverbs >/dev/null; }
+	@ln -sfn /usr/lib/python3/dist-packages/pyverbs "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/pyverbs"
+
 serve: setup
 	$(PY) -m mooncake.cli serve --port $(PORT) $(ARGS)
 
-test: setup etcd helm-tools monitoring-tools
+test: setup etcd helm-tools monitoring-tools messenger-libs
 	$(PY) -m pytest -q -rs $(ARGS)
 
-test-fast: setup helm-tools monitoring-tools
+test-fast: setup helm-tools monitoring-tools messenger-libs
 	$(PY) -m pytest -q -m "not vllm and not etcd" $(ARGS)
 
 clean:

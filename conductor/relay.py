@@ -59,7 +59,8 @@ class Relay:
                 yield chunk
             return
 
-        push = PushParams(transfer_id=request_id, dest=route.decode.kv_address, num_tokens=len(prompt))
+        push = PushParams(transfer_id=request_id, dest=route.decode.kv_address, num_tokens=len(prompt),
+                          skip_blocks=route.decode_held_blocks)
         first_sampling = replace(sampling, max_tokens=1, min_tokens=min(sampling.min_tokens, 1),
                                  structured=None)  # with a grammar, P's token is not used (below)
         first = GenerateChunk([])
@@ -72,6 +73,11 @@ class Relay:
                 stats.prefill_s = chunk.prefill_s
             first = joined(first, chunk)
         pull = PullParams(transfer_id=request_id, num_tokens=len(prompt), wait_timeout_s=self._kv_wait_timeout_s)
+        if first.kv_error is not None:  # the KV did not land: D computes the prompt, waiting for nothing
+            log.warning("KV push for %s failed (%s); %s recomputes the prompt", request_id, first.kv_error,
+                        route.decode.name)
+            await self._client.drop_transfer(route.decode, request_id)
+            pull, stats.retried = None, True  # D's prompt time is not P's: keep P's measurement
         rest = replace(sampling, prompt_logprobs=None)  # the prompt's came from the prefill worker
         if sampling.structured is not None:
             # A grammar's state cannot cross workers: P's token is dropped and D, which loads the

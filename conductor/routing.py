@@ -51,6 +51,7 @@ class Route:
     decision: Decision | None = None
     kv_tokens: int = 0
     blocks: tuple = ()  # the prompt's block hashes, pending on `prefill` until its prefill ends
+    decode_held_blocks: int = 0  # leading prompt blocks `decode` holds (prefix index): P skips them
     released: bool = field(default=False)
     fetch: FetchParams | None = None  # Algorithm 1's fetch_from, for the prefill worker
 
@@ -120,7 +121,8 @@ class Router:
             raise APIError(429, _rejection_message(result, limits, slo), code=str(result.reason),
                            headers={"Retry-After": str(max(1, math.ceil(result.retry_after_s)))})
         route = Route(handles[result.prefill_instance], handles[result.decode_instance], request_id, result,
-                      blocks=hashes, fetch=fetch_params(result, handles))
+                      blocks=hashes, decode_held_blocks=self.index.match(hashes).get(result.decode_instance, 0),
+                      fetch=fetch_params(result, handles))
         return self._commit(route, prompt, max_tokens, now, result.cached_prefix_tokens, slo.tbt_s)
 
     def _commit(self, route: Route, prompt: list[int], max_tokens: int, now: float, cached: int,

@@ -1,10 +1,14 @@
 """The consumer's data path, in vLLM's worker process: receive pushed KV and land it in the
 paged cache.
 
-A messenger server thread lands pushed layers in `KVStaging` after checking their checksum.
-Each engine step, `collect_loads` copies complete transfers into the blocks the scheduler
-allocated and reports them finished; a transfer that is broken or late is reported failed, and
-vLLM recomputes that prompt locally (kv_load_failure_policy="recompute"): slower, never wrong.
+Pushed bytes land in the staging arena (decode/staging.py), which is registered with the transfer
+engine: the prefill reserves a transfer's room with one `engine.call` (answered by `_on_call`,
+which checks the layout first), then writes each layer's blocks there; the engine verifies every
+slice's checksum before the layer's note reaches `_on_notify`. No buffer is allocated or zeroed
+per frame. Each engine step, `collect_loads` copies complete transfers from the arena into the
+blocks the scheduler allocated and reports them finished; a transfer that is broken or late, or
+that lacks blocks this worker no longer holds, is reported failed, and vLLM recomputes that
+prompt locally (kv_load_failure_policy="recompute"): slower, never wrong.
 """
 
 from __future__ import annotations
@@ -14,18 +18,31 @@ import threading
 import time
 from dataclasses import asdict, dataclass
 
+import msgspec
+import numpy as np
 import torch
-import xxhash
 
 from decode.load_planner import LoadSpec
-from decode.staging import KVStaging, StagedLayer, StagedTransfer, StagingConfig
-from messenger.stats import TransportStats
-from messenger.tcp import TcpConfig, TcpServer
+from decode.staging import KVStaging, StagedTransfer, StagingConfig
+from mooncake.protocol import (KV_CALL_DECODER, KV_CALL_ENCODER, KV_NOTE_DECODER, KVHello, KVReserve,
+                               KVReserved)
 
 # Under "vllm." so the messages show in vLLM's worker processes, whose logging vLLM configures.
 log = logging.getLogger("vllm.mooncake." + __name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+STAGING_REGION = "kv-staging"
+
+
+def runs(block_ids: tuple[int, ...]) -> list[tuple[int, int, int]]:
+    """(position in block_ids, first block id, count) per run of consecutive ids."""
+    out: list[tuple[int, int, int]] = []
+    for i, block in enumerate(block_ids):
+        if out and out[-1][1] + out[-1][2] == block:
+            out[-1] = (out[-1][0], out[-1][1], out[-1][2] + 1)
+        else:
+            out.append((i, block, 1))
+    return out
 
 
 @dataclass
@@ -35,10 +52,12 @@ class ReceiverStats:
     loaded_transfers: int = 0
     loaded_tokens: int = 0
     loaded_bytes: int = 0
+    loaded_blocks: int = 0  # block rows of one layer each, summed over layers
+    received_blocks: int = 0  # the same, as they landed in staging
     load_failures: int = 0
     load_timeouts: int = 0
     checksum_failures: int = 0
-    load_seconds: float = 0.0
+    load_seconds: float = 0.0  # copying staged blocks into the paged cache
 
 
 @dataclass
@@ -48,28 +67,30 @@ class _PendingLoad:
 
 
 class KVReceiver:
-    def __init__(self, host: str, port: int, block_size: int, staging: StagingConfig, tcp: TcpConfig,
-                 transport: TransportStats | None = None):
+    def __init__(self, engine, block_size: int, staging: StagingConfig):
+        """`engine`: a messenger TransferEngine, not started yet (the connector starts it with
+        this receiver's handlers once the caches are registered)."""
+        self._engine = engine
         self._block_size = block_size
         self._staging = KVStaging(staging)
-        self._server = TcpServer(host, port, self._on_frame, tcp, transport)
+        self._arena = np.empty(staging.capacity_bytes, dtype=np.uint8)  # allocated once, never zeroed
+        self._engine.register(STAGING_REGION, self._arena)
         self._kv_caches: dict[str, torch.Tensor] = {}
         self._layer_index: dict[str, int] = {}
+        self._layout: list[tuple[str, str, list[int]]] = []
         self._pending: dict[str, _PendingLoad] = {}
         self._stats = ReceiverStats()
         self._stats_lock = threading.Lock()
 
-    @property
-    def address(self) -> str:
-        return self._server.address
-
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._kv_caches = dict(kv_caches)
         self._layer_index = {name: i for i, name in enumerate(self._kv_caches)}
-        self._server.start()
-        first = next(iter(self._kv_caches.values()))
-        log.info("KV receiver: %d layers of %s %s on %s", len(self._kv_caches),
-                 tuple(first.shape), first.dtype, self._server.address)
+        self._layout = [(name, str(c.dtype).removeprefix("torch."), list(c.shape[1:]))
+                        for name, c in self._kv_caches.items()]
+        # CPU caches as flat bytes: landing is a memcpy per run of adjacent blocks (numpy's copy is
+        # one plain memcpy; torch's parallel copy_ stalls when its threads find the cores busy).
+        self._cache_bytes = {name: c.view(torch.uint8).view(-1).numpy() for name, c in self._kv_caches.items()
+                             if c.device.type == "cpu" and c.is_contiguous()}
 
     def stats(self) -> dict:
         with self._stats_lock:
@@ -77,27 +98,46 @@ class KVReceiver:
 
     def drop(self, transfer_id: str) -> None:
         """The conductor will not decode this transfer here: free what was staged for it."""
-        self._staging.pop(transfer_id)
+        self._staging.pop(transfer_id, time.monotonic())
 
-    def shutdown(self) -> None:
-        self._server.close()
+    # -- receiving (the engine's threads) ----------------------------------------------------
 
-    # -- receiving (messenger thread) ---------------------------------------------------------
+    def on_call(self, peer: str, request: bytes) -> bytes:
+        message = KV_CALL_DECODER.decode(request)
+        if isinstance(message, KVHello):
+            return msgspec.json.encode(self._engine.info())
+        return KV_CALL_ENCODER.encode(self._reserve(message))
 
-    def _on_frame(self, header: dict, payload: bytearray) -> dict:
-        if header.get("op") != "put":
-            return {"ok": False, "error": f"the KV socket takes only 'put', not {header.get('op')!r}"}
-        now = time.monotonic()
-        transfer_id = header["transfer_id"]
-        if xxhash.xxh3_64_hexdigest(payload) != header["xxh3"]:
+    def _reserve(self, request: KVReserve) -> KVReserved:
+        layout = [(name, dtype, list(shape)) for name, dtype, shape in request.layers]
+        if layout != self._layout:
+            mismatch = next(((a, b) for a, b in zip(layout, self._layout) if a != b), None)
+            return KVReserved(error=f"incompatible KV layout: sender has {len(layout)} layers, this engine "
+                                    f"{len(self._layout)}; first difference {mismatch}")
+        sizes = {self._kv_caches[name][0].numel() * self._kv_caches[name].element_size() for name, _, _ in layout}
+        if sizes != {request.block_bytes}:
+            return KVReserved(error=f"block of {request.block_bytes} B, this engine's are {sorted(sizes)} B")
+        try:
+            entry = self._staging.reserve(request.transfer_id, len(layout), request.first_block, request.num_blocks,
+                                          request.block_bytes, time.monotonic())
+        except Exception as exc:  # noqa: BLE001 - StagingFull or a bad request: the sender fails the push
+            return KVReserved(error=f"{type(exc).__name__}: {exc}")
+        return KVReserved(region=STAGING_REGION, offset=entry.offset)
+
+    def on_notify(self, peer: str, message: bytes, error: str | None) -> None:
+        note = KV_NOTE_DECODER.decode(message)
+        if error is not None:
             with self._stats_lock:
-                self._stats.checksum_failures += 1
-            self._staging.fail(transfer_id, f"checksum mismatch on layer {header['layer_index']}", now)
-            return {"ok": False, "error": "checksum mismatch"}
-        layer = StagedLayer(header["layer_name"], tuple(header["shape"]), header["dtype"], payload)
-        self._staging.put_layer(transfer_id, int(header["layer_index"]), int(header["num_layers"]),
-                                int(header["num_tokens"]), layer, now)
-        return {"ok": True}
+                self._stats.checksum_failures += "checksum" in error.lower()
+            self._staging.fail(note.transfer_id, f"layer {note.layer}: {error}", time.monotonic())
+            return
+        try:
+            self._staging.landed(note.transfer_id, note.layer, note.first_block, note.end_block)
+        except (KeyError, ValueError) as exc:  # dropped meanwhile, or a note that does not fit
+            log.warning("ignoring a KV note from %s: %s", peer, exc)
+            return
+        with self._stats_lock:
+            self._stats.received_blocks += note.end_block - note.first_block
 
     # -- landing (engine thread) --------------------------------------------------------------
 
@@ -113,7 +153,7 @@ class KVReceiver:
         finished: set[str] = set()
         failed: set[str] = set()
         for req_id in finished_req_ids & self._pending.keys():  # aborted while waiting
-            self._staging.pop(self._pending.pop(req_id).spec.transfer_id)
+            self._staging.pop(self._pending.pop(req_id).spec.transfer_id, now)
         for req_id, pending in list(self._pending.items()):
             staged = self._staging.peek(pending.spec.transfer_id)
             error = None
@@ -127,7 +167,7 @@ class KVReceiver:
                 error = f"no KV after {pending.spec.wait_timeout_s:.1f} s"
                 with self._stats_lock:
                     self._stats.load_timeouts += 1
-            self._staging.pop(pending.spec.transfer_id)
+            self._staging.pop(pending.spec.transfer_id, now)
             del self._pending[req_id]
             finished.add(req_id)
             if error is not None:
@@ -140,28 +180,34 @@ class KVReceiver:
         return finished, failed
 
     def _land(self, spec: LoadSpec, staged: StagedTransfer) -> str | None:
-        """Copy a staged transfer into the paged cache; returns an error string or None."""
+        """Copy a staged transfer's blocks into the paged cache; returns an error string or None."""
         start = time.perf_counter()
-        if staged.num_layers != len(self._kv_caches):
-            return f"sender has {staged.num_layers} layers, this engine {len(self._kv_caches)}"
-        nbytes = 0
+        first, count = spec.first_block - staged.first_block, len(spec.block_ids)
+        if first < 0:
+            return (f"the prefill skipped blocks [0, {staged.first_block}) this worker was thought to hold, "
+                    f"but it holds only [0, {spec.first_block})")
+        if first + count > staged.num_blocks:
+            return f"the prefill pushed blocks up to {staged.first_block + staged.num_blocks}, " \
+                   f"{spec.first_block + count} needed"
+        nbytes, size = 0, staged.block_bytes
         for name, index in self._layer_index.items():
-            layer = staged.layers[index]
             cache = self._kv_caches[name]
-            dtype = _DTYPES.get(layer.dtype)
-            if layer.layer_name != name or dtype != cache.dtype or tuple(layer.shape[1:]) != tuple(cache.shape[1:]):
-                return (f"layout mismatch on {name}: got {layer.layer_name} {layer.shape} {layer.dtype}, "
-                        f"expected {tuple(cache.shape[1:])} {cache.dtype}")
-            rows = torch.frombuffer(layer.data, dtype=dtype).view(layer.shape)
-            wanted = rows[spec.first_block: spec.first_block + len(spec.block_ids)]
-            if wanted.shape[0] != len(spec.block_ids):
-                return f"sender pushed {layer.shape[0]} blocks, {spec.first_block + len(spec.block_ids)} needed"
-            ids = torch.tensor(spec.block_ids, dtype=torch.long, device=cache.device)
-            cache.index_copy_(0, ids, wanted.to(cache.device))
-            nbytes += wanted.numel() * wanted.element_size()
+            begin = staged.layer_offset(index) + first * size
+            raw = self._arena[begin: begin + count * size]
+            flat = self._cache_bytes.get(name)
+            if flat is not None:
+                for position, block, run in runs(spec.block_ids):
+                    np.copyto(flat[block * size:(block + run) * size],
+                              raw[position * size:(position + run) * size])
+            else:  # device memory (CUDA): one host-to-device index_copy_ per layer
+                rows = torch.from_numpy(raw).view(cache.dtype).view(count, *cache.shape[1:])
+                ids = torch.tensor(spec.block_ids, dtype=torch.long, device=cache.device)
+                cache.index_copy_(0, ids, rows.to(cache.device, non_blocking=False))
+            nbytes += raw.nbytes
         with self._stats_lock:
             self._stats.loaded_transfers += 1
             self._stats.loaded_tokens += spec.num_tokens - spec.first_block * self._block_size
             self._stats.loaded_bytes += nbytes
+            self._stats.loaded_blocks += count * len(self._layer_index)
             self._stats.load_seconds += time.perf_counter() - start
         return None

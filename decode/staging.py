@@ -1,107 +1,170 @@
-"""The decode side's landing area for pushed KV: whole layers, keyed by transfer id.
+"""The decode side's landing area for pushed KV: one pre-allocated arena, carved per transfer.
 
-Layers arrive from the messenger's receiver threads and leave when the engine copies them into
-its paged cache. Pure bookkeeping with an explicit clock; one lock, because receiver threads and
-the engine's thread both touch it. Entries that nobody claims (the conductor died, the request was
-aborted) expire after `ttl_s`, and a byte budget bounds the memory pushed at us.
+The arena is allocated once (never per frame, never zeroed) and registered with the transfer
+engine, so the prefill writes a transfer's layers straight into it. A transfer is reserved whole
+when its first bytes are about to be sent (`reserve`, from the prefill's `engine.call`), laid out
+as [layer][block][one block's bytes] for its blocks [first_block, first_block + num_blocks), and
+its slot is given back when the engine copied it into the paged cache, or it failed, or nobody
+claimed it within `ttl_s`. The slot of a transfer that ended before all its bytes arrived is held
+back for another `ttl_s` first: the prefill may still be writing into it, and those late bytes
+must not land in the next transfer's slot.
+
+Pure bookkeeping with an explicit clock and one lock: the engine's receive threads, the control
+thread and the engine's own thread all touch it.
 """
 
 from __future__ import annotations
 
+import bisect
 import threading
 from dataclasses import dataclass, field
+
+ALIGN = 4096  # slots start on page boundaries (a GPU or NIC registration likes them there)
 
 
 @dataclass(frozen=True)
 class StagingConfig:
     capacity_bytes: int = 4 << 30
-    """Most KV bytes held at once; a push beyond it is refused (the sender reports it)."""
+    """Size of the arena: most KV bytes held at once; a reservation beyond it is refused."""
     ttl_s: float = 120.0
-    """An unclaimed transfer is dropped this long after its first layer arrived."""
+    """An unclaimed transfer is dropped this long after it was reserved."""
 
     def __post_init__(self) -> None:
         if self.capacity_bytes <= 0 or self.ttl_s <= 0:
             raise ValueError("StagingConfig.capacity_bytes and ttl_s must be positive")
 
 
-@dataclass
-class StagedLayer:
-    layer_name: str
-    shape: tuple[int, ...]  # [num_blocks, ...] as the sender's paged cache holds one layer
-    dtype: str
-    data: bytearray
+class StagingFull(RuntimeError):
+    """No room for a transfer; the prefill fails the push and decode recomputes."""
+
+
+class Arena:
+    """First-fit allocator of byte ranges in [0, capacity). Not thread-safe (KVStaging locks)."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self._free: list[tuple[int, int]] = [(0, capacity)]  # (offset, length), sorted, coalesced
+        self.used = 0
+
+    def alloc(self, nbytes: int) -> int:
+        size = -(-max(nbytes, 1) // ALIGN) * ALIGN
+        for i, (offset, length) in enumerate(self._free):
+            if length >= size:
+                if length == size:
+                    del self._free[i]
+                else:
+                    self._free[i] = (offset + size, length - size)
+                self.used += size
+                return offset
+        raise StagingFull(f"staging holds {self.used} B of {self.capacity} B; no room for {nbytes} B")
+
+    def free(self, offset: int, nbytes: int) -> None:
+        size = -(-max(nbytes, 1) // ALIGN) * ALIGN
+        self.used -= size
+        i = bisect.bisect(self._free, (offset, 0))
+        self._free.insert(i, (offset, size))
+        # Coalesce with the right then the left neighbour.
+        if i + 1 < len(self._free) and offset + size == self._free[i + 1][0]:
+            self._free[i] = (offset, size + self._free.pop(i + 1)[1])
+        if i > 0 and self._free[i - 1][0] + self._free[i - 1][1] == offset:
+            prev = self._free.pop(i - 1)
+            self._free[i - 1] = (prev[0], prev[1] + self._free[i - 1][1])
 
 
 @dataclass
 class StagedTransfer:
     transfer_id: str
     num_layers: int
-    num_tokens: int
+    first_block: int
+    num_blocks: int
+    block_bytes: int  # one block of one layer
+    offset: int  # of layer 0, block first_block, in the arena
     created_at: float
-    layers: dict[int, StagedLayer] = field(default_factory=dict)
+    landed: list[int] = field(default_factory=list)  # blocks landed per layer
     error: str | None = None
 
     @property
-    def complete(self) -> bool:
-        return self.error is None and len(self.layers) == self.num_layers
+    def nbytes(self) -> int:
+        return self.num_layers * self.num_blocks * self.block_bytes
 
     @property
-    def nbytes(self) -> int:
-        return sum(len(layer.data) for layer in self.layers.values())
+    def complete(self) -> bool:
+        return self.error is None and all(n >= self.num_blocks for n in self.landed)
 
+    def layer_offset(self, layer: int) -> int:
+        return self.offset + layer * self.num_blocks * self.block_bytes
 
-class StagingFull(RuntimeError):
-    """Staging a transfer would pass the byte budget; the sender fails it and decode recomputes."""
+    def block_offset(self, layer: int, block: int) -> int:
+        """Where prompt block `block` (absolute index) of `layer` lives in the arena."""
+        return self.layer_offset(layer) + (block - self.first_block) * self.block_bytes
 
 
 class KVStaging:
     def __init__(self, config: StagingConfig = StagingConfig()):
         self._config = config
         self._lock = threading.Lock()
+        self._arena = Arena(config.capacity_bytes)
         self._transfers: dict[str, StagedTransfer] = {}
-        self._bytes = 0
+        self._quarantine: list[tuple[float, int, int]] = []  # (reusable at, offset, nbytes)
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self._config.capacity_bytes
 
     @property
     def used_bytes(self) -> int:
-        return self._bytes
+        return self._arena.used
 
-    def put_layer(self, transfer_id: str, layer_index: int, num_layers: int, num_tokens: int,
-                  layer: StagedLayer, now: float) -> None:
+    def reserve(self, transfer_id: str, num_layers: int, first_block: int, num_blocks: int, block_bytes: int,
+                now: float) -> StagedTransfer:
+        """Room for a whole transfer. Reserving an id again returns the same slot (a retried call)."""
+        if num_layers <= 0 or first_block < 0 or num_blocks < 0 or block_bytes <= 0:
+            raise ValueError(f"bad reservation for {transfer_id}: {num_layers} layers, blocks "
+                             f"[{first_block}, +{num_blocks}), {block_bytes} B per block")
         with self._lock:
-            if self._bytes + len(layer.data) > self._config.capacity_bytes:
-                raise StagingFull(
-                    f"staging holds {self._bytes} B of {self._config.capacity_bytes} B; "
-                    f"refusing {len(layer.data)} B for {transfer_id}"
-                )
+            entry = self._transfers.get(transfer_id)
+            if entry is not None and entry.error is None:
+                return entry
+            if entry is not None:  # a failed attempt: start over
+                self._release(entry, now)
+            size = num_layers * num_blocks * block_bytes
+            entry = StagedTransfer(transfer_id, num_layers, first_block, num_blocks, block_bytes,
+                                   offset=self._arena.alloc(size), created_at=now, landed=[0] * num_layers)
+            self._transfers[transfer_id] = entry
+            return entry
+
+    def landed(self, transfer_id: str, layer: int, first_block: int, end_block: int) -> None:
+        """Blocks [first_block, end_block) of `layer` are in the arena (verified by the engine)."""
+        with self._lock:
             entry = self._transfers.get(transfer_id)
             if entry is None:
-                entry = StagedTransfer(transfer_id, num_layers, num_tokens, created_at=now)
-                self._transfers[transfer_id] = entry
-            if not 0 <= layer_index < entry.num_layers:
-                raise ValueError(f"layer {layer_index} out of range for {entry.num_layers} layers")
-            old = entry.layers.get(layer_index)
-            if old is not None:  # a resend after a broken connection replaces the layer
-                self._bytes -= len(old.data)
-            entry.layers[layer_index] = layer
-            self._bytes += len(layer.data)
+                raise KeyError(f"no reservation for transfer {transfer_id}")
+            if not (0 <= layer < entry.num_layers
+                    and entry.first_block <= first_block <= end_block <= entry.first_block + entry.num_blocks):
+                raise ValueError(f"layer {layer} blocks [{first_block}, {end_block}) outside transfer "
+                                 f"{transfer_id} ({entry.num_layers} layers, blocks [{entry.first_block}, "
+                                 f"{entry.first_block + entry.num_blocks}))")
+            entry.landed[layer] += end_block - first_block
 
     def fail(self, transfer_id: str, error: str, now: float) -> None:
-        """Mark a transfer broken (e.g. a checksum mismatch) so the consumer recomputes at once."""
+        """Mark a transfer broken (a checksum mismatch, a dead peer) so the consumer recomputes at once."""
         with self._lock:
-            entry = self._transfers.setdefault(
-                transfer_id, StagedTransfer(transfer_id, 0, 0, created_at=now)
-            )
-            entry.error = error
+            entry = self._transfers.get(transfer_id)
+            if entry is None:
+                entry = StagedTransfer(transfer_id, 0, 0, 0, 1, offset=-1, created_at=now)
+                self._transfers[transfer_id] = entry
+            entry.error = entry.error or error
 
     def peek(self, transfer_id: str) -> StagedTransfer | None:
         with self._lock:
             return self._transfers.get(transfer_id)
 
-    def pop(self, transfer_id: str) -> StagedTransfer | None:
+    def pop(self, transfer_id: str, now: float) -> StagedTransfer | None:
+        """Forget a transfer and give its slot back (call it after its bytes were copied out)."""
         with self._lock:
             entry = self._transfers.pop(transfer_id, None)
             if entry is not None:
-                self._bytes -= entry.nbytes
+                self._release(entry, now)
             return entry
 
     def expire(self, now: float) -> list[str]:
@@ -109,5 +172,18 @@ class KVStaging:
         with self._lock:
             old = [t for t, e in self._transfers.items() if now - e.created_at > self._config.ttl_s]
             for transfer_id in old:
-                self._bytes -= self._transfers.pop(transfer_id).nbytes
+                self._release(self._transfers.pop(transfer_id), now)
+            held = [q for q in self._quarantine if q[0] > now]
+            for _, offset, nbytes in (q for q in self._quarantine if q[0] <= now):
+                self._arena.free(offset, nbytes)
+            self._quarantine = held
             return old
+
+    def _release(self, entry: StagedTransfer, now: float) -> None:
+        if entry.offset < 0:
+            return
+        if all(n >= entry.num_blocks for n in entry.landed):  # every byte is in: nothing more comes
+            self._arena.free(entry.offset, entry.nbytes)
+        else:
+            self._quarantine.append((now + self._config.ttl_s, entry.offset, entry.nbytes))
+        entry.offset = -1

@@ -6,15 +6,23 @@ kv_sender), the consumer half in decode/ (load_planner, kv_receiver). Whether a 
 loads, or does neither is decided per request by its kv_transfer_params.
 
 Settings come from `kv_connector_extra_config`:
-  kv_host, kv_port            where this engine receives pushed KV (port 0 = any free port)
+  kv_host, kv_port            the transfer engine's tcp address (port 0 = any free port)
   control_path, control_key   the control channel to the worker shell (mooncake/control.py)
   kv_auth_key                 hex key every KV connection must prove (absent: no handshake)
-  staging_bytes               most pushed KV bytes held before the engine claims them
+  staging_bytes               size of the staging arena pushed KV lands in
   staging_ttl_s               unclaimed pushes are dropped after this long
+  kv_timeout_s                a batch (or a call) to a peer not complete by then fails
+  kv_transports               comma-separated transports to allow, in order of preference (default:
+                              the engine's; env MOONCAKE_KV_TRANSPORTS, e.g. "tcp" to force tcp)
+  kv_fault_flip               TEST ONLY (default 0; env MOONCAKE_KV_FAULT_FLIP): flip one byte on the wire
+                              in the next N written batches (kv_connector/fault.py), to show a corrupt
+                              slice fails the load and decode recomputes
 """
 
 from __future__ import annotations
 
+import os
+import socket
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -29,8 +37,9 @@ from decode.kv_receiver import KVReceiver
 from decode.load_planner import LoadPlanner
 from decode.staging import StagingConfig
 from kv_connector.metadata import ServeConnectorMetadata
-from messenger.stats import TransportStats
-from messenger.tcp import TcpConfig
+from kv_connector.fault import flip_bytes_on_the_wire
+from messenger.engine import EngineConfig, TransferEngine
+from mooncake import defaults
 from mooncake.control import ControlEndpoint, ControlServer
 from prefill.kv_sender import KVSender
 from prefill.push_planner import PushPlanner
@@ -56,18 +65,22 @@ class MooncakeServeConnector(KVConnectorBase_V1):
         self._sender: KVSender | None = None
         self._receiver: KVReceiver | None = None
         self._control: ControlServer | None = None
-        self._transport: TransportStats | None = None
+        self._engine = None
         if role == KVConnectorRole.SCHEDULER:
             self._pushes, self._loads = PushPlanner(block_size), LoadPlanner(block_size)
             return
         # With a cluster token, every KV connection proves a key derived from it (messenger/handshake.py).
         auth_key = extra.get("kv_auth_key")
-        tcp = TcpConfig(auth_key=bytes.fromhex(auth_key) if auth_key else None)
-        self._transport = TransportStats()  # both directions of this engine's KV traffic
-        self._sender = KVSender(tcp, self._transport)
+        timeout_s = float(extra.get("kv_timeout_s", defaults.KV_TRANSFER_TIMEOUT_S))
+        transports = str(extra.get("kv_transports") or os.environ.get("MOONCAKE_KV_TRANSPORTS", "")).strip()
+        config = EngineConfig(host=str(extra.get("kv_host", "127.0.0.1")), port=int(extra.get("kv_port", 0)),
+                              timeout_s=timeout_s, auth_key=bytes.fromhex(auth_key) if auth_key else None,
+                              **({"transports": tuple(t.strip() for t in transports.split(","))} if transports else {}))
+        self._engine = TransferEngine(f"kv-{socket.gethostname()}-{os.getpid()}", config)
+        self._fault_flip = int(extra.get("kv_fault_flip") or os.environ.get("MOONCAKE_KV_FAULT_FLIP", 0))
+        self._sender = KVSender(self._engine, timeout_s=timeout_s)
         self._receiver = KVReceiver(
-            host=str(extra.get("kv_host", "127.0.0.1")), port=int(extra.get("kv_port", 0)),
-            block_size=block_size, tcp=tcp, transport=self._transport,
+            self._engine, block_size=block_size,
             staging=StagingConfig(capacity_bytes=int(extra.get("staging_bytes", 4 << 30)),
                                   ttl_s=float(extra.get("staging_ttl_s", 120.0))),
         )
@@ -81,8 +94,17 @@ class MooncakeServeConnector(KVConnectorBase_V1):
         assert self._sender is not None and self._receiver is not None
         self._sender.register_kv_caches(kv_caches)
         self._receiver.register_kv_caches(kv_caches)
+        self._engine.start(on_notify=self._receiver.on_notify, on_call=self._receiver.on_call)
+        flip_bytes_on_the_wire(self._engine, self._fault_flip)  # TEST ONLY; 0 (off) unless a test sets it
         if self._control is not None:
             self._control.start()
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        # Before this step's forward may overwrite a preempted request's freed blocks: the sends
+        # still reading them must be done (bounded by the engine's timeout; a late one fails).
+        assert self._sender is not None
+        if isinstance(kv_connector_metadata, ServeConnectorMetadata) and kv_connector_metadata.preempted:
+            self._sender.settle(kv_connector_metadata.preempted)
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         assert self._receiver is not None
@@ -99,12 +121,13 @@ class MooncakeServeConnector(KVConnectorBase_V1):
 
     def wait_for_save(self) -> None:
         assert self._sender is not None
-        self._sender.wait_for_save()
+        self._sender.wait_for_save()  # returns at once: blocks are freed late (finished_sending)
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        assert self._receiver is not None
+        assert self._receiver is not None and self._sender is not None
         finished, failed = self._receiver.collect_loads(finished_req_ids)
-        return KVConnectorTransferResults(finished_recving=finished, failed_recving=failed)
+        return KVConnectorTransferResults(finished_sending=self._sender.finished_sending(finished_req_ids),
+                                          finished_recving=finished, failed_recving=failed)
 
     def shutdown(self) -> None:
         if self._control is not None:
@@ -113,6 +136,8 @@ class MooncakeServeConnector(KVConnectorBase_V1):
             self._receiver.shutdown()
         if self._sender is not None:
             self._sender.shutdown()
+        if self._engine is not None:
+            self._engine.close()
 
     def _meta(self) -> ServeConnectorMetadata:
         meta = self._get_connector_metadata()
@@ -126,7 +151,12 @@ class MooncakeServeConnector(KVConnectorBase_V1):
         if op == "stats":
             stats = {**self._sender.stats(), **self._receiver.stats()}
             return {"ok": True, "stats": stats, "staged_bytes": stats.pop("staged_bytes"),
-                    "messenger": {"tcp": self._transport.snapshot()}}
+                    "messenger": self._engine.stats(), "layer_timeline": self._sender.timeline()}
+        if op == "push_outcome":  # the shell, before it answers a prefill that pushed
+            outcome = self._sender.outcome(str(request.get("transfer_id")), float(request.get("timeout_s", 10.0)))
+            if outcome == "ok":
+                return {"ok": True}
+            return {"ok": False, "error": outcome or f"the push was not acknowledged within {request.get('timeout_s')} s"}
         if op == "drop":
             self._receiver.drop(str(request.get("transfer_id")))
             return {"ok": True}
@@ -150,10 +180,12 @@ class MooncakeServeConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         assert self._pushes is not None and self._loads is not None
-        return ServeConnectorMetadata(saves=self._pushes.plan(scheduler_output), loads=self._loads.take())
+        return ServeConnectorMetadata(saves=self._pushes.plan(scheduler_output), loads=self._loads.take(),
+                                      preempted=self._pushes.preempted(scheduler_output.preempted_req_ids))
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self._pushes is not None and self._loads is not None
-        self._pushes.finished(request.request_id)
         self._loads.finished(request.request_id)
-        return False, None
+        # True: the worker still sends from these blocks; vLLM frees them once it reports the
+        # request in finished_sending (vLLM's delayed free), so no step waits for acknowledgements.
+        return self._pushes.finished(request.request_id), None

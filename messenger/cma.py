@@ -19,6 +19,8 @@ import os
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 
+import numpy as np
+
 IOV_MAX = 1024  # Linux's UIO_MAXIOV: the most iovecs one call takes, per side
 
 # (local address, remote address, length): one contiguous copy; which way it goes is the call's.
@@ -33,14 +35,16 @@ class _Iovec(ctypes.Structure):
     _fields_ = [("iov_base", ctypes.c_void_p), ("iov_len", ctypes.c_size_t)]
 
 
+_IOVEC_P = ctypes.POINTER(_Iovec)
+
+
 def _bind(name: str) -> Callable | None:
     libc = ctypes.CDLL(None, use_errno=True)
     fn = getattr(libc, name, None)
     if fn is None:
         return None
     fn.restype = ctypes.c_ssize_t
-    fn.argtypes = [ctypes.c_int, ctypes.POINTER(_Iovec), ctypes.c_ulong,
-                   ctypes.POINTER(_Iovec), ctypes.c_ulong, ctypes.c_ulong]
+    fn.argtypes = [ctypes.c_int, _IOVEC_P, ctypes.c_ulong, _IOVEC_P, ctypes.c_ulong, ctypes.c_ulong]
     return fn
 
 
@@ -56,24 +60,26 @@ def supported() -> str | None:
 
 
 def _call(fn: Callable, pid: int, copies: Sequence[Copy]) -> None:
-    """One batch of at most IOV_MAX copies, retried from where a partial transfer stopped."""
-    pending = list(copies)
-    while pending:
-        n = len(pending)
-        local = (_Iovec * n)(*((c[0], c[2]) for c in pending))
-        remote = (_Iovec * n)(*((c[1], c[2]) for c in pending))
-        done = fn(pid, local, n, remote, n, 0)
+    """One batch of at most IOV_MAX copies, retried from where a partial transfer stopped. The
+    iovec arrays are built with numpy: a ctypes array of 1024 structs costs a millisecond."""
+    table = np.array(copies, dtype=np.int64).reshape(-1, 3)  # user-space addresses fit in int64
+    while len(table):
+        n = len(table)
+        local = np.ascontiguousarray(table[:, [0, 2]])  # (iov_base, iov_len) pairs, as struct iovec
+        remote = np.ascontiguousarray(table[:, [1, 2]])
+        done = fn(pid, local.ctypes.data_as(_IOVEC_P), n, remote.ctypes.data_as(_IOVEC_P), n, 0)
         if done < 0:
             err = ctypes.get_errno()
             raise CmaError(err, f"{fn.__name__} of pid {pid}: {os.strerror(err)}")
         if done == 0:  # nothing moved and no error: an unmapped address at the start of an iovec
             raise CmaError(errno.EFAULT, f"{fn.__name__} of pid {pid} moved nothing")
         # A partial transfer stops at an iovec boundary or inside one: skip what moved.
-        while pending and done >= pending[0][2]:
-            done -= pending.pop(0)[2]
-        if done and pending:
-            loc, rem, length = pending[0]
-            pending[0] = (loc + done, rem + done, length - done)
+        ends = np.cumsum(table[:, 2])
+        whole = int(np.searchsorted(ends, done, side="right"))
+        rest = done - (int(ends[whole - 1]) if whole else 0)
+        table = table[whole:]
+        if rest and len(table):
+            table[0] += (rest, rest, -rest)
 
 
 def _run(fn: Callable, pid: int, copies: Sequence[Copy]) -> None:
@@ -146,6 +152,19 @@ def memmove(copies: Sequence[Copy], *, write: bool) -> None:
             ctypes.memmove(remote, local, length)
         else:
             ctypes.memmove(local, remote, length)
+
+
+PR_SET_PTRACER = 0x59616D61  # prctl option of the Yama LSM ("Yama")
+PR_SET_PTRACER_ANY = ctypes.c_ulong(-1).value
+
+
+def allow_any_ptracer() -> bool:
+    """Let any process of this uid attach to this one under Yama's ptrace_scope 1, where
+    otherwise only an ancestor may (and a prefill and a decode worker are siblings). No effect
+    under scope 0 (any same-uid process may already) or 2-3 (admin only). False when there is
+    no Yama to ask."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    return libc.prctl(PR_SET_PTRACER, ctypes.c_ulong(PR_SET_PTRACER_ANY), 0, 0, 0) == 0
 
 
 def probe(pid: int, address: int, expected: bytes) -> str | None:

@@ -8,7 +8,6 @@ the owner copies them, and the sender thread waits for the hashes only after the
 
 from __future__ import annotations
 
-import ctypes
 import queue
 import socket
 import threading
@@ -76,7 +75,7 @@ class Link:
             if self._dead is None:
                 self._dead = reason
             pending, self._pending = self._pending, {}
-        self.transport._forget(self)  # no job is queued after the sentinel: both under the transport's lock
+        self.transport.forget(self)  # no job is queued after the sentinel: both under the transport's lock
         self.jobs.put(None)
         if self._sock is not None:
             shutdown(self._sock)
@@ -101,7 +100,7 @@ class Link:
                     assert job.message is not None
                     self._request(shm_wire.Note(0, job.message.payload), job.batch)
                     continue
-                move = self.transport._plan(self, job)
+                move = self.transport.plan(self, job)
                 self._request(move, job.batch, sum(s.length for s in job.slices), move.write)
                 if move.sums_follow:
                     assert job.message is not None
@@ -115,11 +114,18 @@ class Link:
         self._sock = sock
         sock.settimeout(transport.config.connect_timeout_s)
         sock.connect("\0" + self.address)
-        if transport._auth_key is not None:
-            client_handshake(sock, transport._auth_key)
-        shm_wire.send(sock, shm_wire.Hello(transport.local_name(), ctypes.addressof(transport._probe_buffer),
-                                           transport._probe, transport.cma_reason is None))
-        reply = shm_wire.recv_reply(sock)
+        if transport.auth_key is not None:
+            client_handshake(sock, transport.auth_key)
+        hello = shm_wire.Hello(transport.local_name(), transport.probe_address, transport.probe,
+                               transport.cma_reason is None)
+        try:
+            shm_wire.send(sock, hello)
+            reply = shm_wire.recv_reply(sock)
+            if reply is None:
+                raise ConnectionError("closed")
+        except OSError as exc:
+            raise ConnectionError(f"the peer closed the connection during the hello ({exc}): it runs with "
+                                  f"another cluster token, or none?") from None
         if not isinstance(reply, shm_wire.HelloReply):
             raise ConnectionError(f"shm peer answered the hello with {type(reply).__name__}")
         self.cma, self.cma_reason = reply.cma, reply.reason
@@ -179,7 +185,7 @@ class Link:
                     continue
                 error = _error_of(reply) if isinstance(reply, shm_wire.Ack) else TransferError("bad reply")
                 if error is None:
-                    self.transport._count(nbytes, write, time.perf_counter() - started)
+                    self.transport.count_done(nbytes, write, time.perf_counter() - started)
                 else:
                     self._where.clear()  # a "done" move may have failed on a stale span
                 waiter.complete(error)

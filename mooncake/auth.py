@@ -2,7 +2,7 @@
 
 Clients of the public API never hold it. The conductor sends it to the workers' internal API,
 the workers send it to the embedded registry, and a key derived from it authenticates each KV
-connection between workers (messenger/tcp.py). `mooncake serve` generates one for its own
+connection between workers (the transfer engine, messenger/). `mooncake serve` generates one for its own
 children; a multi-host cluster gives every process the same one (`--cluster-token-file` or
 MOONCAKE_CLUSTER_TOKEN). `/health` and `/metrics` stay open for probes and scrapers.
 

@@ -7,7 +7,7 @@ and a KV peer cannot issue them.
 
 Built on `multiprocessing.connection` (standard library): a local AF_UNIX listener with an
 HMAC handshake on a per-worker key, so only the shell that started the engine can talk to it.
-Messages are JSON objects, one request and one reply per connection.
+Messages are JSON objects, one request and one reply per connection, each answered on its own thread.
 """
 
 from __future__ import annotations
@@ -84,8 +84,13 @@ class ControlServer:
             except Exception as exc:  # noqa: BLE001 - a caller with the wrong key; keep serving
                 log.warning("refused a control connection: %s", exc)
                 continue
-            with conn:
-                self._answer(conn)
+            # One thread per call: a push_outcome call waits for acknowledgements, and must not
+            # hold up the stats scrapes or the other requests' calls behind it.
+            threading.Thread(target=self._answer_and_close, args=(conn,), name="kv-control-call", daemon=True).start()
+
+    def _answer_and_close(self, conn: Connection) -> None:
+        with conn:
+            self._answer(conn)
 
     def _answer(self, conn: Connection) -> None:
         try:

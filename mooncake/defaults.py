@@ -51,6 +51,11 @@ MAX_BODY_BYTES = 16 << 20
 DRAIN_TIMEOUT_S = 20.0
 """On SIGTERM a worker or conductor stops taking work and waits this long at most for the
 requests in flight (mooncake/drain.py); keep an orchestrator's kill grace above it + 10 s."""
+KV_PUSH_ACK_TIMEOUT_S = 30.0
+"""A prefill that pushed KV sends its last line once the decode worker acknowledged every layer;
+a push not decided by then is reported failed (the decode worker then recomputes)."""
+KV_TRANSFER_TIMEOUT_S = 10.0
+"""A batch of KV (or a call) to a peer not complete by then fails: how long a dead peer takes to find."""
 
 # --- the KVCache pool (store/, one per worker) ------------------------------------------------
 POOL_DRAM_BYTES = 2 << 30

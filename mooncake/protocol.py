@@ -60,6 +60,9 @@ class GenerateChunk(msgspec.Struct, frozen=True, omit_defaults=True):
     finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
     num_cached_tokens: int | None = None  # prompt tokens vLLM did not compute (local or loaded)
     error: str | None = None
+    # Prefill side, last line only: the pushed KV did not land on the decode worker (why), so
+    # the conductor does not make it wait for bytes that will not come.
+    kv_error: str | None = None
     # With error: the engine refused the request itself as invalid (a regex, grammar or JSON
     # schema it cannot compile...), before any token. A client error, the same on every worker.
     refused: bool = False
@@ -139,6 +142,9 @@ class PushParams(msgspec.Struct, frozen=True):
     transfer_id: str
     dest: str  # HOST:PORT of the decode worker's KV receiver
     num_tokens: int  # prompt tokens whose KV is pushed
+    # Leading prompt blocks the decode worker already holds (the conductor's prefix index): not
+    # sent. If D evicted them meanwhile, its load fails and vLLM recomputes (never wrong text).
+    skip_blocks: int = 0
 
     def to_params(self) -> dict[str, Any]:
         return {PRODUCER_KEY: msgspec.to_builtins(self)}
@@ -190,3 +196,48 @@ def _parse(params: dict[str, Any] | None, key: str, kind: type[Any]) -> Any:
         return msgspec.convert(raw, kind)
     except msgspec.ValidationError as exc:
         raise BadTransferParams(f"kv_transfer_params[{key!r}]: {exc}") from None
+
+
+# -- between the connectors: the prefill's rendezvous with the decode worker and its per-layer notes --
+#
+# The bytes themselves travel as slices of the transfer engine (messenger/), straight from the
+# prefill's paged cache into the decode worker's staging arena; these small messages say where.
+
+class KVHello(msgspec.Struct, frozen=True, tag="hello"):
+    """Ask a decode worker's engine for its PeerInfo (answered as msgspec JSON)."""
+
+
+class KVReserve(msgspec.Struct, frozen=True, tag="reserve"):
+    """Reserve staging room for a transfer's blocks [first_block, first_block + num_blocks) of every
+    layer. `layers`: (name, dtype, one block's shape) per layer, which must match the decode
+    worker's cache (checked here, before any byte moves)."""
+
+    transfer_id: str
+    first_block: int
+    num_blocks: int
+    block_bytes: int
+    layers: list[tuple[str, str, list[int]]]
+
+
+class KVReserved(msgspec.Struct, frozen=True):
+    """The answer to KVReserve: write layer L's block B at `offset` + (L * num_blocks + B -
+    first_block) * block_bytes of `region`; or `error`."""
+
+    region: str = ""
+    offset: int = 0
+    error: str | None = None
+
+
+class KVLayerNote(msgspec.Struct, frozen=True, array_like=True):
+    """Rides on each layer's batch: blocks [first_block, end_block) of `layer` of the transfer landed."""
+
+    transfer_id: str
+    layer: int
+    first_block: int
+    end_block: int
+
+
+KV_CALL_ENCODER = msgspec.json.Encoder()
+KV_CALL_DECODER = msgspec.json.Decoder(KVHello | KVReserve)
+KV_RESERVED_DECODER = msgspec.json.Decoder(KVReserved)
+KV_NOTE_DECODER = msgspec.json.Decoder(KVLayerNote)

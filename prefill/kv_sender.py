@@ -1,34 +1,55 @@
-"""The producer's data path, in vLLM's worker process: copy a prompt's blocks out of the paged
-cache and push them to the decode worker through the messenger.
+"""The producer's data path, in vLLM's worker process: write a prompt's blocks from the paged
+cache straight into the decode worker's staging arena through the transfer engine (messenger/).
 
-`save_kv_layer` copies one layer's prompt blocks (one index_select, no per-token work) and hands
-them to a sender thread, so layer i travels while layer i+1 computes. `wait_for_save` returns
-once every layer of the step has been acknowledged, so the blocks may be freed and the prefill's
-answer means "the KV has landed". A push that fails is counted and logged; the decode side then
-times out or sees a broken transfer and recomputes (never wrong text).
+`save_kv_layer` (vLLM's forward thread) only notes what to send: on CPU the layer's cache tensor
+is a registered region and its block rows are contiguous at dim 0, so adjacent blocks become one
+slice and nothing is copied on the forward thread. On CUDA the rows are first copied into a
+pinned host buffer on a side stream (never run here: no GPU in this sandbox). A sender thread
+reserves room on the decode worker once per transfer (`engine.call`), then writes each layer's
+slices with a `KVLayerNote` riding on the batch, without waiting for the previous batch.
+
+Nothing holds an engine step: `wait_for_save` returns at once. The request's blocks stay
+allocated (vLLM's delayed free: the scheduler half returns True from request_finished) until
+`finished_sending` reports it, once every batch of it was acknowledged or failed. The shell asks
+`outcome()` before it answers the prefill, so the answer still means "the KV has landed".
 """
 
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from collections import OrderedDict, deque
+from dataclasses import asdict, dataclass, field
 
+import msgspec
 import torch
-import xxhash
 
-from messenger.stats import TransportStats
-from messenger.tcp import TcpClient, TcpConfig
+from messenger.api import Batch, PeerInfo, Slice, TransferError
+from mooncake.protocol import (KV_CALL_ENCODER, KV_RESERVED_DECODER, KVHello, KVLayerNote, KVReserve)
 from prefill.push_planner import SaveSpec
 
 # Under "vllm." so the messages show in vLLM's worker processes, whose logging vLLM configures.
 log = logging.getLogger("vllm.mooncake." + __name__)
 
+TIMELINE_LENGTH = 64  # transfers kept for the Figure-5 timeline (control op `stats`)
+OUTCOMES_KEPT = 4096  # finished transfers whose outcome the shell may still ask for
+
 
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+def block_runs(block_ids: tuple[int, ...]) -> list[tuple[int, int, int]]:
+    """(position in block_ids, first block id, count) per run of consecutive ids: one slice each."""
+    runs: list[tuple[int, int, int]] = []
+    for i, block in enumerate(block_ids):
+        if runs and runs[-1][1] + runs[-1][2] == block:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((i, block, 1))
+    return runs
 
 
 @dataclass
@@ -38,64 +59,320 @@ class SenderStats:
     pushed_transfers: int = 0
     pushed_bytes: int = 0
     push_failures: int = 0
-    push_seconds: float = 0.0
+    push_seconds: float = 0.0  # wall time with at least one batch in flight (for bandwidth)
+    pushed_blocks: int = 0  # block rows of one layer each, summed over layers
+
+
+@dataclass
+class _Transfer:
+    spec: SaveSpec  # the first one; ids, dest, block counts
+    num_layers: int
+    peer: str | None = None
+    region: str = ""
+    offset: int = 0
+    queued: int = 0  # work items not taken by the sender thread yet
+    in_flight: int = 0  # batches written, not acknowledged
+    final_layers: int = 0  # layers whose final-step save was called
+
+    @property
+    def final_seen(self) -> bool:
+        return self.final_layers >= self.num_layers
+    request_done: bool = False  # vLLM reported the request finished
+    error: str | None = None
+    outcome: str | None = None  # "ok" or the error, once decided
+    nbytes: int = 0
+    chunks: int = 0
+    layers: list[list[float]] = field(default_factory=list)  # [computed_s, landed_s] per layer
+    step_end_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class _Work:
+    spec: SaveSpec
+    layer: int
+    computed_s: float
+    region: str  # local region holding the rows
+    base: int  # offset of block id 0 (CPU: the cache itself) or of the copied rows (CUDA)
+    contiguous_ids: bool  # False: rows were copied, in block_ids order, starting at `base`
+    event: object | None = None  # CUDA: the copy's event
 
 
 class KVSender:
-    def __init__(self, tcp: TcpConfig, transport: TransportStats | None = None):
-        self._client = TcpClient(tcp, transport)
-        self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-push")
+    def __init__(self, engine, *, timeout_s: float = 10.0):
+        """`engine`: a started messenger TransferEngine (or anything with its surface)."""
+        self._engine = engine
+        self._timeout_s = timeout_s
+        self._layer_names: list[str] = []
         self._layer_index: dict[str, int] = {}
-        self._in_flight: list[tuple[SaveSpec, Future]] = []
+        self._block_bytes: list[int] = []
+        self._layout: list[tuple[str, str, list[int]]] = []
+        self._device = "cpu"
+        self._copy_stream = None
+        self._transfers: dict[str, _Transfer] = {}  # by request id, until finished_sending
+        self._outcomes: OrderedDict[str, str] = OrderedDict()  # by transfer id
+        self._timeline: deque[dict] = deque(maxlen=TIMELINE_LENGTH)
+        self._saved_this_step: set[str] = set()
+        self._peers: dict[str, str] = {}  # dest address -> engine peer name
+        self._work: queue.Queue[_Work | None] = queue.Queue()
+        self._lock = threading.Condition()
         self._stats = SenderStats()
-        self._stats_lock = threading.Lock()
+        self._busy_since: float | None = None
+        self._in_flight_total = 0
+        self._pinned_seq = 0
+        self._thread = threading.Thread(target=self._run, name="kv-push", daemon=True)
+        self._thread.start()
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self._layer_index = {name: i for i, name in enumerate(kv_caches)}
+        self._layer_names = list(kv_caches)
+        self._layer_index = {name: i for i, name in enumerate(self._layer_names)}
+        for i, (name, cache) in enumerate(kv_caches.items()):
+            if not cache.is_contiguous():
+                raise ValueError(f"KV cache {name} is not contiguous; its block rows cannot be sent as slices")
+            self._block_bytes.append(cache[0].numel() * cache.element_size())
+            self._layout.append((name, dtype_name(cache.dtype), list(cache.shape[1:])))
+            self._device = str(cache.device)
+            if cache.device.type == "cpu":
+                self._engine.register(f"kv-layer-{i}", cache.view(torch.uint8).view(-1).numpy())
+        if self._device.startswith("cuda"):
+            self._copy_stream = torch.cuda.Stream(device=self._device)
 
-    def stats(self) -> dict:
-        with self._stats_lock:
-            return asdict(self._stats)
-
-    def shutdown(self) -> None:
-        self._sender.shutdown(wait=False, cancel_futures=True)
-        self._client.close()
+    # -- forward thread ----------------------------------------------------------------------
 
     def save_kv_layer(self, saves: list[SaveSpec], layer_name: str, kv_layer: torch.Tensor) -> None:
         if not saves:
             return
+        now = time.monotonic()
         index = self._layer_index[layer_name]
         for spec in saves:
+            with self._lock:
+                transfer = self._transfers.get(spec.request_id)
+                if transfer is None or transfer.spec.transfer_id != spec.transfer_id:
+                    transfer = _Transfer(spec, len(self._layer_names),
+                                         layers=[[0.0, 0.0] for _ in self._layer_names])
+                    self._transfers[spec.request_id] = transfer
+                transfer.queued += 1
+                transfer.final_layers += spec.final
+                transfer.layers[index] = [now, 0.0]
+                if index == 0:
+                    transfer.chunks += 1
+                self._saved_this_step.add(spec.request_id)
+            if kv_layer.device.type == "cpu":
+                work = _Work(spec, index, now, f"kv-layer-{index}", 0, True)
+            else:
+                work = self._copy_to_pinned(spec, index, now, kv_layer)
+            self._work.put(work)
+
+    def _copy_to_pinned(self, spec: SaveSpec, index: int, now: float, kv_layer: torch.Tensor) -> _Work:
+        """CUDA: copy the layer's rows to pinned host memory on a side stream (after the forward's
+        writes, via wait_stream), registered as its own region until its batch completes. Written
+        for vLLM CUDA but never run here (no GPU in this sandbox)."""
+        assert self._copy_stream is not None
+        self._copy_stream.wait_stream(torch.cuda.current_stream(kv_layer.device))
+        with torch.cuda.stream(self._copy_stream):
             ids = torch.tensor(spec.block_ids, dtype=torch.long, device=kv_layer.device)
-            rows = kv_layer.index_select(0, ids).cpu().contiguous()
-            future = self._sender.submit(self._push_layer, spec, index, layer_name, rows)
-            self._in_flight.append((spec, future))
+            host = torch.empty((len(spec.block_ids), *kv_layer.shape[1:]), dtype=kv_layer.dtype, pin_memory=True)
+            host.copy_(kv_layer.index_select(0, ids), non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self._copy_stream)
+        self._pinned_seq += 1
+        name = f"kv-pinned-{self._pinned_seq}"
+        if len(spec.block_ids):
+            self._engine.register(name, host.view(torch.uint8).view(-1).numpy())
+        return _Work(spec, index, now, name, 0, False, event)
 
     def wait_for_save(self) -> None:
-        failed: dict[str, str] = {}
-        for spec, future in self._in_flight:
-            try:
-                future.result()
-            except Exception as exc:  # noqa: BLE001 - any failure of a push is reported the same way
-                failed[spec.transfer_id] = f"{type(exc).__name__}: {exc}"
-        self._in_flight.clear()
-        for transfer_id, error in failed.items():
-            log.error("KV push %s failed: %s (decode will recompute the prompt)", transfer_id, error)
-            with self._stats_lock:
-                self._stats.push_failures += 1
+        """Never waits: the blocks stay allocated until finished_sending (delayed free)."""
+        now = time.monotonic()
+        with self._lock:
+            for req_id in self._saved_this_step:
+                transfer = self._transfers.get(req_id)
+                if transfer is not None:
+                    transfer.step_end_s = now
+            self._saved_this_step.clear()
 
-    def _push_layer(self, spec: SaveSpec, index: int, layer_name: str, rows: torch.Tensor) -> None:
-        start = time.perf_counter()
-        payload = rows.view(torch.uint8).numpy() if rows.dtype != torch.bfloat16 else rows.view(torch.int16).numpy()
-        header = {
-            "op": "put", "transfer_id": spec.transfer_id, "layer_index": index,
-            "num_layers": len(self._layer_index), "layer_name": layer_name,
-            "num_tokens": spec.num_tokens, "shape": list(rows.shape), "dtype": dtype_name(rows.dtype),
-            "xxh3": xxhash.xxh3_64_hexdigest(payload),
-        }
-        self._client.request(spec.dest, header, payload)
-        with self._stats_lock:
-            self._stats.pushed_bytes += payload.nbytes
-            self._stats.push_seconds += time.perf_counter() - start
-            if index == len(self._layer_index) - 1:
-                self._stats.pushed_transfers += 1
+    def finished_sending(self, finished_req_ids: set[str]) -> set[str]:
+        """Requests vLLM finished whose sends are all acknowledged or failed: free their blocks now."""
+        done: set[str] = set()
+        with self._lock:
+            for req_id in finished_req_ids & self._transfers.keys():
+                self._transfers[req_id].request_done = True
+            for req_id, transfer in list(self._transfers.items()):
+                if transfer.request_done and transfer.queued == 0 and transfer.in_flight == 0:
+                    if not transfer.final_seen:
+                        self._decide(transfer, "the request ended before its last prompt chunk")
+                    done.add(req_id)
+                    del self._transfers[req_id]
+        return done
+
+    def settle(self, request_ids: set[str]) -> None:
+        """Wait until no send of these requests reads their blocks any more (vLLM preempted them
+        and will hand the blocks to others). Bounded: a send still pending after the engine's
+        timeout has failed by then, and its transfer with it."""
+        deadline = time.monotonic() + self._timeout_s + 1.0
+        with self._lock:
+            while True:
+                busy = [t for r, t in self._transfers.items() if r in request_ids and (t.queued or t.in_flight)]
+                left = deadline - time.monotonic()
+                if not busy or left <= 0:
+                    for transfer in busy:
+                        self._fail(transfer, "preempted while its sends were still reading its blocks")
+                    return
+                self._lock.wait(min(left, 0.05))
+
+    # -- the shell's questions (control thread) ----------------------------------------------
+
+    def outcome(self, transfer_id: str, timeout_s: float) -> str | None:
+        """"ok" once every layer of the transfer landed, else why not; None if undecided in time."""
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            while transfer_id not in self._outcomes:
+                active = [t for t in self._transfers.values() if t.spec.transfer_id == transfer_id]
+                if not active:
+                    return f"no KV push for transfer {transfer_id} on this worker"
+                if active[0].error is not None:  # failed: say so now, not when its last batch times out
+                    return active[0].error
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                self._lock.wait(left)
+            return self._outcomes[transfer_id]
+
+    def stats(self) -> dict:
+        with self._lock:
+            stats = asdict(self._stats)
+            if self._busy_since is not None:
+                stats["push_seconds"] += time.monotonic() - self._busy_since
+            return stats
+
+    def timeline(self) -> list[dict]:
+        with self._lock:
+            return list(self._timeline)
+
+    def shutdown(self) -> None:
+        self._work.put(None)
+
+    # -- sender thread -----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while (work := self._work.get()) is not None:
+            with self._lock:
+                transfer = self._transfers.get(work.spec.request_id)
+            if transfer is None:
+                continue
+            try:
+                if transfer.error is None:
+                    self._send(transfer, work)
+            except Exception as exc:  # noqa: BLE001 - any failure fails this transfer, never the thread
+                with self._lock:
+                    self._fail(transfer, f"{type(exc).__name__}: {exc}")
+            finally:
+                with self._lock:
+                    transfer.queued -= 1
+                    self._maybe_done(transfer)
+
+    def _send(self, transfer: _Transfer, work: _Work) -> None:
+        if transfer.peer is None:
+            self._reserve(transfer)
+        spec, layer = work.spec, work.layer
+        if not spec.block_ids:
+            with self._lock:
+                transfer.layers[layer][1] = time.monotonic()
+            return
+        if work.event is not None:
+            work.event.synchronize()  # the pinned copy is complete
+        size = self._block_bytes[layer]
+        slices = []
+        runs = block_runs(spec.block_ids) if work.contiguous_ids else [(0, 0, len(spec.block_ids))]
+        for position, first_id, count in runs:
+            local = work.base + (first_id * size if work.contiguous_ids else 0)
+            remote_block = spec.first_block + position - transfer.spec.skip_blocks
+            remote = transfer.offset + (layer * (spec.total_blocks - spec.skip_blocks) + remote_block) * size
+            slices.append(Slice(work.region, local, transfer.region, remote, count * size))
+        note = KV_CALL_ENCODER.encode(KVLayerNote(spec.transfer_id, layer, spec.first_block,
+                                                  spec.first_block + len(spec.block_ids)))
+        with self._lock:
+            transfer.in_flight += 1
+            self._in_flight_total += 1
+            if self._busy_since is None:
+                self._busy_since = time.monotonic()
+        batch = self._engine.write(transfer.peer, slices, note)
+        batch.add_done_callback(lambda b: self._acked(transfer, work, b))
+
+    def _acked(self, transfer: _Transfer, work: _Work, batch: Batch) -> None:
+        now = time.monotonic()
+        if not work.contiguous_ids and work.spec.block_ids:
+            self._engine.unregister(work.region)  # CUDA: the pinned copy is no longer needed
+        with self._lock:
+            transfer.in_flight -= 1
+            self._in_flight_total -= 1
+            if self._in_flight_total == 0 and self._busy_since is not None:
+                self._stats.push_seconds += now - self._busy_since
+                self._busy_since = None
+            if batch.error is not None:
+                self._fail(transfer, f"{type(batch.error).__name__}: {batch.error}")
+            else:
+                transfer.layers[work.layer][1] = now
+                transfer.nbytes += batch.nbytes
+                self._stats.pushed_bytes += batch.nbytes
+                self._stats.pushed_blocks += len(work.spec.block_ids)
+            self._maybe_done(transfer)
+
+    def _reserve(self, transfer: _Transfer) -> None:
+        spec = transfer.spec
+        peer = self._peer(spec.dest)
+        request = KVReserve(spec.transfer_id, spec.skip_blocks, spec.total_blocks - spec.skip_blocks,
+                            self._block_bytes[0], self._layout)
+        reply = KV_RESERVED_DECODER.decode(
+            self._engine.call(peer, KV_CALL_ENCODER.encode(request), timeout_s=self._timeout_s))
+        if reply.error is not None:
+            raise TransferError(f"{spec.dest} refused the transfer: {reply.error}")
+        with self._lock:
+            transfer.peer, transfer.region, transfer.offset = peer, reply.region, reply.offset
+
+    def _peer(self, dest: str) -> str:
+        """The engine's name for the decode worker at `dest` (its tcp address), introduced once."""
+        name = self._peers.get(dest)
+        if name is None:
+            bootstrap = f"kv@{dest}"
+            self._engine.add_peer(PeerInfo(bootstrap, "", {"tcp": dest}))
+            info = msgspec.json.decode(self._engine.call(bootstrap, KV_CALL_ENCODER.encode(KVHello()),
+                                                         timeout_s=self._timeout_s), type=PeerInfo)
+            self._engine.add_peer(info)  # its full description: the engine may pick shm now
+            name = self._peers[dest] = info.name
+        return name
+
+    # -- outcome (under the lock) ------------------------------------------------------------
+
+    def _fail(self, transfer: _Transfer, error: str) -> None:
+        # Introduce the decode worker afresh next time: it may have restarted as another engine.
+        self._peers.pop(transfer.spec.dest, None)
+        if transfer.error is None:
+            transfer.error = error
+            log.error("KV push %s failed: %s (decode will recompute the prompt)", transfer.spec.transfer_id, error)
+            self._stats.push_failures += 1
+            self._lock.notify_all()
+
+    def _maybe_done(self, transfer: _Transfer) -> None:
+        if transfer.queued or transfer.in_flight:
+            return
+        if transfer.error is not None:
+            self._decide(transfer, transfer.error)
+        elif transfer.final_seen:
+            self._decide(transfer, "ok")
+
+    def _decide(self, transfer: _Transfer, outcome: str) -> None:
+        transfer_id = transfer.spec.transfer_id
+        if transfer_id in self._outcomes:
+            return
+        self._outcomes[transfer_id] = outcome
+        while len(self._outcomes) > OUTCOMES_KEPT:
+            self._outcomes.popitem(last=False)
+        if outcome == "ok":
+            self._stats.pushed_transfers += 1
+            self._timeline.append({"transfer_id": transfer_id, "num_tokens": transfer.spec.num_tokens,
+                                   "bytes": transfer.nbytes, "chunks": transfer.chunks,
+                                   "step_end_s": transfer.step_end_s,
+                                   "layers": [list(pair) for pair in transfer.layers]})
+        elif transfer.error is None:  # ended unfinished (a failure is counted when it happens)
+            self._stats.push_failures += 1
+        self._lock.notify_all()

@@ -3,6 +3,11 @@
 Runs inside vLLM's scheduler, so it must be cheap and never block: it reads `kv_transfer_params`
 and block tables only, and hands SaveSpecs to the sender (prefill/kv_sender.py) through the
 connector's per-step metadata.
+
+KV streams through every chunk of a long prompt: each step pushes the blocks whose tokens are all
+computed once that step ends (the final step also the last, partial block), and the planner
+remembers how far each request got, so no block goes twice. The blocks the decode worker already
+holds (`PushParams.skip_blocks`) never go.
 """
 
 from __future__ import annotations
@@ -36,28 +41,44 @@ def push_of(request: "Request") -> PushParams | None:
 
 @dataclass(frozen=True)
 class SaveSpec:
-    """Push the KV of `block_ids` (all blocks holding the prompt) to `dest` once this step ends."""
+    """After this step's forward, push prompt blocks [first_block, first_block + len(block_ids))
+    of the transfer, which live at `block_ids` in the paged cache. The transfer as a whole covers
+    blocks [skip_blocks, total_blocks); `final` marks the step that computes the last prompt token."""
 
     request_id: str
     transfer_id: str
     dest: str
     block_ids: tuple[int, ...]
+    first_block: int
+    skip_blocks: int
+    total_blocks: int
     num_tokens: int
+    final: bool
+
+
+@dataclass
+class _Push:
+    params: PushParams
+    next_block: int  # the first block not planned yet
 
 
 class PushPlanner:
     def __init__(self, block_size: int):
         self._block_size = block_size
         self._kv_cache_manager: KVCacheManager | None = None
-        self._pushes: dict[str, PushParams] = {}  # producer requests not yet pushed
+        self._pushes: dict[str, _Push] = {}  # producer requests whose final step is not planned yet
+        self._streamed: set[str] = set()  # requests with at least one SaveSpec: the worker tracks them
 
     def bind_kv_cache_manager(self, manager: "KVCacheManager") -> None:
         self._kv_cache_manager = manager
 
     def after_alloc(self, request: "Request") -> None:
+        if request.request_id in self._pushes or request.request_id in self._streamed:
+            return  # allocated again for a later chunk (or after a preemption): keep the progress
         push = push_of(request)
         if push is not None:
-            self._pushes[request.request_id] = push
+            total = blocks_for(push.num_tokens, self._block_size)
+            self._pushes[request.request_id] = _Push(push, next_block=min(max(push.skip_blocks, 0), total))
 
     def plan(self, scheduler_output: "SchedulerOutput") -> list[SaveSpec]:
         progress: dict[str, int] = {}
@@ -71,21 +92,45 @@ class PushPlanner:
             push = self._pushes.get(req_id)
             if push is None:
                 continue
-            done_after_step = computed + scheduler_output.num_scheduled_tokens.get(req_id, 0)
-            # Push once, in the step that computes the prompt's last token: by then every layer
-            # of every prompt block is in the paged cache (earlier chunks included).
-            if done_after_step < push.num_tokens:
-                continue
-            saves.append(SaveSpec(
-                request_id=req_id, transfer_id=push.transfer_id, dest=push.dest,
-                block_ids=tuple(self._block_ids(req_id)[: blocks_for(push.num_tokens, self._block_size)]),
-                num_tokens=push.num_tokens,
-            ))
-            del self._pushes[req_id]
+            spec = self._step(req_id, push, computed + scheduler_output.num_scheduled_tokens.get(req_id, 0))
+            if spec is not None:
+                saves.append(spec)
+                self._streamed.add(req_id)
+                if spec.final:
+                    del self._pushes[req_id]
         return saves
 
-    def finished(self, request_id: str) -> None:
+    def _step(self, req_id: str, push: _Push, done_after_step: int) -> SaveSpec | None:
+        params = push.params
+        total = blocks_for(params.num_tokens, self._block_size)
+        final = done_after_step >= params.num_tokens
+        # Full blocks are final once computed: their KV never changes. The last, partial block
+        # goes in the final step only (later tokens of this request would write into it).
+        end = total if final else min(done_after_step // self._block_size, total)
+        start = push.next_block
+        if end <= start and not final:
+            return None
+        push.next_block = max(end, start)
+        return SaveSpec(
+            request_id=req_id, transfer_id=params.transfer_id, dest=params.dest,
+            block_ids=tuple(self._block_ids(req_id)[start:end]) if end > start else (),
+            first_block=start, skip_blocks=min(max(params.skip_blocks, 0), total), total_blocks=total,
+            num_tokens=params.num_tokens, final=final,
+        )
+
+    def preempted(self, request_ids: set[str] | None) -> set[str]:
+        """Of the requests vLLM preempted this step, those with sends of their blocks: their blocks
+        go back to the pool, so the worker must let those sends finish first."""
+        return {r for r in request_ids or () if r in self._streamed}
+
+    def finished(self, request_id: str) -> bool:
+        """The request ended; True when the worker has sends of it to finish (vLLM then keeps
+        its blocks until the worker reports it in finished_sending: the delayed free)."""
         self._pushes.pop(request_id, None)
+        if request_id in self._streamed:
+            self._streamed.discard(request_id)
+            return True
+        return False
 
     def _block_ids(self, req_id: str) -> list[int]:
         assert self._kv_cache_manager is not None, "vLLM did not bind the KV cache manager"

@@ -39,8 +39,8 @@ from mooncake.body_limit import BodyLimitMiddleware
 from mooncake.control import ControlEndpoint, ControlError, control_call
 from mooncake.drain import Drain, wait_idle
 from mooncake.http_errors import error_response, install_error_handlers
-from mooncake.protocol import (ABORT_DECODER, DROP_DECODER, REQUEST_DECODER, GenerateChunk, GenerateRequest,
-                               encode_chunk_line)
+from mooncake.protocol import (ABORT_DECODER, DROP_DECODER, REQUEST_DECODER, BadTransferParams, GenerateChunk,
+                               GenerateRequest, encode_chunk_line, parse_push)
 from mooncake.engine.config import WorkerConfig
 from mooncake.engine.engine import build_engine, kv_capacity_tokens, refusal, run_request
 from mooncake.engine.kv_events import BlockEventLog, BlockHashTranslator, KVEventSubscriber
@@ -242,8 +242,13 @@ async def _stream(state: WorkerState, gen: GenerateRequest):
     outcome = "error"
     sent = False
     try:
+        push = _push_of(gen)
         async for chunk in run_request(state.engine, gen):
             sent = True
+            if push is not None and chunk.finish_reason is not None:
+                # The answer must mean "the KV has landed": the connector pushes without holding
+                # the engine, so ask it, bounded in time, before the last line.
+                chunk = await _with_push_outcome(state.control, push.transfer_id, chunk)
             if entry.first_token_at is None and chunk.token_ids:
                 entry.first_token_at = time.monotonic()
                 state.metrics.first_token.observe(entry.first_token_at - entry.started_at)
@@ -283,6 +288,32 @@ async def _start_engine(state: WorkerState) -> None:
     except Exception as exc:  # noqa: BLE001 - surfaced by /health
         log.exception("engine failed to start")
         state.engine_error = f"{type(exc).__name__}: {exc}"
+
+
+def _push_of(gen: GenerateRequest):
+    try:
+        return parse_push(gen.kv_transfer_params)
+    except BadTransferParams:  # the connector ignores it too (and logs why)
+        return None
+
+
+async def _with_push_outcome(control: ControlEndpoint, transfer_id: str, chunk: GenerateChunk) -> GenerateChunk:
+    """`chunk` with kv_error set when the pushed KV did not land (so D is not made to wait)."""
+    timeout_s = defaults.KV_PUSH_ACK_TIMEOUT_S
+    reply = await asyncio.to_thread(control_call_or_error, control,
+                                    {"op": "push_outcome", "transfer_id": transfer_id, "timeout_s": timeout_s},
+                                    timeout_s + 5.0)
+    if reply.get("ok"):
+        return chunk
+    log.warning("KV push %s did not land: %s", transfer_id, reply.get("error"))
+    return msgspec.structs.replace(chunk, kv_error=str(reply.get("error") or "unknown"))
+
+
+def control_call_or_error(control: ControlEndpoint, request: dict, timeout_s: float) -> dict:
+    try:
+        return control_call(control, request, timeout_s)
+    except ControlError as exc:
+        return {"ok": False, "error": str(exc)}
 
 
 def _connector_stats(control: ControlEndpoint) -> dict:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import struct
+import time
 
 import msgspec
 import numpy as np
@@ -61,9 +62,11 @@ class PeerProcess:
         self.pipe, child_end = ctx.Pipe()
         self.process = ctx.Process(target=_serve, args=(child_end, config, size, seed), daemon=True)
         self.process.start()
-        if not self.pipe.poll(60):
-            self.stop()
-            raise RuntimeError("the child engine did not start within 60 s")
+        deadline = time.monotonic() + 60
+        while not self.pipe.poll(0.1):
+            if not self.process.is_alive() or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"the child engine did not start (exit code {self.process.exitcode})")
         kind, info = self.pipe.recv()
         assert kind == "info"
         self.info = msgspec.json.decode(info, type=PeerInfo)

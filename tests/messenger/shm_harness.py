@@ -52,6 +52,7 @@ class Inbox:
     hold_s: float = 0.0  # how long slices_landed blocks (a peer that stops answering)
     landed: list[tuple[str, list[Slice], bytes | None, tuple[int, ...], list[str]]] = field(default_factory=list)
     messages: list[tuple[str, bytes]] = field(default_factory=list)
+    failed: list[tuple[str, bytes | None, str]] = field(default_factory=list)
     event: threading.Event = field(default_factory=threading.Event)
 
     def slices_landed(self, peer: str, slices: list[Slice], message: OutgoingMessage | None) -> str | None:
@@ -67,6 +68,9 @@ class Inbox:
         self.messages.append((peer, payload))
         self.event.set()
 
+    def batch_failed(self, peer: str, message: OutgoingMessage | None, error: str) -> None:
+        self.failed.append((peer, None if message is None else message.payload, error))
+
 
 def peer_info(name: str, descriptor: str, table: Table, host: str = "test-host") -> PeerInfo:
     return PeerInfo(name, host, {"shm": descriptor}, tuple(r.info() for r in table.regions.values()))
@@ -80,7 +84,8 @@ def submit(transport: ShmTransport, peer: PeerInfo, direction: Direction, slices
     return batch
 
 
-def _serve(conn, name: str, size: int, config: ShmConfig, shared: bool, uid: int | None) -> None:
+def _serve(conn, name: str, size: int, config: ShmConfig, shared: bool, uid: int | None,
+           auth_key: bytes | None) -> None:
     """The peer process: one region "mem" of `size` bytes, commands from the test over `conn`."""
     if uid is not None:
         os.setgid(uid)
@@ -89,7 +94,7 @@ def _serve(conn, name: str, size: int, config: ShmConfig, shared: bool, uid: int
     segment = SharedBuffer(size) if shared else None
     mem = table.add("mem", segment.array if segment is not None else np.zeros(size, np.uint8))
     inbox = Inbox(table)
-    transport = ShmTransport(shm=config, name=name)
+    transport = ShmTransport(EngineLike(auth_key), shm=config, name=name)
     conn.send(transport.start(table, inbox))
     while True:
         command, arg = conn.recv()
@@ -100,6 +105,8 @@ def _serve(conn, name: str, size: int, config: ShmConfig, shared: bool, uid: int
             conn.send(digest(mem[arg[0]:arg[0] + arg[1]]))
         elif command == "inbox":
             conn.send((inbox.landed, inbox.messages))
+        elif command == "failed":
+            conn.send(inbox.failed)
         elif command == "set":  # arg: (attribute, value) of the inbox
             setattr(inbox, *arg)
             conn.send(None)
@@ -113,14 +120,22 @@ def _serve(conn, name: str, size: int, config: ShmConfig, shared: bool, uid: int
             return
 
 
+@dataclass(frozen=True)
+class EngineLike:
+    """The one field of messenger.engine.EngineConfig the shm transport reads."""
+
+    auth_key: bytes | None = None
+
+
 class PeerProcess:
     """A real second process serving one region through its own ShmTransport."""
 
     def __init__(self, name: str = "peer", size: int = 1 << 20, config: ShmConfig = ShmConfig(),
-                 shared: bool = False, uid: int | None = None):
+                 shared: bool = False, uid: int | None = None, auth_key: bytes | None = None):
         ctx = multiprocessing.get_context("spawn")
         self._conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=_serve, args=(child, name, size, config, shared, uid), daemon=True)
+        self.process = ctx.Process(target=_serve, args=(child, name, size, config, shared, uid, auth_key),
+                                   daemon=True)
         self.process.start()
         self.name, self.size = name, size
         if not self._conn.poll(30):

@@ -175,20 +175,25 @@ def test_32_concurrent_batches_on_32_threads_do_not_mix(pair):
     assert sorted(int.from_bytes(m, "big") for _, m, e in pair.notes if e is None) == list(range(32))
 
 
-def test_checksums_ride_on_the_message_and_are_computed_off_the_callers_thread(pair, monkeypatch):
+@pytest.mark.parametrize("size", [4096, 4 * MiB, 12 * MiB])
+def test_checksums_are_computed_off_the_callers_thread(pair, monkeypatch, size):
     import messenger.engine as engine_module
 
     hashed_on = []
     real = engine_module.slice_checksums
     monkeypatch.setattr(engine_module, "slice_checksums",
                         lambda views: hashed_on.append(threading.current_thread().name) or real(views))
-    pair.sender.write("receiver", [Slice("src", 0, "dst", 0, MiB)], b"m").wait(10)
-    assert hashed_on and all(name.startswith("messenger-hash") for name in hashed_on)
+    pair.sender.write("receiver", [Slice("src", 0, "dst", 0, size // 2), Slice("src", size // 2, "dst", size // 2, size // 2)],
+                      b"m").wait(10)
+    # Sender and receiver both hashed (small batches on the transports' threads, large on the pool's),
+    # never on the thread that called write.
+    assert len(hashed_on) >= 2 and threading.current_thread().name not in hashed_on
+    assert all(name.startswith(("messenger-hash", "messenger-tcp")) for name in hashed_on)
     # And with checksums off nothing is hashed at all.
     quiet = make_pair(EngineConfig(transports=("tcp",), checksums=False))
     try:
         hashed_on.clear()
-        quiet.sender.write("receiver", [Slice("src", 0, "dst", 0, MiB)], b"m").wait(10)
+        quiet.sender.write("receiver", [Slice("src", 0, "dst", 0, size)], b"m").wait(10)
         assert hashed_on == [] and quiet.notes == [("sender", b"m", None)]
     finally:
         quiet.sender.close()

@@ -4,13 +4,14 @@ and a dead peer fails batches before the engine's timeout."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import msgspec
 import numpy as np
 import pytest
 
-from messenger.api import Slice, TransferError
+from messenger.api import ChecksumError, OutgoingMessage, Slice, TransferError
 from messenger.engine import EngineConfig, TransferEngine
 from tests.messenger.shm_harness import EngineProcess, digest
 
@@ -78,3 +79,72 @@ def test_a_dead_peer_fails_a_batch_long_before_the_engine_timeout():
     finally:
         local.close()
         process.stop()
+
+
+def shm_pair(config: EngineConfig = EngineConfig(transports=("shm",))):
+    """Two engines in this process over shm (CMA with our own pid works as with another's)."""
+    sender, receiver = TransferEngine("sender", config), TransferEngine("receiver", config)
+    src = np.random.default_rng(1).integers(0, 256, SIZE, dtype=np.uint8)
+    dst = np.zeros(SIZE, np.uint8)
+    sender.register("src", src)
+    receiver.register("dst", dst)
+    notes: list = []
+    sender.start()
+    info = receiver.start(on_notify=lambda peer, message, error: notes.append((peer, message, error)))
+    assert sender.add_peer(info) == "shm"
+    return sender, receiver, src, dst, notes
+
+
+def test_32_concurrent_batches_over_shm_do_not_mix():
+    sender, receiver, src, dst, notes = shm_pair()
+    try:
+        size = SIZE // 32
+        part = size // 8
+        errors: list = []
+
+        def push(i: int) -> None:
+            try:
+                slices = [Slice("src", i * size + k * part, "dst", i * size + (7 - k) * part, part) for k in range(8)]
+                sender.write("receiver", slices, i.to_bytes(2, "big")).wait(30)
+            except Exception as exc:  # surfaced below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=push, args=(i,)) for i in range(32)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert errors == []
+        for i in range(32):
+            for k in range(8):
+                got = dst[i * size + (7 - k) * part:i * size + (8 - k) * part]
+                assert np.array_equal(got, src[i * size + k * part:i * size + (k + 1) * part]), (i, k)
+        assert sorted(int.from_bytes(m, "big") for _, m, e in notes if e is None) == list(range(32))
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def test_a_checksum_that_does_not_match_the_landed_bytes_fails_both_sides():
+    """What a byte changed between the sender's hash and the copy looks like to the receiver:
+    the Sums frame carries a checksum the landed bytes do not have."""
+    sender, receiver, _, _, notes = shm_pair()
+    transport = sender._peers["receiver"].transport
+    real_submit = transport.submit
+
+    def tampering_submit(peer, direction, slices, batch, message):
+        good = message.checksums
+        real_submit(peer, direction, slices, batch, OutgoingMessage(message.payload, (good[0] ^ 1, *good[1:])))
+
+    transport.submit = tampering_submit
+    try:
+        batch = sender.write("receiver", [Slice("src", 0, "dst", 0, 1 << 20), Slice("src", 5, "dst", 7, 10)], b"n")
+        with pytest.raises(ChecksumError, match="slice 0"):
+            batch.wait(10)
+        assert notes == [("sender", b"n", notes[0][2])] and "ChecksumError" in notes[0][2]
+        transport.submit = real_submit
+        sender.write("receiver", [Slice("src", 0, "dst", 0, 1 << 20)], b"fine").wait(10)
+        assert notes[-1] == ("sender", b"fine", None)
+    finally:
+        sender.close()
+        receiver.close()

@@ -3,6 +3,8 @@ named segments (messenger/segments.py)."""
 
 from __future__ import annotations
 
+import ctypes
+import mmap
 import os
 import subprocess
 import sys
@@ -58,6 +60,29 @@ def test_transfer_to_an_unmapped_address_raises():
         cma.transfer(os.getpid(), [(buf.ctypes.data, 8, 4096)], write=False)
 
 
+def test_a_partial_transfer_goes_on_where_it_stopped_then_reports_the_hole():
+    """The kernel stops at the first unmapped byte; what came before it is copied, then the
+    retry from there fails: the batch fails, never silently short."""
+    page = mmap.PAGESIZE
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    base = libc.mmap(None, 2 * page, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
+    assert libc.munmap(base + page, page) == 0  # a hole right after the first page
+    try:
+        ctypes.memset(base, 0x5A, page)
+        dst = np.zeros(3 * page, np.uint8)
+        copies = [(dst.ctypes.data, base, 100),  # whole
+                  (dst.ctypes.data + page, base + page - 300, 600)]  # 300 bytes, then the hole
+        with pytest.raises(cma.CmaError):
+            cma.transfer(os.getpid(), copies, write=False)
+        assert (dst[:100] == 0x5A).all() and (dst[page:page + 300] == 0x5A).all()
+        assert not dst[page + 300:].any()
+    finally:
+        libc.munmap(base, page)
+
+
 def test_probe_accepts_only_the_process_that_holds_the_bytes():
     token = os.urandom(16)
     buf = np.frombuffer(token, np.uint8).copy()
@@ -66,6 +91,12 @@ def test_probe_accepts_only_the_process_that_holds_the_bytes():
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     child.wait()
     assert "refused" in cma.probe(child.pid, buf.ctypes.data, token)  # gone: ESRCH
+
+
+def test_declaring_any_ptracer_is_harmless_where_there_is_no_yama():
+    yama = os.path.exists("/proc/sys/kernel/yama/ptrace_scope")
+    assert cma.allow_any_ptracer() is yama  # without Yama the kernel answers EINVAL
+    assert cma.probe(os.getpid(), np.frombuffer(b"x" * 16, np.uint8).ctypes.data, b"x" * 16) is None
 
 
 def test_memmove_copies_both_ways():

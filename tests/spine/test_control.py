@@ -1,10 +1,14 @@
 """The control channel between a worker shell and its connector (mooncake/control.py)."""
 
+import threading
+import time
+
+import msgspec
 import pytest
 
 from decode.kv_receiver import KVReceiver
 from decode.staging import StagingConfig
-from messenger.tcp import TcpClient, TcpConfig, TransferError
+from messenger.engine import TransferEngine
 from mooncake.control import ControlEndpoint, ControlError, ControlServer, control_call
 
 
@@ -44,14 +48,55 @@ def test_no_connector_is_a_clear_error():
         control_call(ControlEndpoint.new(), {"op": "stats"}, timeout_s=0.5)
 
 
-def test_the_kv_socket_takes_no_control_calls():
-    receiver = KVReceiver("127.0.0.1", 0, 4, StagingConfig(), TcpConfig())
-    receiver._server.start()
-    client = TcpClient(TcpConfig())
+def test_a_waiting_call_does_not_hold_up_the_others():
+    # push_outcome waits for acknowledgements; stats scrapes must still be answered meanwhile.
+    def handler(req):
+        if req["op"] == "push_outcome":
+            time.sleep(1.5)
+        return {"ok": True, "op": req["op"]}
+
+    endpoint = ControlEndpoint.new()
+    server = ControlServer(endpoint, handler).start()
     try:
-        for op in ("stats", "drop"):
-            with pytest.raises(TransferError, match="only 'put'"):
-                client.request(receiver.address, {"op": op, "transfer_id": "t"})
+        slow = threading.Thread(target=control_call, args=(endpoint, {"op": "push_outcome"}, 5.0))
+        slow.start()
+        time.sleep(0.1)
+        start = time.monotonic()
+        assert control_call(endpoint, {"op": "stats"})["op"] == "stats"
+        assert time.monotonic() - start < 0.5
+        slow.join()
     finally:
-        client.close()
-        receiver.shutdown()
+        server.close()
+
+
+def test_the_kv_engine_takes_only_kv_calls():
+    engine = TransferEngine("consumer")
+    receiver = KVReceiver(engine, 4, StagingConfig(capacity_bytes=1 << 20))
+    for op in (b'{"op": "stats"}', b'{"type": "drop", "transfer_id": "t"}', b"not json"):
+        with pytest.raises(msgspec.DecodeError):
+            receiver.on_call("peer", op)
+
+
+def test_the_shell_marks_a_prefill_whose_push_did_not_land():
+    import asyncio
+
+    from mooncake.engine.app import _with_push_outcome
+    from mooncake.protocol import GenerateChunk
+
+    outcomes = {"good": {"ok": True}, "bad": {"ok": False, "error": "ChecksumError: slice 0"}}
+    asked = []
+
+    def handler(req):
+        asked.append((req["op"], req["transfer_id"], req["timeout_s"]))
+        return outcomes[req["transfer_id"]]
+
+    endpoint = ControlEndpoint.new()
+    server = ControlServer(endpoint, handler).start()
+    last = GenerateChunk([7], finish_reason="length")
+    try:
+        assert asyncio.run(_with_push_outcome(endpoint, "good", last)) == last
+        marked = asyncio.run(_with_push_outcome(endpoint, "bad", last))
+        assert marked.kv_error == "ChecksumError: slice 0" and marked.token_ids == [7]
+        assert [a[:2] for a in asked] == [("push_outcome", "good"), ("push_outcome", "bad")] and asked[0][2] > 0
+    finally:
+        server.close()

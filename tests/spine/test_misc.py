@@ -1,10 +1,7 @@
-import socket
-
 import msgspec
 import pytest
 
 from conductor.metrics import ConductorMetrics
-from messenger.tcp import TcpClient, TcpServer, TransferError, parse_address
 from messenger.wire import WireError, decode_prefix, encode_prefix
 from mooncake.protocol import (CHUNK_DECODER, ENCODER, REQUEST_DECODER, BadTransferParams, GenerateChunk,
                                PullParams, PushParams, encode_chunk_line, parse_pull, parse_push)
@@ -25,15 +22,17 @@ def test_cpu_binding_plan(cores, count, expected):
 
 
 def test_params_round_trip_with_the_wire_keys():
-    push = PushParams("t", "10.0.0.2:7000", 123)
+    push = PushParams("t", "10.0.0.2:7000", 123, skip_blocks=1)
     pull = PullParams("t", 123, 9.0)
-    assert push.to_params() == {"mooncake_push": {"transfer_id": "t", "dest": "10.0.0.2:7000", "num_tokens": 123}}
+    assert push.to_params() == {"mooncake_push": {"transfer_id": "t", "dest": "10.0.0.2:7000", "num_tokens": 123,
+                                                  "skip_blocks": 1}}
     assert pull.to_params() == {"mooncake_pull": {"transfer_id": "t", "num_tokens": 123, "wait_timeout_s": 9.0}}
     assert parse_push(push.to_params()) == push and parse_pull(pull.to_params()) == pull
     assert parse_push(None) is None and parse_pull({}) is None
     # As vLLM hands them to the connector: plain dicts, wait_timeout_s optional, ints for floats.
     assert parse_pull({"mooncake_pull": {"transfer_id": "t", "num_tokens": 5}}) == PullParams("t", 5, 30.0)
     assert parse_pull({"mooncake_pull": {"transfer_id": "t", "num_tokens": 5, "wait_timeout_s": 2}}).wait_timeout_s == 2.0
+    assert parse_push({"mooncake_push": {"transfer_id": "t", "dest": "h:1", "num_tokens": 5}}).skip_blocks == 0
 
 
 @pytest.mark.parametrize("params, match", [
@@ -112,25 +111,6 @@ def test_wire_rejects_foreign_and_oversized_frames():
         decode_prefix(b"HTTP" + encode_prefix(b"{}", 0)[4:])
     with pytest.raises(WireError):
         decode_prefix(encode_prefix(b"{}", 1 << 40))
-
-
-def test_tcp_request_reply_and_errors():
-    server = TcpServer("127.0.0.1", 0, lambda h, p: {"ok": True, "n": len(p), "echo": h["x"]}).start()
-    client = TcpClient()
-    try:
-        reply = client.request(server.address, {"x": 5}, b"a" * 100_000)
-        assert reply == {"ok": True, "n": 100_000, "echo": 5}
-        with pytest.raises(TransferError):
-            client.request(server.address, {"y": 1})  # handler raises KeyError -> refused, not hung
-    finally:
-        server.close()
-        client.close()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        free = s.getsockname()[1]
-    with pytest.raises(TransferError):
-        TcpClient().request(f"127.0.0.1:{free}", {"op": "ping"})
-    assert parse_address("[::1]:80") == ("::1", 80)
 
 
 def test_metrics_text_declares_each_family_once():
@@ -247,7 +227,10 @@ def test_conductor_and_worker_speak_the_same_typed_ndjson(monkeypatch):
                               PushParams("t", "h:1", 2).to_params())
         chunks = [c async for c in client.generate(WorkerHandle(http_url="http://w"), req)]
         assert seen == [req]  # the worker decoded exactly what the conductor encoded
-        assert chunks == [GenerateChunk([11], num_cached_tokens=0), GenerateChunk([12], finish_reason="length")]
+        assert chunks[0] == GenerateChunk([11], num_cached_tokens=0)
+        # The request pushed KV, and no connector answers here: the last line says the KV did not land.
+        assert chunks[1].token_ids == [12] and chunks[1].finish_reason == "length"
+        assert "push_outcome" in chunks[1].kv_error
         await client.close()
     asyncio.run(main())
 

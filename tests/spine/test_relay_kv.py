@@ -1,0 +1,55 @@
+"""The conductor's side of the KV path (conductor/relay.py) with fake workers: the push names the
+blocks D holds, and a prefill whose KV did not land sends D on without a pull."""
+
+import asyncio
+
+from conductor.relay import Relay, RelayStats
+from conductor.routing import Route
+from conductor.workers import WorkerHandle
+from mooncake.protocol import GenerateChunk, Sampling
+
+
+class Workers:
+    def __init__(self, kv_error=None):
+        self.kv_error = kv_error
+        self.requests, self.dropped = [], []
+
+    async def generate(self, worker, request):
+        self.requests.append((worker.name, request))
+        if request.sampling.max_tokens == 1:  # the prefill
+            yield GenerateChunk([7], finish_reason="length", num_cached_tokens=0, kv_error=self.kv_error)
+            return
+        yield GenerateChunk([1], num_cached_tokens=0)
+        yield GenerateChunk([2], finish_reason="length")
+
+    async def drop_transfer(self, worker, transfer_id):
+        self.dropped.append((worker.name, transfer_id))
+
+
+def handle(name):
+    return WorkerHandle(http_url=f"http://{name}", instance_id=name, kv_address=f"{name}:1")
+
+
+def run(workers, route):
+    async def main():
+        relay = Relay(workers, 5.0, lambda tried: None)
+        return [c async for c in relay.run("r", [5] * 300, Sampling(max_tokens=3), route, RelayStats())]
+    return asyncio.run(main())
+
+
+def test_the_push_skips_the_blocks_the_decode_worker_holds_and_decode_pulls():
+    workers = Workers()
+    chunks = run(workers, Route(handle("p"), handle("d"), decode_held_blocks=2))
+    (_, prefill), (_, decode) = workers.requests
+    assert prefill.kv_transfer_params["mooncake_push"]["skip_blocks"] == 2
+    assert decode.kv_transfer_params["mooncake_pull"]["num_tokens"] == 300
+    assert [t for c in chunks for t in c.token_ids] == [7, 1, 2] and workers.dropped == []
+
+
+def test_a_push_that_did_not_land_sends_decode_on_without_a_pull():
+    workers = Workers(kv_error="ChecksumError: slice 0")
+    chunks = run(workers, Route(handle("p"), handle("d")))
+    (_, _), (where, decode) = workers.requests
+    assert where == "d" and decode.kv_transfer_params == {}  # D computes the prompt, waiting for nothing
+    assert workers.dropped == [("d", "r")]  # and frees what was staged of it
+    assert [t for c in chunks for t in c.token_ids] == [7, 1, 2]
