@@ -3,6 +3,7 @@
     python -m benchmarks.store_bench            # 64 KiB and 4 MiB blocks, ours and Mooncake Store
     python -m benchmarks.store_bench --quick    # fewer operations (a smoke run, seconds)
     python -m benchmarks.store_bench --no-peer  # ours only
+    python -m benchmarks.store_bench --results-md   # and write the tables into RESULTS.md
 
 What is measured, per block size (ops/s and GB/s, wall time around the calls only):
 - ours, local (what a connector in vLLM's worker does): the pool service runs in its own
@@ -20,8 +21,9 @@ What is measured, per block size (ops/s and GB/s, wall time around the calls onl
   holder's segment. Our pool has no remote put: a node writes only its own pool, others fetch.
 - the index alone: our BlockPool against vLLM's CPUOffloadingManager (the scheduler-side
   index of its OffloadingConnector, LRU) on one request stream (lookups, pinned loads of the
-  hits, stores of the misses with eviction), in process CPU time: the measurement behind
-  building our own index rather than on vLLM's.
+  hits, stores of the misses with eviction), in process CPU time; and the SSD tier's files
+  against the file I/O of vLLM's file-system tier: the measurements behind building our own
+  rather than on vLLM's offloading.
 
 Goals printed as ratios: remote get >= 2x Mooncake Store at 64 KiB, >= 1.5x at 4 MiB.
 Absolute figures move with the machine; only the same run's ratios compare.
@@ -46,6 +48,7 @@ from mooncake.net import free_port
 KIB, MIB = 1 << 10, 1 << 20
 BATCH = 16
 LAYOUT = "store-bench"
+SERVE_MARK = "STORE-BENCH "
 REPO = Path(__file__).resolve().parents[1]
 GOALS = {64 * KIB: 2.0, 4 * MIB: 1.5}  # remote get, ours / Mooncake Store
 # Our remote gets run twice: over tcp (what reaches another machine, and what Mooncake Store
@@ -58,11 +61,15 @@ def parse_args(argv=None) -> argparse.Namespace:
                                 epilog="Figures go to RESULTS.md, section 'KVCache pool (issue #14)'.")
     p.add_argument("--quick", action="store_true", help="few operations per figure (a smoke run)")
     p.add_argument("--no-peer", action="store_true", help="skip Mooncake Store")
-    p.add_argument("--no-index", action="store_true", help="skip the index comparison with vLLM's")
+    p.add_argument("--no-index", action="store_true", help="skip the comparisons of the index and the SSD tier's "
+                   "files with vLLM's offloading")
+    p.add_argument("--ssd-dir", default=None, help="where the SSD comparison writes (default: the temp directory)")
     p.add_argument("--sizes", default="64K,4M", help="block sizes, comma-separated (K and M suffixes)")
     p.add_argument("--peer-venv", default=None, help="the Mooncake venv (default: benchmarks/peers/venv.py's, "
                    "built on first use)")
     p.add_argument("--json", default=None, help="also write every figure to this file")
+    p.add_argument("--results-md", action="store_true", help="also put the tables into benchmarks/RESULTS.md "
+                   "(between its store-bench markers)")
     p.add_argument("--serve", nargs=2, type=int, metavar=("BLOCK_BYTES", "SLOTS"), help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -91,8 +98,9 @@ def serve(block_bytes: int, slots: int) -> None:
 
     service = PoolService(PoolConfig(dram_bytes=slots * block_bytes, ssd_dir=None)).start()
     service.configure(block_bytes, LAYOUT)
-    print(json.dumps({"path": service.endpoint.path, "key": service.endpoint.authkey_hex,
-                      "peer": msgspec.json.encode(service.peer_info()).decode()}), flush=True)
+    # A marked line: libraries the messenger loads (NIXL) print to stdout too.
+    print(SERVE_MARK + json.dumps({"path": service.endpoint.path, "key": service.endpoint.authkey_hex,
+                                   "peer": msgspec.json.encode(service.peer_info()).decode()}), flush=True)
     sys.stdin.read()
     service.close()
 
@@ -110,7 +118,10 @@ def ours(block_bytes: int, count: int) -> dict:
                                str(count + BATCH)], cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     getter = None
     try:
-        hello = json.loads(holder.stdout.readline())
+        hello = next((json.loads(line[len(SERVE_MARK):]) for line in holder.stdout if line.startswith(SERVE_MARK)),
+                     None)
+        if hello is None:
+            raise SystemExit("the pool under test did not start")
         client = PoolClient(ControlEndpoint(hello["path"], hello["key"]))
         arena = Arena.attach(client.configure(block_bytes, LAYOUT))
         src = np.random.default_rng(0).integers(0, 256, (BATCH, block_bytes), dtype=np.uint8)
@@ -295,6 +306,57 @@ def index_comparison(quick: bool) -> dict:
             "ours_requests_per_cpu_s": n / ours_s, "vllm_requests_per_cpu_s": n / vllm_s, "ratio": vllm_s / ours_s}
 
 
+# --- the SSD tier's files alone ---------------------------------------------------------------
+def ssd_comparison(block_bytes: int, count: int, directory: str) -> dict:
+    """Write then read `count` blocks: our SsdTier (header, checksum verified on every read)
+    against the file I/O of vLLM's own file-system tier (vllm.v1.kv_offload.tiering.fs.io: the
+    same write-and-rename and readv, no header, no checksum), buffered I/O for both. Wall time;
+    the page cache serves the reads of both alike."""
+    import shutil
+    import tempfile
+
+    from store.pool import checksum
+    from store.ssd import SsdTier
+
+    blocks = np.random.default_rng(1).integers(0, 256, (4, block_bytes), dtype=np.uint8)
+    out = np.ones(block_bytes, dtype=np.uint8)
+    digests = [checksum(b) for b in blocks]
+    figures = {}
+    root = tempfile.mkdtemp(prefix="store-bench-ssd-", dir=directory)
+    try:
+        tier = SsdTier(os.path.join(root, "ours"), LAYOUT, block_bytes)
+        tier.open()
+        started = time.perf_counter()
+        for i in range(count):
+            tier.write(i, blocks[i % 4], digests[i % 4])
+        figures["ours_write"] = rate(count, count * block_bytes, time.perf_counter() - started)
+        started = time.perf_counter()
+        for i in range(count):
+            if not tier.read_into(i, out, digests[i % 4]):
+                raise SystemExit("our SSD tier lost a block")
+        figures["ours_read"] = rate(count, count * block_bytes, time.perf_counter() - started)
+        try:
+            from vllm.v1.kv_offload.tiering.fs.io import batch_load_block, batch_store_block
+        except ImportError as exc:
+            figures["vllm_error"] = str(exc)
+            return figures
+        theirs = os.path.join(root, "vllm")
+        paths = [os.path.join(theirs, f"{i // 256:03x}", f"{i:032x}.bin") for i in range(count)]
+        src = memoryview(blocks.reshape(-1))
+        started = time.perf_counter()
+        for i, path in enumerate(paths):
+            batch_store_block([path], src, [(i % 4) * block_bytes], block_bytes, use_o_direct=False)
+        figures["vllm_write"] = rate(count, count * block_bytes, time.perf_counter() - started)
+        dst = memoryview(out)
+        started = time.perf_counter()
+        for path in paths:
+            batch_load_block([path], dst, [0], block_bytes, use_o_direct=False)
+        figures["vllm_read"] = rate(count, count * block_bytes, time.perf_counter() - started)
+        return figures
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
 # --- report --------------------------------------------------------------------------------
 ROWS = [("put", "put (local)"), ("get", "get (local)"), ("batch_get", f"batch get x{BATCH} (local)"),
         ("remote_put", "put (remote)"), ("remote_get", "get (remote, tcp)"),
@@ -329,6 +391,12 @@ def report(results: dict) -> str:
                 r = ours_f[key]["ops_per_s"] / peer_f[key.removesuffix("_auto")]["ops_per_s"]
                 lines.append(f"\nGoal {key.removesuffix('_auto').replace('_', ' ')} >= {goal}x Mooncake Store, ours "
                              f"over {ours_f[key]['transport']}: {r:.2f}x ({'met' if r >= goal else 'NOT met'})")
+    for block_bytes, ssd in results.get("ssd", {}).items():
+        if "vllm_read" in ssd:
+            lines.append(f"\nSSD tier files, {human(int(block_bytes))} blocks ({ssd['ours_write']['ops']}): write ours "
+                         f"{ssd['ours_write']['gb_per_s']:.2f} GB/s, vLLM's fs tier {ssd['vllm_write']['gb_per_s']:.2f}; "
+                         f"read (ours verifying each checksum) {ssd['ours_read']['gb_per_s']:.2f} GB/s, vLLM's "
+                         f"{ssd['vllm_read']['gb_per_s']:.2f}")
     index = results.get("index")
     if index and "ratio" in index:
         lines.append(f"\nIndex alone ({index['requests']} requests of {index['keys_per_request']} keys, "
@@ -351,6 +419,8 @@ def run(args: argparse.Namespace) -> dict:
         results["sizes"][str(block_bytes)] = figures
     if not args.no_index:
         results["index"] = index_comparison(args.quick)
+        results["ssd"] = {str(b): ssd_comparison(b, counts(b, args.quick), args.ssd_dir)
+                          for b in (size(s) for s in args.sizes.split(","))}
     return results
 
 
@@ -360,7 +430,13 @@ def main(argv=None) -> None:
         serve(*args.serve)
         return
     results = run(args)
-    print(report(results))
+    text = report(results)
+    print(text)
+    if args.results_md:
+        from benchmarks.results_md import write_block
+
+        command = "python -m benchmarks.store_bench" + (" --quick" if args.quick else "")
+        write_block("store-bench", f"Tables printed by `{command}` ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}):\n{text}")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
 

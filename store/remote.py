@@ -13,7 +13,9 @@ peer is one `call`:
   expires, so a reader that died holds nothing for long), a one-sided `read` of the slots, and
   an `unpin` sent without waiting.
 Every block is verified against the checksum the peer's index holds before it is committed
-here; one that fails is dropped (counted), never served. The messenger's own per-slice
+here; one that fails is dropped (counted), never served. Slots of a transfer that failed stay
+reserved for twice the engine's timeout before reuse, so a peer that answers late cannot
+overwrite a block stored there since. The messenger's own per-slice
 checksums are off by default for the pool's engine: every block already carries one.
 """
 
@@ -74,21 +76,30 @@ class RemotePool:
 
     # --- fetching from a peer --------------------------------------------------------------
     def fetch(self, peer: "PeerInfo", keys: Sequence[int]) -> int:
+        """Bring the leading run of `keys` the peer holds; returns how many leading keys this
+        node holds after. One call moves at most what both sides can pin or reserve at once (a
+        long prefix mostly on the peer's SSD, a small DRAM tier here), so it calls again while
+        that makes progress."""
         service = self._service
         held = len(service.lookup(keys))
-        want = list(keys[held:])
-        if not want:
+        if held == len(keys):
             return held
         if peer.name not in self._peers:
             self._peers[peer.name] = self.engine.add_peer(peer)
-        if len(want) * service.config.block_bytes <= INLINE_BYTES:
-            self._fetch_inline(peer.name, want)
-        else:
-            try:
-                self._fetch_by_push(peer.name, want)
-            except NoWayBack:
-                self._fetch_by_read(peer.name, want)
-        return len(service.lookup(keys))
+        while held < len(keys):
+            want = list(keys[held:])
+            if len(want) * service.config.block_bytes <= INLINE_BYTES:
+                self._fetch_inline(peer.name, want)
+            else:
+                try:
+                    self._fetch_by_push(peer.name, want)
+                except NoWayBack:
+                    self._fetch_by_read(peer.name, want)
+            now = len(service.lookup(keys))
+            if now <= held:
+                break
+            held = now
+        return held
 
     def _fetch_by_push(self, peer: str, keys: list[int]) -> None:
         slots = self._service.reserve(keys)
@@ -104,10 +115,10 @@ class RemotePool:
                 request["who"] = msgspec.json.encode(self._info)
                 reply = channel.decode(self.engine.call(peer, channel.encode(request)))
         except BaseException:
-            self._service.abort([k for k, _ in slots])
+            self._quarantine([k for k, _ in slots])
             raise
         if not reply["ok"]:
-            self._service.abort([k for k, _ in slots])
+            self._quarantine([k for k, _ in slots])
             if "NoTransport" in reply["error"]:
                 raise NoWayBack(reply["error"])
             raise TransferError(f"{peer} refused to send blocks: {reply['error']}")
@@ -118,7 +129,7 @@ class RemotePool:
         self._commit_verified([(k, s) for k, s in slots if k in digests], digests)
 
     def _fetch_inline(self, peer: str, keys: list[int]) -> None:
-        reply = channel.decode(self.engine.call(peer, channel.encode({"op": "get", "keys": channel.pack_keys(keys)})))
+        reply = _checked(peer, self.engine.call(peer, channel.encode({"op": "get", "keys": channel.pack_keys(keys)})))
         got = channel.unpack_keys(reply["keys"])
         bb = self._service.config.block_bytes
         data = memoryview(reply["data"])
@@ -130,7 +141,7 @@ class RemotePool:
         self._commit_verified(slots, digests)
 
     def _fetch_by_read(self, peer: str, keys: list[int]) -> None:
-        reply = channel.decode(self.engine.call(peer, channel.encode({"op": "pin", "keys": channel.pack_keys(keys)})))
+        reply = _checked(peer, self.engine.call(peer, channel.encode({"op": "pin", "keys": channel.pack_keys(keys)})))
         lease = reply["lease"]
         try:
             got = channel.unpack_keys(reply["keys"])
@@ -142,11 +153,19 @@ class RemotePool:
                 try:
                     self.engine.read(peer, slices).wait()
                 except BaseException:
-                    self._service.abort([k for k, _ in slots])
+                    self._quarantine([k for k, _ in slots])
                     raise
             self._commit_verified(slots, digests)
         finally:
             self._unpinner.submit(self._unpin, peer, lease)
+
+    def _quarantine(self, keys: list[int]) -> None:
+        """Slots a failed transfer may still write into (a peer that answers late) stay reserved,
+        so never read nor handed to another block, for twice the engine's timeout, then go back."""
+        if keys:
+            timer = threading.Timer(2 * self.engine.config.timeout_s, self._service.abort, [keys])
+            timer.daemon = True
+            timer.start()
 
     def _unpin(self, peer: str, lease: int) -> None:
         try:
@@ -242,3 +261,10 @@ def coalesce(pairs: list[tuple[int, int]], block_bytes: int) -> list[Slice]:
         else:
             slices.append(Slice(ARENA_REGION, local * block_bytes, ARENA_REGION, remote * block_bytes, block_bytes))
     return slices
+
+
+def _checked(peer: str, reply_bytes: bytes) -> dict:
+    reply = channel.decode(reply_bytes)
+    if not reply.get("ok"):
+        raise TransferError(f"{peer} refused: {reply.get('error')}")
+    return reply

@@ -107,14 +107,13 @@ class SsdTier:
             fd = os.open(self.path(key), os.O_RDONLY)
         except FileNotFoundError:
             return False
+        head = bytearray(HEADER.size)
         try:
-            head = os.pread(fd, HEADER.size, 0)
-            if self._parse(head) != (key, digest):
-                return False
-            got = os.preadv(fd, [view], HEADER.size)
+            got = os.preadv(fd, [head, view], 0)  # header and data in one system call
         finally:
             os.close(fd)
-        return got == self.block_bytes and checksum(view) == digest
+        return (got == HEADER.size + self.block_bytes and self._parse(bytes(head)) == (key, digest)
+                and checksum(view) == digest)
 
     # --- start-up --------------------------------------------------------------------------
     def scan(self) -> list[FoundBlock]:

@@ -15,15 +15,16 @@ from store.config import PoolConfig
 from store.remote import INLINE_BYTES
 from store.service import PoolService
 from tests.processes import ROOT
-from tests.store.pool_peer import LAYOUT, block_data
+from tests.store.pool_peer import ENGINE, LAYOUT, MARK, block_data
 
 
 def start_peer(block_bytes: int, blocks: int, keys: list[int]):
     proc = subprocess.Popen([sys.executable, "-m", "tests.store.pool_peer", str(block_bytes), str(blocks),
                              *map(str, keys)], cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    line = proc.stdout.readline()
-    assert line, "the peer pool did not start"
-    return proc, msgspec.json.decode(line, type=PeerInfo)
+    for line in proc.stdout:
+        if line.startswith(MARK):
+            return proc, msgspec.json.decode(line[len(MARK):], type=PeerInfo)
+    raise AssertionError("the peer pool did not start")
 
 
 def stop_peer(proc) -> None:
@@ -36,6 +37,7 @@ def stop_peer(proc) -> None:
 
 
 def local_pool(block_bytes: int, blocks: int, **kwargs) -> PoolService:
+    kwargs.setdefault("engine_config", ENGINE)
     service = PoolService(PoolConfig(dram_bytes=blocks * block_bytes, ssd_dir=None), **kwargs).start()
     service.configure(block_bytes, LAYOUT)
     return service
@@ -69,6 +71,23 @@ def test_fetch_from_another_process(block_bytes):
         stop_peer(proc)
 
 
+def test_fetch_through_the_local_channel():
+    """What the connector does for Algorithm 1's fetch_from: ask its own node's pool."""
+    from store.channel import PoolClient
+
+    keys = [21, 22]
+    proc, peer = start_peer(64 << 10, 4, keys)
+    local = local_pool(64 << 10, 4)
+    client = PoolClient(local.endpoint)
+    try:
+        assert client.fetch_remote(msgspec.json.encode(peer), keys + [23]) == 2
+        assert client.lookup(keys) == ["dram", "dram"] and verify(local, keys)
+    finally:
+        client.close()
+        local.close()
+        stop_peer(proc)
+
+
 def test_one_sided_read_with_pins_is_the_fallback():
     """When the peer cannot write to us, blocks are pinned there and read one-sidedly."""
     block_bytes, keys = 1 << 20, [11, 12, 13]
@@ -95,15 +114,30 @@ def test_a_dead_peer_fails_within_the_timeout():
         with pytest.raises(TransferError):
             local.fetch_remote(peer, [1, 2])
         assert time.monotonic() - started < 10
-        assert local.lookup([1, 2]) == [] and local.reserve([1]) != []  # nothing left reserved
+        assert local.lookup([1, 2]) == []
     finally:
         local.close()
         stop_peer(proc)
 
 
+def test_slots_of_a_failed_transfer_are_quarantined_before_reuse():
+    """A peer that answers late could still write into the slots: they stay reserved a while."""
+    from messenger.engine import EngineConfig
+
+    local = local_pool(1 << 20, 2, engine_config=EngineConfig(transports=("tcp",), timeout_s=0.2, checksums=False))
+    try:
+        local.remote._quarantine([k for k, _ in local.reserve([5, 6])])
+        assert local.reserve([7]) == []  # both slots still held
+        time.sleep(0.6)
+        assert [k for k, _ in local.reserve([7])] == [7]
+    finally:
+        local.close()
+
+
 def test_pins_of_a_peer_that_never_releases_expire():
     clock = [0.0]
-    server = PoolService(PoolConfig(dram_bytes=4 << 10, ssd_dir=None, pin_lease_s=5.0), clock=lambda: clock[0])
+    server = PoolService(PoolConfig(dram_bytes=4 << 10, ssd_dir=None, pin_lease_s=5.0), clock=lambda: clock[0],
+                         engine_config=ENGINE)
     server.start()
     server.configure(1 << 10, LAYOUT)
     try:
@@ -120,3 +154,27 @@ def test_pins_of_a_peer_that_never_releases_expire():
         assert not bad["ok"]
     finally:
         server.close()
+
+
+def test_blocks_on_the_peers_ssd_are_promoted_and_sent_in_several_calls(tmp_path):
+    """The holder keeps 2 blocks in DRAM and the rest on SSD; a fetch of 6 needs several calls
+    (each pins what fits) and every block arrives intact."""
+    block_bytes, keys = 1 << 20, list(range(100, 106))
+    holder = PoolService(PoolConfig(dram_bytes=2 * block_bytes, ssd_dir=str(tmp_path), ssd_bytes=16 * block_bytes),
+                         engine_config=ENGINE)
+    holder.start()
+    holder.configure(block_bytes, LAYOUT)
+    local = local_pool(block_bytes, 8)
+    try:
+        for key in keys:
+            for k, slot in holder.reserve([key]):
+                holder.arena.slot(slot)[:] = block_data(k, block_bytes)
+            holder.commit([key])
+        holder.flush()
+        assert holder.lookup(keys) == ["ssd"] * 4 + ["dram"] * 2
+        assert local.fetch_remote(holder.peer_info(), keys) == 6
+        assert verify(local, keys[:4]) and verify(local, keys[4:])
+        assert holder.stats()["counters"]["promotions"] >= 4
+    finally:
+        local.close()
+        holder.close()

@@ -40,3 +40,11 @@ def test_report_states_each_goal():
     assert "Goal remote get >= 2.0x Mooncake Store, ours over tcp: 3.00x (met)" in text
     assert "| get (remote, same host: shm) | 300 |" in text
     assert "| put (remote) | n/a | n/a | 100 |" in text
+
+
+def test_ssd_comparison_of_our_side(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "vllm.v1.kv_offload.tiering.fs.io", None)  # importing vLLM takes seconds
+    figures = store_bench.ssd_comparison(64 << 10, 8, str(tmp_path))
+    assert figures["ours_write"]["ops"] == 8 and figures["ours_read"]["gb_per_s"] > 0
+    assert "vllm_error" in figures
+    assert list(tmp_path.iterdir()) == []  # its files are gone
