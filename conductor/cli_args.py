@@ -26,6 +26,10 @@ def add_scheduler_arguments(parser: argparse.ArgumentParser) -> None:
                    help="keep the workers' labels as fixed roles (prefill workers only prefill, decode workers "
                         "only decode); by default any worker may prefill or decode a request, its label only "
                         f"costs {defaults.ROLE_COST_S:g} s of predicted TTFT when broken (kvcache-centric only)")
+    g.add_argument("--remote-fetch", action="store_true",
+                   help="Algorithm 1's fetch_from: a prefill worker may pull a longer prefix from another worker's "
+                        "KVCache pool (priced with the measured bandwidth) instead of computing it; the workers "
+                        "must run their pools (the default)")
     g.add_argument("--profile", default=None,
                    help=f"estimator profile table: a bundled name or a JSON path (see `mooncake profile`); "
                         f"default: the bundled one measured in the workers' --dtype ({DEFAULT_PROFILE} for "
@@ -94,6 +98,7 @@ def scheduler_config(args: argparse.Namespace) -> SchedulerConfig:
         policy=args.policy, admission=args.admission, block_size=args.block_size, ttft_slo_s=args.ttft_slo,
         tbt_slo_s=args.tbt_slo, kvcache_balancing_threshold=args.balancing_threshold,
         conditional_disaggregation=not args.no_conditional_disaggregation,
+        remote_fetch=args.remote_fetch,
         # Flexible roles price every instance by TTFT, which only kvcache-centric does.
         flexible_roles=not args.no_flexible_roles and args.policy == Policy.KVCACHE_CENTRIC.value,
         # `serve` starts the workers with --chunk-size; a standalone conductor assumes their default.

@@ -53,8 +53,9 @@ class Relay:
         """Yield chunks of generated tokens; the last one has a finish_reason."""
         stats.decode_instance, stats.prefill_instance = route.decode.name, route.prefill.name
         stats.prompt_tokens = len(prompt)
+        fetch = route.fetch.to_params() if route.fetch else {}
         if route.colocated:
-            async for chunk in self._whole(route.decode, request_id, prompt, sampling, stats, None):
+            async for chunk in self._whole(route.decode, request_id, prompt, sampling, stats, None, fetch):
                 yield chunk
             return
 
@@ -64,7 +65,7 @@ class Relay:
                                  structured=None)  # with a grammar, P's token is not used (below)
         first = GenerateChunk([])
         async for chunk in self._client.generate(
-            route.prefill, GenerateRequest(f"{request_id}-p", prompt, first_sampling, push.to_params())
+            route.prefill, GenerateRequest(f"{request_id}-p", prompt, first_sampling, {**push.to_params(), **fetch})
         ):
             if chunk.num_cached_tokens is not None:
                 stats.prefill_cached_tokens = stats.computed_cached_tokens = chunk.num_cached_tokens
@@ -157,11 +158,13 @@ class Relay:
             yield chunk
 
     async def _whole(self, worker: WorkerHandle, request_id: str, prompt: list[int], sampling: Sampling,
-                     stats: RelayStats, pull: PullParams | None) -> AsyncIterator[GenerateChunk]:
+                     stats: RelayStats, pull: PullParams | None,
+                     fetch: dict | None = None) -> AsyncIterator[GenerateChunk]:
         tried: set[str] = set()
         while True:
             tried.add(worker.name)
-            params = pull.to_params() if pull else {}
+            # A fetch is for the worker it was priced for: a retry elsewhere computes instead.
+            params = pull.to_params() if pull else dict(fetch or {}) if len(tried) == 1 else {}
             try:
                 async for chunk in self._client.generate(
                     worker, GenerateRequest(f"{request_id}-d{len(tried)}", prompt, sampling, params)

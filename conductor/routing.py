@@ -6,8 +6,11 @@ ready workers and the conductor's own ledger, asks the core, and turns the answe
 or an HTTP refusal (429 with Retry-After, counted by reason). It also keeps the ledger current
 as requests pass their first token and finish (each admitted request's RequestLife calls it).
 
-The live scheduler config has `remote_fetch` off: the cluster cannot move blocks between
-instances until the KVCache pool lands (store/), so a decision never carries `fetch_from` and
+With `remote_fetch` on (--remote-fetch) a decision may carry Algorithm 1's `fetch_from`: the
+route then carries a FetchParams for the prefill worker, naming the holder's KVCache pool (its
+/health pool_peer), and the prefill worker's pool connector pulls those blocks before computing
+the rest. A holder whose pool does not serve other nodes cannot be fetched from: the route goes
+without the fetch (the prefill computes what the fetch would have brought). Off (the default),
 each instance is priced by the prefix it holds itself.
 
 Each instance is priced with its own calibrated estimators: the router feeds the prefill and
@@ -34,6 +37,7 @@ from conductor.slo import RequestSLO, default_class
 from conductor.workers import WorkerHandle, WorkerPool
 from mooncake.defaults import WorkerRole
 from mooncake.hashing import hash_prompt_blocks
+from mooncake.protocol import FetchParams
 
 log = logging.getLogger(__name__)
 DEFAULT_BANDWIDTH_BPS = 2e9  # until a worker's pushes are measured (WorkerHandle.push_bandwidth)
@@ -49,6 +53,7 @@ class Route:
     blocks: tuple = ()  # the prompt's block hashes, pending on `prefill` until its prefill ends
     decode_held_blocks: int = 0  # leading prompt blocks `decode` holds (prefix index): P skips them
     released: bool = field(default=False)
+    fetch: FetchParams | None = None  # Algorithm 1's fetch_from, for the prefill worker
 
     @property
     def colocated(self) -> bool:
@@ -116,7 +121,8 @@ class Router:
             raise APIError(429, _rejection_message(result, limits, slo), code=str(result.reason),
                            headers={"Retry-After": str(max(1, math.ceil(result.retry_after_s)))})
         route = Route(handles[result.prefill_instance], handles[result.decode_instance], request_id, result,
-                      blocks=hashes, decode_held_blocks=self.index.match(hashes).get(result.decode_instance, 0))
+                      blocks=hashes, decode_held_blocks=self.index.match(hashes).get(result.decode_instance, 0),
+                      fetch=fetch_params(result, handles))
         return self._commit(route, prompt, max_tokens, now, result.cached_prefix_tokens, slo.tbt_s)
 
     def _commit(self, route: Route, prompt: list[int], max_tokens: int, now: float, cached: int,
@@ -171,6 +177,15 @@ class Router:
         return h.ledger.state(h.name, role, h.kv_capacity_tokens,
                               h.push_bandwidth.estimate_Bps or DEFAULT_BANDWIDTH_BPS, self.calibration.scales(h.name),
                               now)
+
+
+def fetch_params(decision: Decision, handles: dict[str, WorkerHandle]) -> FetchParams | None:
+    """The prefill worker's fetch instruction for a decision with fetch_from, if the holder's
+    pool can be reached (else None: the prompt's prefix is computed instead)."""
+    holder = handles.get(decision.fetch_from or "")
+    if holder is None or not holder.pool_peer or decision.fetched_blocks <= 0:
+        return None
+    return FetchParams(peer=holder.pool_peer, num_tokens=decision.cached_prefix_tokens)
 
 
 def _route_kind(route: Route) -> str:

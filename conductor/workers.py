@@ -57,6 +57,7 @@ class WorkerHandle:
     events_seq: int = -1  # last KV event applied to the prefix index (-1: need a snapshot)
     static: bool = False  # given by --prefill-url/--decode-url: kept even when not registered
     push_bandwidth: PushBandwidthMeter = field(default_factory=PushBandwidthMeter)
+    pool_peer: str | None = None  # where other workers fetch from its KVCache pool (None: they cannot)
 
     @property
     def name(self) -> str:
@@ -105,6 +106,7 @@ class WorkerClient:
             handle.role = health.role or handle.role
             handle.instance_id = health.instance_id or handle.instance_id
             handle.kv_address = health.kv_address or handle.kv_address
+            handle.pool_peer = health.pool_peer
             handle.status = health.status
             handle.ready = resp.status_code == 200
             handle.last_error = health.error

@@ -32,6 +32,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from conductor.auth import load_api_keys
     from conductor.cli_args import scheduler_config, slo_bounds
     from mooncake.auth import token_from_args
+    from mooncake.engine.cli import pool_arguments
     from mooncake.launcher import ClusterConfig, serve
 
     model = _resolve_model(args.model)
@@ -41,7 +42,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         dtype=args.dtype, max_model_len=args.max_model_len, kv_cache_gib=int(args.kv_cache_gib),
         chunk_size=args.chunk_size, api_keys=load_api_keys(args.api_keys_file, args.api_key),
         cluster_token=token_from_args(args), scheduler=scheduler_config(args), profile=args.profile,
-        slo_bounds=slo_bounds(args),
+        slo_bounds=slo_bounds(args), pool_args=pool_arguments(args),
     ))
 
 
@@ -54,7 +55,9 @@ def _check_serve(args: argparse.Namespace) -> list[str]:
         errors.append(f"--max-model-len must be >= 16, got {args.max_model_len}")
     if args.prefill < 0 or args.decode < 1:
         errors.append("a cluster needs --decode >= 1 and --prefill >= 0")
-    return errors + _auth_errors(args)
+    from mooncake.engine.cli import pool_errors
+
+    return errors + pool_errors(args) + _auth_errors(args)
 
 
 def _check_conductor(args: argparse.Namespace) -> list[str]:
@@ -110,8 +113,27 @@ def _cmd_conductor(args: argparse.Namespace) -> int:
 
 def _cmd_worker(module):
     def run(args: argparse.Namespace) -> int:
-        return module.run(args, _resolve_model(args.model))
+        return module.run(args, _resolve_model(args.model), _start_pool)
     return run
+
+
+def _start_pool(config):
+    """The worker's KVCache pool service (store/), started in its shell before the engine."""
+    from dataclasses import replace
+
+    from messenger.engine import EngineConfig
+    from mooncake.auth import kv_key
+    from store.config import PoolConfig
+    from store.service import PoolService
+
+    pool = PoolConfig(dram_bytes=config.pool_dram_bytes, ssd_dir=config.pool_ssd_dir,
+                      ssd_bytes=config.pool_ssd_bytes, policy=config.pool_policy)
+    # Other nodes fetch blocks from this pool through the messenger (Algorithm 1's fetch_from),
+    # proving the key derived from the cluster token, like the KV socket; each block carries its
+    # own checksum, so the messenger's per-slice one is off.
+    messenger = replace(EngineConfig(), host=config.kv_host, checksums=False,
+                        auth_key=kv_key(config.cluster_token) if config.cluster_token else None)
+    return PoolService(pool, remote=True, engine_config=messenger).start()
 
 
 def _cmd_prepare(args: argparse.Namespace) -> int:
@@ -134,6 +156,7 @@ def _add_auth_arguments(parser: argparse.ArgumentParser, generated_token: bool) 
 def build_parser() -> argparse.ArgumentParser:
     from conductor.cli_args import add_scheduler_arguments
     from decode import main as decode_main
+    from mooncake.engine.cli import add_pool_arguments
     from prefill import main as prefill_main
 
     parser = argparse.ArgumentParser(prog="mooncake", description=__doc__,
@@ -161,6 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="KV cache per worker (whole GiB)")
     serve.add_argument("--chunk-size", type=int, default=defaults.CHUNK_SIZE, help="prefill chunk (tokens per step)")
     _add_auth_arguments(serve, generated_token=True)
+    add_pool_arguments(serve)
     add_scheduler_arguments(serve)
     serve.set_defaults(func=_cmd_serve, check=_check_serve, subparser=serve)
 

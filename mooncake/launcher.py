@@ -53,6 +53,9 @@ class ClusterConfig:
     """None: the bundled table measured in `dtype` (conductor.config.resolve_profile)."""
     slo_bounds: SLOBounds = field(default_factory=SLOBounds)
     """What a request may set itself (priority, own SLOs): the conductor's (conductor/slo.py)."""
+    pool_args: tuple[str, ...] = ()
+    """Each worker's KVCache pool options (mooncake.engine.cli.pool_arguments; none: the defaults,
+    a pool on). A --pool-ssd-dir becomes one subdirectory per worker."""
 
     def __post_init__(self) -> None:
         if self.num_prefill < 0 or self.num_decode < 1:
@@ -151,7 +154,7 @@ class Cluster:
                    "--cpu-bind", cores, "--instance-id", f"{role}-{i}",
                    "--block-size", str(c.scheduler.block_size),
                    # The conductor in this process hosts the embedded registry.
-                   "--registry", f"embedded+http://127.0.0.1:{c.port}"]
+                   "--registry", f"embedded+http://127.0.0.1:{c.port}", *worker_pool_args(c.pool_args, f"{role}-{i}")]
             # The token goes by the environment, never the command line (which `ps` shows).
             proc = subprocess.Popen(cmd, start_new_session=True, preexec_fn=_die_with_parent,
                                     env={**os.environ, TOKEN_ENV: self.cluster_token})
@@ -173,6 +176,16 @@ class Cluster:
             # vLLM's engine processes live in the same group; make sure none outlives us.
             _signal_group(w.process, signal.SIGKILL)
         self.workers.clear()
+
+
+def worker_pool_args(pool_args: tuple[str, ...], instance: str) -> list[str]:
+    """The pool options of one worker: each keeps its SSD tier in its own subdirectory (two pools
+    must never share block files)."""
+    args = list(pool_args)
+    if "--pool-ssd-dir" in args:
+        i = args.index("--pool-ssd-dir") + 1
+        args[i] = os.path.join(args[i], instance)
+    return args
 
 
 def _die_with_parent() -> None:

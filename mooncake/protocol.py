@@ -102,6 +102,9 @@ class WorkerHealth(msgspec.Struct, frozen=True):
     cluster_token_accepted: bool | None = None
     """Whether the caller's X-Mooncake-Cluster-Token would open the internal API (None: the
     worker runs without a token). /health itself is open, for probes."""
+    pool_peer: str | None = None
+    """Where other nodes reach this worker's KVCache pool: its messenger PeerInfo as JSON, passed
+    on opaque in a FetchParams (None: no pool, or one that does not serve other nodes)."""
 
 
 # One encoder and one decoder per message: built once, reused for every request and line.
@@ -126,6 +129,7 @@ def encode_chunk_line(chunk: GenerateChunk) -> bytes:
 
 PRODUCER_KEY = "mooncake_push"
 CONSUMER_KEY = "mooncake_pull"
+FETCH_KEY = "mooncake_fetch"
 
 
 class BadTransferParams(ValueError):
@@ -155,6 +159,23 @@ class PullParams(msgspec.Struct, frozen=True):
 
     def to_params(self) -> dict[str, Any]:
         return {CONSUMER_KEY: msgspec.to_builtins(self)}
+
+
+class FetchParams(msgspec.Struct, frozen=True):
+    """Prefill side, before computing (Algorithm 1's fetch_from): bring the prompt's first
+    `num_tokens` tokens' blocks from the pool at `peer` (its WorkerHealth.pool_peer) into this
+    node's pool, then load them instead of computing them."""
+
+    peer: str
+    num_tokens: int
+
+    def to_params(self) -> dict[str, Any]:
+        return {FETCH_KEY: msgspec.to_builtins(self)}
+
+
+def parse_fetch(params: dict[str, Any] | None) -> FetchParams | None:
+    """The fetch instruction in `params`, or None if there is none."""
+    return _parse(params, FETCH_KEY, FetchParams)
 
 
 def parse_push(params: dict[str, Any] | None) -> PushParams | None:

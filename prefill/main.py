@@ -21,8 +21,8 @@ def check(args: argparse.Namespace) -> list[str]:
     return check_worker_args(args)
 
 
-def run(args: argparse.Namespace, model_path: str) -> int:
+def run(args: argparse.Namespace, model_path: str, pool_factory=None) -> int:
     from mooncake.engine.runner import run_worker
 
-    run_worker(worker_config(args, WorkerRole.PREFILL, model_path))
+    run_worker(worker_config(args, WorkerRole.PREFILL, model_path), pool_factory)
     return 0

@@ -3,6 +3,7 @@
   POST /internal/generate   GenerateRequest JSON -> NDJSON stream of GenerateChunk
   POST /internal/abort      {"request_id": ...}
   POST /internal/kv_drop    {"transfer_id": ...}: free KV pushed here for a request that will not decode here
+  POST /internal/reset_prefix_cache  drop the engine's own prefix cache (the KVCache pool keeps its blocks)
   GET  /health              200 when the engine is ready, 503 while it starts, after it died, or draining
   GET  /internal/load       what is queued and running here (for routing)
   GET  /internal/kv_stats   the KV connector's counters
@@ -43,6 +44,8 @@ from mooncake.protocol import (ABORT_DECODER, DROP_DECODER, REQUEST_DECODER, Bad
 from mooncake.engine.config import WorkerConfig
 from mooncake.engine.engine import build_engine, kv_capacity_tokens, refusal, run_request
 from mooncake.engine.kv_events import BlockEventLog, BlockHashTranslator, KVEventSubscriber
+
+POOL_TIERS = ("dram", "ssd")  # the pool's tiers, as its events name them (store/events.py)
 from mooncake.engine.metrics import WorkerMetrics
 from mooncake.engine.stat_logger import engine_stat_logger
 
@@ -73,6 +76,22 @@ class WorkerState:
     in_flight: dict[str, InFlight] = field(default_factory=dict)
     metrics: WorkerMetrics = field(default_factory=WorkerMetrics)
     drain: Drain = field(default_factory=Drain)
+    pool: object | None = None  # this node's KVCache pool service (store/service.py), if any
+    pool_seq: int = -1  # the last pool event merged into event_log
+
+    def pool_stats(self) -> dict:
+        """The pool's usage per tier and its counters (empty without a pool); merges its events
+        into event_log first, so a conductor's index sees what the pool holds."""
+        if self.pool is None:
+            return {}
+        page = self.pool.events_since(self.pool_seq)
+        if page.reset:
+            for tier in POOL_TIERS:
+                self.event_log.cleared(tier)
+        for kind, key, tier in page.events:
+            (self.event_log.stored if kind == "stored" else self.event_log.removed)([key], tier)
+        self.pool_seq = page.seq
+        return self.pool.stats()
 
     def load(self) -> dict:
         queued = sum(r.prompt_tokens for r in self.in_flight.values() if r.first_token_at is None)
@@ -82,13 +101,20 @@ class WorkerState:
             "running_requests": len(self.in_flight),
             "queued_prefill_tokens": queued,
             "kv_tokens_used": sum(r.prompt_tokens for r in self.in_flight.values()),
+            "pool": self.pool.stats()["usage"] if self.pool is not None else {},
         }
 
 
-def create_app(config: WorkerConfig, kv_port: int, events_port: int, control: ControlEndpoint) -> FastAPI:
+def create_app(config: WorkerConfig, kv_port: int, events_port: int, control: ControlEndpoint,
+               pool_factory=None) -> FastAPI:
+    """`pool_factory(config)`: starts this node's KVCache pool service (the composition root
+    passes store's; None or config.pool_dram_bytes == 0: no pool)."""
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         state: WorkerState = app.state.worker
+        if pool_factory is not None and config.pool_dram_bytes > 0:
+            # Before the engine: its connector attaches to the pool while vLLM starts.
+            state.pool = pool_factory(config)
         # Listen for the engine's KV events before it is built and told the port, so nothing can
         # take the port in between; a bind that fails raises here and uvicorn stops the start-up.
         # (Its reading thread starts once the engine is up, since it imports vLLM; ZMQ queues what
@@ -107,6 +133,8 @@ def create_app(config: WorkerConfig, kv_port: int, events_port: int, control: Co
         engine = state.engine
         if engine is not None:
             engine.shutdown()
+        if state.pool is not None:
+            state.pool.close()
         shutil.rmtree(os.path.dirname(state.control.path), ignore_errors=True)
 
     app = FastAPI(title=f"mooncake {config.role} worker", lifespan=lifespan)
@@ -121,6 +149,9 @@ def create_app(config: WorkerConfig, kv_port: int, events_port: int, control: Co
         state: WorkerState = request.app.state.worker
         body = {"instance_id": config.instance_id, "role": config.role, "model": config.served_model_name,
                 "kv_address": f"{config.public_host}:{state.kv_port}"}
+        peer = state.pool.peer_info() if state.pool is not None else None
+        if peer is not None:  # other nodes fetch from this pool with it (Algorithm 1's fetch_from)
+            body["pool_peer"] = msgspec.json.encode(peer).decode()
         if config.cluster_token is not None:  # so a conductor with another token knows why it is refused
             body["cluster_token_accepted"] = token_matches(request.headers.get(TOKEN_HEADER), config.cluster_token)
         if state.drain.active:  # leaving: the conductors stop routing here
@@ -139,7 +170,9 @@ def create_app(config: WorkerConfig, kv_port: int, events_port: int, control: Co
 
     @app.get("/internal/kv_events")
     async def kv_events(request: Request, since: int = -1):
-        page = request.app.state.worker.event_log.since(since)
+        state: WorkerState = request.app.state.worker
+        await asyncio.to_thread(state.pool_stats)  # the pool's events join the log first
+        page = state.event_log.since(since)
         # Hashes travel as hex: they are 128-bit, beyond what JSON numbers carry safely.
         return {"seq": page.seq, "reset": page.reset, "block_size": request.app.state.worker.block_size,
                 "stored": [format(h, "x") for h in page.stored], "removed": [format(h, "x") for h in page.removed]}
@@ -155,7 +188,8 @@ def create_app(config: WorkerConfig, kv_port: int, events_port: int, control: Co
         # state.load() reads in_flight without racing _stream's changes to it (and takes microseconds).
         # A connector that does not answer gives empty stats: its counters are left out of this scrape.
         stats = await asyncio.to_thread(_connector_stats, state.control)
-        body = state.metrics.render(state.load(), stats.get("stats", {}), stats.get("messenger", {}))
+        pool = await asyncio.to_thread(state.pool_stats)
+        body = state.metrics.render(state.load(), stats.get("stats", {}), stats.get("messenger", {}), pool)
         return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     @app.post("/internal/abort")
@@ -178,6 +212,14 @@ def create_app(config: WorkerConfig, kv_port: int, events_port: int, control: Co
         state: WorkerState = request.app.state.worker
         await asyncio.to_thread(_connector_call, state.control, {"op": "drop", "transfer_id": body.transfer_id})
         return {"ok": True}
+
+    @app.post("/internal/reset_prefix_cache")
+    async def reset_prefix_cache(request: Request):
+        state: WorkerState = request.app.state.worker
+        if state.engine is None:
+            return error_response(503, "engine is not ready", "not_ready")
+        # vLLM refuses (False) while requests hold blocks; the pool is never reset here.
+        return {"ok": bool(await state.engine.reset_prefix_cache())}
 
     @app.post("/internal/generate")
     async def generate(request: Request):
@@ -233,8 +275,9 @@ async def _stream(state: WorkerState, gen: GenerateRequest):
 async def _start_engine(state: WorkerState) -> None:
     try:
         # Building the engine blocks for tens of seconds; keep the event loop (and /health) free.
+        pool = {"pool": state.pool.endpoint} if state.pool is not None else {}
         engine = await asyncio.to_thread(build_engine, state.config, state.kv_port, state.events_port, state.control,
-                                         [engine_stat_logger(state.metrics)])
+                                         [engine_stat_logger(state.metrics)], **pool)
         state.block_size, state.kv_capacity_tokens = kv_capacity_tokens(engine)
         state.subscriber.start()
         state.engine = engine

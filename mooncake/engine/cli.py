@@ -46,6 +46,28 @@ def add_worker_arguments(parser: argparse.ArgumentParser, default_port: int) -> 
     add_token_arguments(parser)
     parser.add_argument("--drain-timeout", type=float, default=defaults.DRAIN_TIMEOUT_S,
                         help="on SIGTERM, leave routing and wait this long at most for requests in flight")
+    add_pool_arguments(parser)
+
+
+def add_pool_arguments(parser: argparse.ArgumentParser) -> None:
+    """The node's KVCache pool (on by default); `mooncake serve` passes them to every worker."""
+    parser.add_argument("--pool-dram-gib", type=float, default=defaults.POOL_DRAM_BYTES / 2**30,
+                        help="DRAM tier of the KVCache pool (GiB of shared memory, taken as blocks fill it)")
+    parser.add_argument("--pool-ssd-dir", default=defaults.POOL_SSD_DIR,
+                        help="directory of the pool's SSD tier (kept across restarts; default: DRAM only)")
+    parser.add_argument("--pool-ssd-gib", type=float, default=defaults.POOL_SSD_BYTES / 2**30,
+                        help="most GiB of blocks the SSD tier keeps")
+    parser.add_argument("--pool-policy", default=defaults.POOL_POLICY,
+                        help="eviction policy of both tiers (lru, fifo)")
+    parser.add_argument("--no-pool", action="store_true", help="run without the KVCache pool")
+
+
+def pool_errors(args: argparse.Namespace) -> list[str]:
+    errors = []
+    if args.pool_dram_gib < 0 or args.pool_ssd_gib < 0:
+        errors.append(f"--pool-dram-gib and --pool-ssd-gib must be >= 0, got {args.pool_dram_gib:g} "
+                      f"and {args.pool_ssd_gib:g}")
+    return errors
 
 
 def check_worker_args(args: argparse.Namespace) -> list[str]:
@@ -55,7 +77,7 @@ def check_worker_args(args: argparse.Namespace) -> list[str]:
         errors.append(f"--max-model-len must be >= 16, got {args.max_model_len}")
     if args.drain_timeout < 0:
         errors.append(f"--drain-timeout must be >= 0 seconds, got {args.drain_timeout:g}")
-    return errors + token_errors(args)
+    return errors + pool_errors(args) + token_errors(args)
 
 
 def worker_config(args: argparse.Namespace, role: WorkerRole, model_path: str) -> WorkerConfig:
@@ -70,8 +92,25 @@ def worker_config(args: argparse.Namespace, role: WorkerRole, model_path: str) -
         max_num_batched_tokens=args.chunk_size, enable_prefix_caching=not args.no_prefix_caching,
         block_size=args.block_size, registry_url=registry_url(args), registry_ttl_s=args.registry_ttl,
         cluster_token=token_from_args(args), etcd_credentials=EtcdCredentials.from_env(),
-        drain_timeout_s=args.drain_timeout, **extra,
+        drain_timeout_s=args.drain_timeout, **pool_settings(args), **extra,
     )
+
+
+def pool_settings(args: argparse.Namespace) -> dict:
+    """WorkerConfig's pool fields from the options (--no-pool: a DRAM tier of 0, no pool)."""
+    return dict(pool_dram_bytes=0 if args.no_pool else int(args.pool_dram_gib * 2**30),
+                pool_ssd_dir=args.pool_ssd_dir, pool_ssd_bytes=int(args.pool_ssd_gib * 2**30),
+                pool_policy=args.pool_policy)
+
+
+def pool_arguments(args: argparse.Namespace) -> tuple[str, ...]:
+    """The pool options as a worker's command line (`mooncake serve` hands them to each worker;
+    the launcher gives each its own SSD subdirectory)."""
+    if args.no_pool:
+        return ("--no-pool",)
+    out = ("--pool-dram-gib", repr(float(args.pool_dram_gib)), "--pool-ssd-gib", repr(float(args.pool_ssd_gib)),
+           "--pool-policy", args.pool_policy)
+    return out + (("--pool-ssd-dir", args.pool_ssd_dir) if args.pool_ssd_dir else ())
 
 
 def registry_url(args: argparse.Namespace) -> str | None:

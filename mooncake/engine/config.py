@@ -52,6 +52,13 @@ class WorkerConfig:
     """The etcd user to log in as when etcd's authentication is on (MOONCAKE_ETCD_USER/PASSWORD)."""
     drain_timeout_s: float = defaults.DRAIN_TIMEOUT_S
     """On SIGTERM: how long to wait for the requests in flight after leaving routing."""
+    pool_dram_bytes: int = defaults.POOL_DRAM_BYTES
+    """DRAM tier of this node's KVCache pool (store/); 0: no pool at all (--no-pool)."""
+    pool_ssd_dir: str | None = defaults.POOL_SSD_DIR
+    """SSD tier's directory; None: DRAM only."""
+    pool_ssd_bytes: int = defaults.POOL_SSD_BYTES
+    pool_policy: str = defaults.POOL_POLICY
+    """Eviction policy of both tiers."""
 
     def __post_init__(self) -> None:
         if self.role not in tuple(WorkerRole):
@@ -62,6 +69,8 @@ class WorkerConfig:
         object.__setattr__(self, "dtype", Dtype(self.dtype))
         if not 0 <= self.port < 65536 or not 0 <= self.kv_port < 65536:
             raise ValueError("ports must be in 0..65535")
+        if self.pool_dram_bytes < 0 or self.pool_ssd_bytes < 0:
+            raise ValueError("pool sizes must be >= 0")
         if self.drain_timeout_s < 0:
             raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
         if self.max_model_len < 16:

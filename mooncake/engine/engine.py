@@ -19,6 +19,10 @@ if TYPE_CHECKING:
 # here and never imports it (the connector composes the prefill and decode halves: kv_connector/).
 CONNECTOR_CLASS = "MooncakeServeConnector"
 CONNECTOR_MODULE = "kv_connector.connector"
+# The node's KVCache pool (store/) reaches the engine through a second connector, composed with
+# ours by vLLM's MultiConnector (ours first: a pulled prompt is its to load).
+POOL_CONNECTOR_CLASS = "MooncakePoolConnector"
+POOL_CONNECTOR_MODULE = "kv_connector.pool_connector"
 
 
 def set_engine_environment(config: WorkerConfig) -> None:
@@ -31,9 +35,10 @@ def set_engine_environment(config: WorkerConfig) -> None:
 
 
 def build_engine(config: WorkerConfig, kv_port: int, events_port: int, control: ControlEndpoint,
-                 stat_loggers: list | None = None) -> "AsyncLLM":
+                 stat_loggers: list | None = None, pool: ControlEndpoint | None = None) -> "AsyncLLM":
     """`stat_loggers`: vLLM stat logger factories, called with the engine's figures after each
-    step (mooncake/engine/stat_logger.py)."""
+    step (mooncake/engine/stat_logger.py). `pool`: the local channel of this node's KVCache pool
+    service (None: no pool)."""
     set_engine_environment(config)
     # Imported here: importing vLLM takes seconds and must follow the environment above.
     from vllm.config import KVEventsConfig, KVTransferConfig
@@ -53,23 +58,34 @@ def build_engine(config: WorkerConfig, kv_port: int, events_port: int, control: 
         # Per-request timestamps (RequestOutput.metrics) exist only with stats on; run_request
         # reports the measured prefill and decode-step times from them.
         disable_log_stats=False,
-        kv_transfer_config=KVTransferConfig(
-            kv_connector=CONNECTOR_CLASS,
-            kv_connector_module_path=CONNECTOR_MODULE,
-            kv_role="kv_both",
-            # A lost or corrupt transfer is recomputed locally: slower, never wrong text.
-            kv_load_failure_policy="recompute",
-            kv_connector_extra_config={"kv_host": config.kv_host, "kv_port": kv_port,
-                                       "control_path": control.path, "control_key": control.authkey_hex,
-                                       # A key derived from the cluster token, not the token itself.
-                                       **({"kv_auth_key": kv_key(config.cluster_token).hex()}
-                                          if config.cluster_token else {})},
-        ),
+        kv_transfer_config=KVTransferConfig(**kv_transfer_settings(config, kv_port, control, pool)),
         # vLLM's own block stored/removed events feed the conductor's global prefix index.
         kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",
                                         endpoint=publisher_endpoint(events_port), topic="kv"),
     )
     return AsyncLLM.from_engine_args(args, stat_loggers=stat_loggers)
+
+
+def kv_transfer_settings(config: WorkerConfig, kv_port: int, control: ControlEndpoint,
+                         pool: ControlEndpoint | None) -> dict:
+    """vLLM's KVTransferConfig fields: our connector alone, or with the pool's beside it."""
+    serve = dict(
+        kv_connector=CONNECTOR_CLASS,
+        kv_connector_module_path=CONNECTOR_MODULE,
+        kv_role="kv_both",
+        kv_connector_extra_config={"kv_host": config.kv_host, "kv_port": kv_port,
+                                   "control_path": control.path, "control_key": control.authkey_hex,
+                                   # A key derived from the cluster token, not the token itself.
+                                   **({"kv_auth_key": kv_key(config.cluster_token).hex()}
+                                      if config.cluster_token else {})},
+    )
+    # A lost or corrupt transfer (or pool block) is recomputed locally: slower, never wrong text.
+    if pool is None:
+        return {**serve, "kv_load_failure_policy": "recompute"}
+    pooled = dict(kv_connector=POOL_CONNECTOR_CLASS, kv_connector_module_path=POOL_CONNECTOR_MODULE,
+                  kv_role="kv_both", kv_connector_extra_config={"pool_path": pool.path, "pool_key": pool.authkey_hex})
+    return dict(kv_connector="MultiConnector", kv_role="kv_both", kv_load_failure_policy="recompute",
+                kv_connector_extra_config={"connectors": [serve, pooled]})
 
 
 def sampling_params(request: GenerateRequest):

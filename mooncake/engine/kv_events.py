@@ -59,32 +59,54 @@ class EventsPage:
     reset: bool  # True: replace everything known about this worker with `stored`
 
 
+ENGINE_TIER = "engine"
+"""Blocks in the engine's own KV cache (vLLM's events); the node's pool adds its tiers
+("dram", "ssd": store/). A block is held while any tier holds it."""
+
+
 class BlockEventLog:
-    """Thread-safe: the subscriber thread appends, HTTP handlers read."""
+    """Thread-safe: the subscriber thread appends, HTTP handlers read. The log is of the node as
+    a whole: a block is stored when its first tier gets it and removed when its last one drops it,
+    so a conductor's index sees a prefix the pool holds after the engine evicted it."""
 
     def __init__(self, max_events: int = 100_000):
         self._lock = threading.Lock()
-        self._held: set[BlockHash] = set()
+        self._held: dict[BlockHash, set[str]] = {}
         self._events: deque[tuple[int, str, BlockHash]] = deque(maxlen=max_events)
         self._seq = 0
 
-    def stored(self, hashes: list[BlockHash]) -> None:
+    def stored(self, hashes: list[BlockHash], tier: str = ENGINE_TIER) -> None:
         with self._lock:
             for h in hashes:
-                self._held.add(h)
-                self._seq += 1
-                self._events.append((self._seq, "stored", h))
+                tiers = self._held.setdefault(h, set())
+                if not tiers:
+                    self._seq += 1
+                    self._events.append((self._seq, "stored", h))
+                tiers.add(tier)
 
-    def removed(self, hashes: list[BlockHash]) -> None:
+    def removed(self, hashes: list[BlockHash], tier: str = ENGINE_TIER) -> None:
         with self._lock:
             for h in hashes:
-                self._held.discard(h)
+                tiers = self._held.get(h)
+                if tiers is not None:
+                    tiers.discard(tier)
+                    if tiers:
+                        continue  # another tier still holds it
+                    del self._held[h]
                 self._seq += 1
                 self._events.append((self._seq, "removed", h))
 
-    def cleared(self) -> None:
+    def cleared(self, tier: str | None = None) -> None:
+        """Forget what `tier` holds (every tier: None); readers take a snapshot next time."""
         with self._lock:
-            self._held.clear()
+            for h in list(self._held):
+                tiers = self._held[h]
+                if tier is None:
+                    tiers.clear()
+                else:
+                    tiers.discard(tier)
+                if not tiers:
+                    del self._held[h]
             self._events.clear()
             self._seq += 1  # anyone behind this point must take a snapshot
 
@@ -96,6 +118,15 @@ class BlockEventLog:
             stored = [h for s, kind, h in self._events if s > seq and kind == "stored"]
             removed = [h for s, kind, h in self._events if s > seq and kind == "removed"]
             return EventsPage(self._seq, stored, removed, reset=False)
+
+    def tier_blocks(self) -> dict[str, int]:
+        """Blocks per tier (a block held by two tiers counts in both)."""
+        with self._lock:
+            counts: dict[str, int] = {}
+            for tiers in self._held.values():
+                for tier in tiers:
+                    counts[tier] = counts.get(tier, 0) + 1
+            return counts
 
     def __len__(self) -> int:
         return len(self._held)
@@ -192,13 +223,13 @@ class KVEventSubscriber:
                 # ready while its cache vanished from every conductor's index.
                 log.warning("unreadable KV event message (%s); the conductor will resync", exc)
                 self._translator.cleared()
-                self._log.cleared()
+                self._log.cleared(ENGINE_TIER)
                 continue
             seq = int.from_bytes(seq_bytes, "big")
             if last_seq >= 0 and seq != last_seq + 1:
                 log.warning("missed KV events %d..%d; the conductor will resync", last_seq + 1, seq - 1)
                 self._translator.cleared()
-                self._log.cleared()
+                self._log.cleared(ENGINE_TIER)
             last_seq = seq
             for event in events:
                 if isinstance(event, BlockStored):
@@ -208,4 +239,4 @@ class KVEventSubscriber:
                     self._log.removed(self._translator.removed(list(event.block_hashes)))
                 elif isinstance(event, AllBlocksCleared):
                     self._translator.cleared()
-                    self._log.cleared()
+                    self._log.cleared(ENGINE_TIER)

@@ -92,6 +92,38 @@ class MessengerMetrics:
         yield latency
 
 
+class PoolMetrics:
+    """The node's KVCache pool (store/service.py stats(), read at scrape time): capacity, use and
+    blocks per tier as gauges, its counters (evictions, spills, promotions, corrupt blocks, SSD
+    errors) as counters. Nothing when the worker runs without a pool."""
+
+    _COUNTER_HELP = "Events of the KVCache pool, by kind (evictions, spills, promotions, corrupt blocks, SSD errors)."
+
+    def __init__(self, stats: dict):
+        self._stats = stats
+
+    def collect(self):
+        usage = self._stats.get("usage") or {}
+        if not usage:
+            return
+        gauges = {
+            "capacity_bytes": GaugeMetricFamily("mooncake_store_capacity_bytes", "Capacity of each tier of the "
+                                                "KVCache pool (bytes).", labels=["tier"]),
+            "used_bytes": GaugeMetricFamily("mooncake_store_used_bytes", "Bytes of each tier of the KVCache pool "
+                                            "in use, blocks being written included (bytes).", labels=["tier"]),
+            "blocks": GaugeMetricFamily("mooncake_store_blocks", "Blocks each tier of the KVCache pool can serve "
+                                        "(blocks).", labels=["tier"]),
+        }
+        for tier, figures in sorted(usage.items()):
+            for key, family in gauges.items():
+                family.add_metric([tier], figures.get(key, 0))
+        yield from gauges.values()
+        events = CounterMetricFamily("mooncake_store_events", self._COUNTER_HELP, labels=["kind"])
+        for kind, value in sorted((self._stats.get("counters") or {}).items()):
+            events.add_metric([kind], value)
+        yield events
+
+
 def _le(bound: float) -> str:
     return repr(float(bound))  # prometheus_client's own spelling of a bucket bound: 0.001, 1.0
 
@@ -130,7 +162,7 @@ class WorkerMetrics:
         for source in CACHE_SOURCES:
             self.cached_prompt_tokens.labels(source=source)
 
-    def render(self, load: dict, kv: dict, messenger: dict | None = None) -> bytes:
+    def render(self, load: dict, kv: dict, messenger: dict | None = None, pool: dict | None = None) -> bytes:
         """The Prometheus text for one scrape: the instruments plus `load`, `kv` and `messenger`
         (transport -> snapshot), read by the caller just now. The scrape's registry is thrown away
         after; only self.registry persists."""
@@ -139,4 +171,5 @@ class WorkerMetrics:
         scrape.register(LoadGauges(load))
         scrape.register(ConnectorCounters(kv))
         scrape.register(MessengerMetrics(messenger or {}))
+        scrape.register(PoolMetrics(pool or {}))
         return generate_latest(scrape)

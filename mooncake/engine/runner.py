@@ -14,7 +14,8 @@ from mooncake.engine.app import create_app, drain_worker
 from mooncake.engine.config import WorkerConfig
 
 
-def run_worker(config: WorkerConfig) -> None:
+def run_worker(config: WorkerConfig, pool_factory=None) -> None:
+    """`pool_factory`: starts the node's KVCache pool service (see create_app)."""
     configure_logging()
     # The conductor must know where to push KV before the engine (which binds it) is up, so
     # the port is chosen here rather than by the engine.
@@ -24,7 +25,7 @@ def run_worker(config: WorkerConfig) -> None:
         config.http_url, config.public_host, kv_port, config.model)
     # Events port 0: the worker binds a free one for vLLM's KV events itself, before it builds the
     # engine (mooncake/engine/kv_events.py), so no other process can take it in between.
-    app = create_app(config, kv_port, 0, ControlEndpoint.new())
+    app = create_app(config, kv_port, 0, ControlEndpoint.new(), pool_factory)
     server = DrainingServer(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
                                            timeout_graceful_shutdown=5),
                             drain=lambda: drain_worker(app.state.worker))

@@ -1,0 +1,339 @@
+"""The pool connector's worker half, in vLLM's worker: copies between the paged KV cache and the
+pool's shared-memory arena.
+
+The arena is the pool's DRAM tier, a shared-memory segment of `slots` blocks, each block all
+layers of one KV block laid end to end in the engine's layer order (`ArenaLayout`); the worker
+maps it once, so a copy is one index_select/index_copy_ per layer, never a socket.
+
+- Synchronous loads (a DRAM hit): start_load_kv hands the step's loads to a copy thread that
+  copies layer 0, then 1, ...; wait_for_layer_load(layer) waits for that layer only, so the copy
+  of layer i+1 runs while layer i computes. The blocks are unpinned once copied.
+- Asynchronous loads (a hit with SSD blocks): a thread asks the pool to bring the blocks to DRAM
+  (it reads the files and checks each block's checksum), copies them in, unpins them, and the
+  request is reported finished receiving; a block the pool cannot read (corrupt, gone) fails the
+  load and vLLM recomputes the prompt (kv_load_failure_policy="recompute").
+- Saves: save_kv_layer queues the copy of that layer's new blocks into their reserved slots on a
+  save thread and returns; after a save's last layer the thread commits its keys. A finished
+  request with saves in flight is reported finished sending only once they are copied (vLLM
+  keeps its blocks until then); a preempted one's saves are finished before the next step can
+  overwrite its freed blocks (handle_preemptions).
+"""
+
+from __future__ import annotations
+
+import logging
+import json
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from kv_connector.pool_planner import PoolLoad, PoolSave
+from store.arena import Arena
+from store.channel import PoolClient, PoolUnavailable
+
+log = logging.getLogger("vllm.mooncake." + __name__)
+
+
+@dataclass(frozen=True)
+class ArenaLayout:
+    """Where each layer of a block lives inside an arena slot."""
+
+    names: tuple[str, ...]
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]  # bytes of one block of the layer
+    block_bytes: int
+
+    @classmethod
+    def of(cls, kv_caches: dict[str, torch.Tensor]) -> "ArenaLayout":
+        names, offsets, sizes, offset = [], [], [], 0
+        for name, cache in kv_caches.items():
+            if not cache.is_contiguous():
+                raise ValueError(f"KV cache layer {name} is not contiguous; the pool copies whole blocks")
+            size = cache[0].numel() * cache.element_size()
+            names.append(name)
+            offsets.append(offset)
+            sizes.append(size)
+            offset += size
+        return cls(tuple(names), tuple(offsets), tuple(sizes), offset)
+
+    def describe(self, kv_caches: dict[str, torch.Tensor], block_size: int) -> str:
+        """What the pool records with its blocks (the SSD tier keeps it across restarts), so blocks
+        written by an engine of another model, dtype or block size are never read into this one."""
+        return json.dumps({"block_size": block_size, "layers": [
+            [n, list(kv_caches[n].shape[1:]), str(kv_caches[n].dtype).removeprefix("torch.")] for n in self.names]})
+
+
+@dataclass
+class CopierStats:
+    loaded_blocks: int = 0
+    load_seconds: float = 0.0
+    load_failures: int = 0
+    fetched_blocks: int = 0
+    saved_blocks: int = 0
+    save_seconds: float = 0.0
+    save_failures: int = 0
+
+
+@dataclass
+class _StepLoads:
+    """The synchronous loads of one step and how far the copy thread got."""
+
+    loads: list[PoolLoad]
+    layers_done: threading.Semaphore = field(default_factory=lambda: threading.Semaphore(0))
+    waited: int = 0  # layers the forward pass has already waited for
+    failed_blocks: set[int] = field(default_factory=set)
+
+
+@dataclass
+class _SaveJob:
+    layers_left: int
+    ok: bool = True
+
+
+class PoolCopier:
+    def __init__(self, connect: Callable[[float], PoolClient], block_size: int, timeout_s: float = 2.0,
+                 load_timeout_s: float = 30.0):
+        # One line to the pool per thread: pins belong to the line that read them, and a slow SSD
+        # read on one must not hold up the step's synchronous loads or the saves' commits.
+        self._client = connect(timeout_s)  # set-up and the save thread's commits
+        self._sync_client = connect(timeout_s)  # this step's DRAM reads (on the critical path)
+        self._async_client = connect(load_timeout_s)  # reads that go to SSD
+        self._block_size = block_size
+        self._load_timeout_s = load_timeout_s
+        self._caches: dict[str, torch.Tensor] = {}
+        self._layout: ArenaLayout | None = None
+        self._mapping: Arena | None = None
+        self._arena: torch.Tensor | None = None
+        self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pool-load")
+        self._async_loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pool-fetch")
+        self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pool-save")
+        self._step: _StepLoads | None = None
+        self._layer_of: dict[str, int] = {}
+        self._async: dict[str, Future] = {}  # request id -> its asynchronous load
+        self._lock = threading.Condition()
+        self._jobs: dict[PoolSave, _SaveJob] = {}
+        self._saves_left: dict[str, int] = {}  # request id -> its saves not yet committed
+        self._has_saves: set[str] = set()  # requests vLLM must hear "finished sending" about
+        self._finished: set[str] = set()  # finished by vLLM, saves maybe still in flight
+        self._invalid_blocks: set[int] = set()
+        self.stats = CopierStats()
+
+    # -- set-up ---------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._caches = dict(kv_caches)
+        self._layout = ArenaLayout.of(self._caches)
+        self._layer_of = {name: i for i, name in enumerate(self._layout.names)}
+        try:
+            info = self._client.configure(self._layout.block_bytes,
+                                          self._layout.describe(self._caches, self._block_size))
+            self._mapping = Arena.attach(info)
+        except (PoolUnavailable, OSError, ValueError) as exc:
+            # No arena (shared memory full, a pool of another layout...): the engine runs without
+            # the pool rather than not at all. The pool then holds nothing, so nothing is planned.
+            log.error("KVCache pool unavailable, running without it: %s", exc)
+            return
+        self._arena = torch.from_numpy(self._mapping.array).view(info.slots, info.block_bytes)
+        log.info("KVCache pool: %d arena slots of %d B mapped from %s", info.slots, info.block_bytes, info.path)
+
+    def shutdown(self) -> None:
+        for pool in (self._loader, self._async_loader, self._saver):
+            pool.shutdown(wait=False, cancel_futures=True)
+        for client in (self._client, self._sync_client, self._async_client):
+            client.close()
+
+    # -- loads ----------------------------------------------------------------------------
+
+    def start_loads(self, loads: list[PoolLoad]) -> None:
+        if self._arena is None and loads:  # no arena mapped: nothing can be loaded, vLLM recomputes
+            self._invalid_blocks.update(b for load in loads if load.sync for b in load.block_ids)
+            loads = [load for load in loads if not load.sync]
+        for load in loads:
+            if not load.sync:
+                self._async[load.request_id] = self._async_loader.submit(self._load_async, load)
+        sync = [load for load in loads if load.sync]
+        if sync:
+            step = _StepLoads(sync)
+            self._step = step
+            self._loader.submit(self._load_layers, step)
+
+    def wait_for_layer(self, layer_name: str) -> None:
+        step = self._step
+        if step is None:
+            return
+        index = self._layer_of[layer_name]
+        while step.waited <= index:  # the copy thread releases one per layer, in order
+            if not step.layers_done.acquire(timeout=self._load_timeout_s):
+                raise TimeoutError(f"pool load of layer {layer_name} did not finish in {self._load_timeout_s} s")
+            step.waited += 1
+        if step.waited == len(self._layer_of):
+            self._step = None
+            # Blocks that could not be read: vLLM recomputes them (reported in this same step).
+            self._invalid_blocks |= step.failed_blocks
+
+    def _load_layers(self, step: _StepLoads) -> None:
+        """The copy thread of one step's synchronous loads: pin and locate the blocks, then copy
+        layer after layer, releasing the forward pass one layer at a time."""
+        start = time.perf_counter()
+        assert self._layout is not None
+        plans: list[tuple[PoolLoad, list, list[int]]] = []  # (load, its read keys, slots)
+        try:
+            for load in step.loads:
+                got = self._sync_client.read(load.keys)  # pinned on this line; SSD blocks promoted
+                plans.append((load, [k for k, _, _ in got], [s for _, s, _ in got]))
+                step.failed_blocks.update(load.block_ids[len(got):])
+        except Exception as exc:  # noqa: BLE001 - nothing read: vLLM recomputes these blocks
+            log.warning("pool read failed (%s); recomputing %d requests' prefixes", exc, len(step.loads))
+            step.failed_blocks.update(b for load in step.loads for b in load.block_ids)
+        for index, name in enumerate(self._layout.names):
+            try:
+                for load, keys, slots in plans:
+                    if keys:
+                        self._copy_in(name, index, load.block_ids[:len(keys)], slots)
+            except Exception as exc:  # noqa: BLE001 - reported as invalid blocks: vLLM recomputes them
+                log.exception("pool load failed on layer %s: %s", name, exc)
+                step.failed_blocks.update(b for load, keys, _ in plans for b in load.block_ids[:len(keys)])
+                plans = []
+            step.layers_done.release()
+        for _, keys, _ in plans:
+            self._release(self._sync_client, keys)
+        with self._lock:
+            self.stats.loaded_blocks += sum(len(keys) for _, keys, _ in plans)
+            self.stats.load_failures += len(step.failed_blocks)
+            self.stats.load_seconds += time.perf_counter() - start
+
+    def _load_async(self, load: PoolLoad) -> None:
+        """A load with SSD blocks, or from another node's pool: the pool brings them into its DRAM
+        (from the other pool through the messenger; reading files, checking each checksum), then
+        they are copied in whole and stay in this pool. Any block missing fails the load: vLLM
+        recomputes the prompt."""
+        start = time.perf_counter()
+        assert self._layout is not None
+        if load.peer is not None:  # Algorithm 1's fetch_from: the blocks come from another node's pool
+            held = self._async_client.fetch_remote(load.peer.encode(), load.keys)
+            with self._lock:
+                self.stats.fetched_blocks += held
+        got = self._async_client.read(load.keys)
+        keys = [k for k, _, _ in got]
+        try:
+            if len(got) < len(load.keys):
+                raise LookupError(f"the pool could read {len(got)} of {len(load.keys)} blocks (evicted or corrupt)")
+            for index, name in enumerate(self._layout.names):
+                self._copy_in(name, index, load.block_ids, [s for _, s, _ in got])
+        finally:
+            self._release(self._async_client, keys)
+        with self._lock:
+            self.stats.loaded_blocks += len(keys)
+            self.stats.load_seconds += time.perf_counter() - start
+
+    def _copy_in(self, name: str, index: int, block_ids, slots) -> None:
+        assert self._layout is not None and self._arena is not None
+        cache = self._caches[name]
+        ids = torch.tensor(block_ids, dtype=torch.long)
+        rows = self._arena.narrow(1, self._layout.offsets[index], self._layout.sizes[index]).index_select(
+            0, torch.tensor(slots, dtype=torch.long))
+        cache.index_copy_(0, ids.to(cache.device), rows.view(cache.dtype).view(len(block_ids), *cache.shape[1:]).to(cache.device))
+
+    def collect_loads(self) -> tuple[set[str], set[str]]:
+        """(finished, failed) asynchronous loads; failed ones are also finished, as vLLM wants."""
+        finished, failed = set(), set()
+        for req_id, future in list(self._async.items()):
+            if not future.done():
+                continue
+            del self._async[req_id]
+            finished.add(req_id)
+            if future.exception() is not None:
+                log.warning("pool load for %s failed (%s); recomputing its prompt", req_id, future.exception())
+                failed.add(req_id)
+                with self._lock:
+                    self.stats.load_failures += 1
+        return finished, failed
+
+    def take_invalid_blocks(self) -> set[int]:
+        blocks, self._invalid_blocks = self._invalid_blocks, set()
+        return blocks
+
+    # -- saves ----------------------------------------------------------------------------
+
+    def save_layer(self, saves: list[PoolSave], layer_name: str) -> None:
+        if not saves or self._arena is None:
+            return
+        index = self._layer_of[layer_name]
+        with self._lock:
+            for save in saves:
+                if save not in self._jobs:  # its first layer
+                    self._has_saves.add(save.request_id)
+                    self._saves_left[save.request_id] = self._saves_left.get(save.request_id, 0) + 1
+                    self._jobs[save] = _SaveJob(len(self._layer_of))
+        for save in saves:
+            self._saver.submit(self._save_layer, save, layer_name, index)
+
+    def _save_layer(self, save: PoolSave, name: str, index: int) -> None:
+        start = time.perf_counter()
+        ok = True
+        try:
+            assert self._layout is not None and self._arena is not None
+            cache = self._caches[name]
+            rows = cache.index_select(0, torch.tensor(save.block_ids, dtype=torch.long, device=cache.device)).cpu()
+            self._arena.narrow(1, self._layout.offsets[index], self._layout.sizes[index]).index_copy_(
+                0, torch.tensor(save.slots, dtype=torch.long), rows.reshape(len(save.block_ids), -1).view(torch.uint8))
+        except Exception as exc:  # noqa: BLE001 - a failed save is a future cache miss, never wrong KV
+            log.exception("pool save of layer %s failed: %s", name, exc)
+            ok = False
+        with self._lock:
+            self.stats.save_seconds += time.perf_counter() - start
+            job = self._jobs[save]
+            job.layers_left -= 1
+            job.ok = job.ok and ok
+            if job.layers_left > 0:
+                return
+            del self._jobs[save]
+        # The last layer is in: the keys become readable (commit) or are given back (abort).
+        try:
+            if job.ok:
+                self._client.commit(save.keys)
+            else:
+                self._client.abort(save.keys)
+        except PoolUnavailable as exc:
+            log.warning("pool %s failed: %s", "commit" if job.ok else "abort", exc)
+        with self._lock:
+            if job.ok:
+                self.stats.saved_blocks += len(save.keys)
+            else:
+                self.stats.save_failures += 1
+            self._saves_left[save.request_id] = self._saves_left.get(save.request_id, 0) - 1
+            self._lock.notify_all()
+
+    def flush(self, request_ids) -> None:
+        """Wait until the saves of these requests are copied (their blocks are about to be reused)."""
+        with self._lock:
+            self._lock.wait_for(lambda: all(self._saves_left.get(r, 0) <= 0 for r in request_ids),
+                                timeout=self._load_timeout_s)
+
+    def finished_saving(self, finished_req_ids: set[str]) -> set[str]:
+        """Requests vLLM finished whose saves are all copied: it may free their blocks now."""
+        with self._lock:
+            self._finished |= finished_req_ids & self._has_saves
+            done = {r for r in self._finished if self._saves_left.get(r, 0) <= 0}
+            self._finished -= done
+            self._has_saves -= done
+            for r in done:
+                self._saves_left.pop(r, None)
+        return done
+
+    def stats_dict(self) -> dict:
+        with self._lock:
+            return asdict(self.stats)
+
+    @staticmethod
+    def _release(client: PoolClient, keys) -> None:
+        if not keys:
+            return
+        try:
+            client.release(list(keys))
+        except PoolUnavailable as exc:  # the pool's pin lease frees them in the end
+            log.warning("pool release failed: %s", exc)

@@ -1,0 +1,228 @@
+"""The pool connector's halves without an engine: the planner (vLLM's scheduler side) and the
+copier (its worker side) against a real pool service (store/service.py, in this process, over
+its real local channel), with small CPU tensors as the paged KV cache. vLLM's Request, block
+manager and scheduler output are stand-ins carrying only the fields the connector reads."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kv_connector.pool_copier import ArenaLayout, PoolCopier
+from kv_connector.pool_planner import PoolPlanner
+from mooncake.hashing import hash_prompt_blocks
+from mooncake.protocol import CONSUMER_KEY
+from store.channel import PoolClient
+from store.config import PoolConfig
+from store.service import PoolService
+
+BS = 4  # tokens per block
+LAYERS = 3
+BLOCK_SHAPE = (2, BS, 2, 8)  # (k/v, tokens, heads, head dim) of one block of one layer
+NUM_BLOCKS = 16
+
+
+@dataclass
+class FakeRequest:
+    request_id: str
+    all_token_ids: list[int]
+    kv_transfer_params: dict | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+
+@dataclass
+class FakeManager:
+    blocks: dict[str, list[int]] = field(default_factory=dict)
+
+    def get_block_ids(self, req_id):
+        return (self.blocks[req_id],)
+
+
+def blocks_of(ids):
+    return SimpleNamespace(get_block_ids=lambda: (list(ids),))
+
+
+def step(new: dict[str, int] = None, running: dict[str, int] = None, scheduled: dict[str, int] = None,
+         preempted=()):
+    """A SchedulerOutput with what the planner reads: computed tokens before the step, scheduled."""
+    new, running = new or {}, running or {}
+    return SimpleNamespace(
+        scheduled_new_reqs=[SimpleNamespace(req_id=r, num_computed_tokens=c) for r, c in new.items()],
+        scheduled_cached_reqs=SimpleNamespace(req_ids=list(running), num_computed_tokens=list(running.values())),
+        num_scheduled_tokens=scheduled or {}, preempted_req_ids=set(preempted))
+
+
+@pytest.fixture
+def service():
+    layout_bytes = LAYERS * int(torch.zeros(BLOCK_SHAPE).numel() * 4)
+    svc = PoolService(PoolConfig(dram_bytes=8 * layout_bytes, ssd_dir=None), remote=False).start()
+    yield svc
+    svc.close()
+
+
+def caches(fill: float | None = None) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    out = {}
+    for i in range(LAYERS):
+        t = torch.rand((NUM_BLOCKS, *BLOCK_SHAPE), generator=gen)
+        out[f"model.layers.{i}.self_attn.attn"] = t if fill is None else torch.full_like(t, fill)
+    return out
+
+
+def connect(service):
+    return lambda timeout_s: PoolClient(service.endpoint, timeout_s)
+
+
+def save_step(copier: PoolCopier, saves, kv):
+    for name in kv:
+        copier.save_layer(saves, name)
+
+
+def test_layout_lays_layers_end_to_end():
+    layout = ArenaLayout.of(caches())
+    size = int(torch.zeros(BLOCK_SHAPE).numel() * 4)
+    assert layout.offsets == (0, size, 2 * size) and layout.block_bytes == 3 * size
+
+
+def test_saved_blocks_are_committed_then_loaded_layer_by_layer_into_another_engine(service):
+    tokens = list(range(100, 100 + 3 * BS + 2))  # 3 full blocks and a partial one
+    source = caches()
+    writer = PoolCopier(connect(service), BS)
+    writer.register_kv_caches(source)
+    planner = PoolPlanner(PoolClient(service.endpoint), BS)
+    manager = FakeManager({"a": [5, 9, 2, 7]})
+    planner.bind_kv_cache_manager(manager)
+    req = FakeRequest("a", tokens)
+    assert planner.matched_tokens(req, 0) == (0, False)  # the pool is empty
+    planner.after_alloc(req, blocks_of([5, 9, 2, 7]), 0)
+    loads, saves, flush = planner.plan(step(new={"a": 0}, scheduled={"a": len(tokens)}))
+    assert loads == [] and flush == ()
+    assert [s.block_ids for s in saves] == [(5, 9, 2)]  # full blocks only
+    save_step(writer, saves, source)
+    assert planner.finished(req) is True  # blocks kept until the copies are done...
+    writer._saver.submit(lambda: None).result()  # (the save thread drains in order)
+    assert writer.finished_saving({"a"}) == {"a"}  # ...which they are now
+    keys = hash_prompt_blocks(tokens, BS)
+    assert service.lookup(keys) == ["dram"] * 3
+
+    # A second engine (fresh cache) gets the prefix from the pool, synchronously, layer by layer.
+    target = caches(fill=0.0)
+    reader = PoolCopier(connect(service), BS)
+    reader.register_kv_caches(target)
+    planner2 = PoolPlanner(PoolClient(service.endpoint), BS)
+    planner2.bind_kv_cache_manager(FakeManager({"b": [1, 3, 4, 6]}))
+    req2 = FakeRequest("b", tokens[:3 * BS] + [7, 7, 7])
+    assert planner2.matched_tokens(req2, 0) == (3 * BS, False)  # in DRAM: a synchronous load
+    planner2.after_alloc(req2, blocks_of([1, 3, 4, 6]), 3 * BS)
+    loads, saves, _ = planner2.plan(step(new={"b": 3 * BS}, scheduled={"b": 3}))
+    assert [(l.block_ids, l.sync) for l in loads] == [((1, 3, 4), True)] and saves == []
+    reader.start_loads(loads)
+    for name in target:
+        reader.wait_for_layer(name)
+        assert torch.equal(target[name][[1, 3, 4]], source[name][[5, 9, 2]])
+    assert reader.take_invalid_blocks() == set()
+    reader._loader.submit(lambda: None).result()
+    assert service.pool.pins(keys[0]) == 0  # unpinned once copied
+    for c in (writer, reader):
+        c.shutdown()
+
+
+def test_a_pulled_prompt_is_left_to_the_serve_connector(service):
+    planner = PoolPlanner(PoolClient(service.endpoint), BS)
+    req = FakeRequest("d", list(range(20)), {CONSUMER_KEY: {"transfer_id": "t", "num_tokens": 20}})
+    assert planner.matched_tokens(req, 0) == (0, False)
+
+
+def test_the_prompts_last_token_is_always_computed(service):
+    tokens = list(range(2 * BS))  # exactly two blocks
+    service.configure(LAYERS * int(torch.zeros(BLOCK_SHAPE).numel() * 4), "x")
+    keys = hash_prompt_blocks(tokens, BS)
+    for key, slot in service.reserve(keys):
+        service.commit([key])
+    planner = PoolPlanner(PoolClient(service.endpoint), BS)
+    assert planner.matched_tokens(FakeRequest("e", tokens), 0) == (BS, False)  # not both blocks
+
+
+def test_a_block_evicted_before_the_worker_reads_it_is_reported_for_recompute(service):
+    tokens = list(range(50, 50 + 2 * BS + 1))
+    source = caches()
+    writer = PoolCopier(connect(service), BS)
+    writer.register_kv_caches(source)
+    planner = PoolPlanner(PoolClient(service.endpoint), BS)
+    planner.bind_kv_cache_manager(FakeManager({"a": [0, 1, 2]}))
+    req = FakeRequest("a", tokens)
+    planner.matched_tokens(req, 0)
+    planner.after_alloc(req, blocks_of([0, 1, 2]), 0)
+    _, saves, _ = planner.plan(step(new={"a": 0}, scheduled={"a": len(tokens)}))
+    save_step(writer, saves, source)
+    writer._saver.submit(lambda: None).result()
+    planner2 = PoolPlanner(PoolClient(service.endpoint), BS)
+    planner2.bind_kv_cache_manager(FakeManager({"b": [8, 9, 10]}))
+    req2 = FakeRequest("b", tokens)
+    assert planner2.matched_tokens(req2, 0) == (2 * BS, False)
+    planner2.after_alloc(req2, blocks_of([8, 9, 10]), 2 * BS)
+    loads, _, _ = planner2.plan(step(new={"b": 2 * BS}, scheduled={"b": 1}))
+    service.pool.remove([hash_prompt_blocks(tokens, BS)[1]])  # gone before the step runs
+    target = caches(fill=0.0)
+    reader = PoolCopier(connect(service), BS)
+    reader.register_kv_caches(target)
+    reader.start_loads(loads)
+    for name in target:
+        reader.wait_for_layer(name)
+    assert reader.take_invalid_blocks() == {9}  # vLLM recomputes from there
+    assert torch.equal(target[next(iter(target))][8], source[next(iter(source))][0])
+    for c in (writer, reader):
+        c.shutdown()
+
+
+def test_a_preempted_requests_saves_land_before_its_blocks_are_reused(service):
+    service.configure(LAYERS * int(torch.zeros(BLOCK_SHAPE).numel() * 4), "x")
+    planner = PoolPlanner(PoolClient(service.endpoint), BS)
+    planner.bind_kv_cache_manager(FakeManager({"a": [0, 1]}))
+    req = FakeRequest("a", list(range(2 * BS + 1)))
+    planner.after_alloc(req, blocks_of([0, 1]), 0)
+    planner.plan(step(new={"a": 0}, scheduled={"a": 2 * BS + 1}))
+    _, _, flush = planner.plan(step(preempted={"a"}))
+    assert flush == ("a",)
+
+
+def test_an_unreachable_pool_is_a_cache_miss_not_an_error(tmp_path):
+    from mooncake.control import ControlEndpoint
+
+    planner = PoolPlanner(PoolClient(ControlEndpoint(str(tmp_path / "nobody.sock"), "00" * 16), 0.2), BS)
+    assert planner.matched_tokens(FakeRequest("a", list(range(3 * BS))), 0) == (0, False)
+    assert planner.stats.pool_errors == 1
+
+
+def test_a_fetch_instruction_loads_the_other_pools_prefix_asynchronously_once(service):
+    service.configure(LAYERS * int(torch.zeros(BLOCK_SHAPE).numel() * 4), "x")
+    planner = PoolPlanner(PoolClient(service.endpoint), BS)
+    params = {"mooncake_fetch": {"peer": "{}", "num_tokens": 3 * BS}}
+    req = FakeRequest("f", list(range(4 * BS)), params)
+    assert planner.matched_tokens(req, 0) == (3 * BS, True)  # nothing here: all of it comes from the peer
+    assert planner.matched_tokens(req, 0) == (3 * BS, True)  # asked again: the same answer
+    planner.after_alloc(req, blocks_of([0, 1, 2, 3]), 3 * BS)
+    loads, _, _ = planner.plan(step())
+    assert [(l.block_ids, l.sync, l.peer) for l in loads] == [((0, 1, 2), False, "{}")]
+    assert planner.matched_tokens(req, 0) == (0, False)  # after a failed load vLLM recomputes: no retry
+
+
+def test_the_conductor_fetches_only_from_a_holder_whose_pool_it_can_reach():
+    from conductor.core.types import Decision
+    from conductor.routing import fetch_params
+    from conductor.workers import WorkerHandle
+
+    decision = Decision(request_id="r", prefill_instance="p0", decode_instance="d0", cached_prefix_tokens=512,
+                        fetch_from="p1", fetched_blocks=4, predicted_ttft_s=0.1, predicted_tbt_s=0.01,
+                        predicted_queue_s=0.0, predicted_prefill_s=0.05, predicted_transfer_s=0.05)
+    holder = WorkerHandle("http://p1", pool_peer='{"name": "p1"}')
+    assert fetch_params(decision, {"p1": holder}).to_params() == {
+        "mooncake_fetch": {"peer": '{"name": "p1"}', "num_tokens": 512}}
+    assert fetch_params(decision, {"p1": WorkerHandle("http://p1")}) is None  # no pool to fetch from
+    assert fetch_params(decision, {}) is None  # the holder left
