@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 from mooncake import defaults
 from mooncake.auth import add_token_arguments, token_errors, token_from_args
@@ -49,10 +50,15 @@ def add_worker_arguments(parser: argparse.ArgumentParser, default_port: int) -> 
     add_pool_arguments(parser)
 
 
+POOL_DRAM_ENV = "MOONCAKE_POOL_DRAM_GIB"
+
+
 def add_pool_arguments(parser: argparse.ArgumentParser) -> None:
     """The node's KVCache pool (on by default); `mooncake serve` passes them to every worker."""
-    parser.add_argument("--pool-dram-gib", type=float, default=defaults.POOL_DRAM_BYTES / 2**30,
-                        help="DRAM tier of the KVCache pool (GiB of shared memory, taken as blocks fill it)")
+    parser.add_argument("--pool-dram-gib", type=float,
+                        default=float(os.environ.get(POOL_DRAM_ENV, defaults.POOL_DRAM_BYTES / 2**30)),
+                        help=f"DRAM tier of the KVCache pool (GiB of shared memory, taken as blocks fill it; "
+                             f"env {POOL_DRAM_ENV} sets the default)")
     parser.add_argument("--pool-ssd-dir", default=defaults.POOL_SSD_DIR,
                         help="directory of the pool's SSD tier (kept across restarts; default: DRAM only)")
     parser.add_argument("--pool-ssd-gib", type=float, default=defaults.POOL_SSD_BYTES / 2**30,
