@@ -23,7 +23,8 @@ def parse(*argv: str) -> argparse.Namespace:
     return parser.parse_args(["--insecure-no-cluster-token", *argv])
 
 
-def test_the_pool_is_on_by_default_and_off_with_no_pool():
+def test_the_pool_is_on_by_default_and_off_with_no_pool(monkeypatch):
+    monkeypatch.delenv("MOONCAKE_POOL_DRAM_GIB", raising=False)  # tests/conftest.py sets a small one
     on = pool_settings(parse())
     assert on["pool_dram_bytes"] == defaults.POOL_DRAM_BYTES and on["pool_policy"] == defaults.POOL_POLICY
     assert on["pool_ssd_dir"] is None
@@ -87,3 +88,9 @@ def test_the_engine_runs_both_connectors_with_a_pool_and_ours_alone_without():
     assert first["kv_connector"] == "MooncakeServeConnector"  # a pulled prompt is its own
     assert second["kv_connector"] == "MooncakePoolConnector"
     assert second["kv_connector_extra_config"] == {"pool_path": "/tmp/p.sock", "pool_key": "11" * 16}
+
+
+def test_the_pool_dram_default_comes_from_the_environment(monkeypatch):
+    monkeypatch.setenv("MOONCAKE_POOL_DRAM_GIB", "0.5")
+    assert pool_settings(parse())["pool_dram_bytes"] == 1 << 29
+    assert pool_settings(parse("--pool-dram-gib", "1"))["pool_dram_bytes"] == 1 << 30
