@@ -21,10 +21,10 @@ settings.load_profile("mooncake")
 from mooncake import defaults
 from tests.processes import Proc, free_port, free_port_block, start, wait_http
 
-# CI runs up to five vLLM workers at once on 24 GiB; every worker's KVCache pool fills its DRAM
+# CI runs up to six vLLM workers at once on 24 GiB (about 3 GiB each); every worker's KVCache pool maps its DRAM
 # tier (shared memory) as the tests compute blocks, so the processes the tests start get a small
 # one (children inherit the environment; a test that needs another size passes --pool-dram-gib).
-os.environ.setdefault("MOONCAKE_POOL_DRAM_GIB", "0.25")
+os.environ.setdefault("MOONCAKE_POOL_DRAM_GIB", "0.0625")
 
 MODEL_NAME = "SmolLM2-135M-Instruct"
 
