@@ -39,7 +39,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return serve(ClusterConfig(
         model_path=model, served_model_name=args.served_model_name or Path(model).name, host=args.host,
         port=args.port, num_prefill=args.prefill, num_decode=args.decode, first_worker_port=args.worker_port,
-        dtype=args.dtype, max_model_len=args.max_model_len, kv_cache_gib=int(args.kv_cache_gib),
+        dtype=args.dtype, max_model_len=args.max_model_len, kv_cache_gib=args.kv_cache_gib,
         chunk_size=args.chunk_size, api_keys=load_api_keys(args.api_keys_file, args.api_key),
         cluster_token=token_from_args(args), scheduler=scheduler_config(args), profile=args.profile,
         slo_bounds=slo_bounds(args), pool_args=pool_arguments(args),
@@ -179,9 +179,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="float32 keeps greedy output exact on CPU; bfloat16 is faster")
     serve.add_argument("--max-model-len", type=int, default=defaults.MAX_MODEL_LEN,
                        help="longest prompt+output (tokens)")
-    # A float, so that 0.25 gets the clear "whole GiB" message of _check_serve.
     serve.add_argument("--kv-cache-gib", type=float, default=defaults.KV_CACHE_GIB,
-                       help="KV cache per worker (whole GiB)")
+                       help="KV cache per worker on CPU, GiB (on a GPU vLLM sizes it by its memory utilization)")
     serve.add_argument("--chunk-size", type=int, default=defaults.CHUNK_SIZE, help="prefill chunk (tokens per step)")
     _add_auth_arguments(serve, generated_token=True)
     add_pool_arguments(serve)

@@ -42,8 +42,9 @@ MAX_MODEL_LEN = 8192
 """Longest prompt + output, tokens."""
 CHUNK_SIZE = 2048
 """Tokens per engine step (vLLM's max_num_batched_tokens); longer prompts prefill in chunks."""
-KV_CACHE_GIB = 1
-"""KV cache per worker, whole GiB (VLLM_CPU_KVCACHE_SPACE)."""
+KV_CACHE_GIB = 1.0
+"""KV cache per worker on CPU, GiB (vLLM's kv_cache_memory_bytes; on a GPU vLLM sizes it by
+--gpu-memory-utilization)."""
 REGISTRY_TTL_S = 5.0
 """A worker that stops refreshing its registration leaves routing after this."""
 MAX_BODY_BYTES = 16 << 20
@@ -135,16 +136,18 @@ ENGINE_MAX_NUM_SEQS = 128
 .DEFAULT_MAX_NUM_SEQS); vLLM refuses a max_num_batched_tokens (our chunk size) below it."""
 
 
+MIN_KV_CACHE_GIB = 1 / 64
+"""Smaller KV caches (16 MiB) cannot hold even one long prompt of the default model."""
+
+
 def engine_option_errors(kv_cache_gib: float, block_size: int, chunk_size: int) -> list[str]:
     """What vLLM-CPU would refuse (or crash on) among these options, as sentences for a user.
 
     An empty list means the engine can take them. Checked by the worker's config and by
     `mooncake serve` before any process starts."""
     errors = []
-    if not (kv_cache_gib >= 1 and float(kv_cache_gib).is_integer()):
-        # vLLM-CPU reads VLLM_CPU_KVCACHE_SPACE with int(): "0.25" kills the engine at start.
-        errors.append(f"--kv-cache-gib must be a whole number of GiB >= 1 (vLLM-CPU sizes its KV cache "
-                      f"in whole GiB), got {kv_cache_gib:g}")
+    if not kv_cache_gib >= MIN_KV_CACHE_GIB:
+        errors.append(f"--kv-cache-gib must be >= {MIN_KV_CACHE_GIB:g} GiB, got {kv_cache_gib:g}")
     if block_size <= 0 or block_size % BLOCK_SIZE_MULTIPLE:
         errors.append(f"--block-size must be a positive multiple of {BLOCK_SIZE_MULTIPLE} "
                       f"(vLLM-CPU's attention kernel), got {block_size}")

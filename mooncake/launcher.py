@@ -41,7 +41,7 @@ class ClusterConfig:
     first_worker_port: int = defaults.PREFILL_PORT
     dtype: Dtype = defaults.DTYPE
     max_model_len: int = defaults.MAX_MODEL_LEN
-    kv_cache_gib: int = defaults.KV_CACHE_GIB
+    kv_cache_gib: float = defaults.KV_CACHE_GIB
     chunk_size: int = defaults.CHUNK_SIZE
     api_keys: tuple = field(default=(), repr=False)
     """conductor.auth.ApiKey entries of the public API (none: open)."""
@@ -150,7 +150,7 @@ class Cluster:
             cmd = [sys.executable, "-m", "mooncake.cli", role, "--model", c.model_path,
                    "--served-model-name", c.served_model_name, "--host", "127.0.0.1", "--port", str(port),
                    "--dtype", str(c.dtype), "--max-model-len", str(c.max_model_len),
-                   "--kv-cache-gib", str(int(c.kv_cache_gib)), "--chunk-size", str(c.chunk_size),
+                   "--kv-cache-gib", f"{c.kv_cache_gib:g}", "--chunk-size", str(c.chunk_size),
                    "--cpu-bind", cores, "--instance-id", f"{role}-{i}",
                    "--block-size", str(c.scheduler.block_size),
                    # The conductor in this process hosts the embedded registry.

@@ -27,9 +27,8 @@ def add_worker_arguments(parser: argparse.ArgumentParser, default_port: int) -> 
                         help="weights and KV dtype; float32 keeps greedy output exact on CPU")
     parser.add_argument("--max-model-len", type=int, default=defaults.MAX_MODEL_LEN,
                         help="longest prompt+output (tokens)")
-    # Parsed as a float so that 0.25 gets the clear "whole GiB" message of check_worker_args.
     parser.add_argument("--kv-cache-gib", type=float, default=defaults.KV_CACHE_GIB,
-                        help="KV cache size (whole GiB)")
+                        help="KV cache size on CPU, GiB (ignored on a GPU: vLLM's --gpu-memory-utilization)")
     parser.add_argument("--cpu-bind", default=None,
                         help='cores for the engine threads, e.g. "0" or "0-3" (VLLM_CPU_OMP_THREADS_BIND)')
     parser.add_argument("--chunk-size", type=int, default=defaults.CHUNK_SIZE,

@@ -28,8 +28,8 @@ class WorkerConfig:
     dtype: Dtype = defaults.DTYPE
     """See Dtype: float32 keeps greedy output exact on CPU."""
     max_model_len: int = defaults.MAX_MODEL_LEN
-    kv_cache_gib: int = defaults.KV_CACHE_GIB
-    """KV cache size, whole GiB (VLLM_CPU_KVCACHE_SPACE on CPU)."""
+    kv_cache_gib: float = defaults.KV_CACHE_GIB
+    """KV cache size on CPU, GiB (on a GPU vLLM sizes it by its memory utilization)."""
     cpu_bind: str | None = None
     """CPU cores for the engine's OpenMP threads, e.g. "0" or "0-3" (VLLM_CPU_OMP_THREADS_BIND)."""
     max_num_batched_tokens: int = defaults.CHUNK_SIZE
@@ -78,7 +78,6 @@ class WorkerConfig:
         errors = engine_option_errors(self.kv_cache_gib, self.block_size, self.max_num_batched_tokens)
         if errors:
             raise ValueError("; ".join(errors))
-        object.__setattr__(self, "kv_cache_gib", int(self.kv_cache_gib))
 
     @property
     def public_host(self) -> str:

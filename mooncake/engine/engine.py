@@ -27,8 +27,9 @@ POOL_CONNECTOR_MODULE = "kv_connector.pool_connector"
 
 def set_engine_environment(config: WorkerConfig) -> None:
     """vLLM-CPU reads these at engine start; set them before the engine is built."""
-    # vLLM-CPU parses this with int(); WorkerConfig has already refused a fractional size.
-    os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(int(config.kv_cache_gib))
+    # Its legacy whole-GiB setting would override the engine argument the KV cache size goes in
+    # (kv_cache_memory_bytes, see kv_cache_bytes), which also takes fractions.
+    os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
     if config.cpu_bind:
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = config.cpu_bind
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO")
@@ -54,6 +55,7 @@ def build_engine(config: WorkerConfig, kv_port: int, events_port: int, control: 
         block_size=config.block_size,
         enable_prefix_caching=config.enable_prefix_caching,
         enforce_eager=config.enforce_eager,
+        kv_cache_memory_bytes=kv_cache_bytes(config),
         enable_log_requests=False,
         # Per-request timestamps (RequestOutput.metrics) exist only with stats on; run_request
         # reports the measured prefill and decode-step times from them.
@@ -64,6 +66,13 @@ def build_engine(config: WorkerConfig, kv_port: int, events_port: int, control: 
                                         endpoint=publisher_endpoint(events_port), topic="kv"),
     )
     return AsyncLLM.from_engine_args(args, stat_loggers=stat_loggers)
+
+
+def kv_cache_bytes(config: WorkerConfig) -> int | None:
+    """The KV cache size on CPU; None on a GPU, where vLLM sizes it by --gpu-memory-utilization."""
+    from vllm.platforms import current_platform
+
+    return int(config.kv_cache_gib * 2**30) if current_platform.is_cpu() else None
 
 
 def kv_transfer_settings(config: WorkerConfig, kv_port: int, control: ControlEndpoint,

@@ -19,7 +19,7 @@ import pytest
 
 from tests.conftest import MODEL_NAME
 from tests.etcd_server import EtcdServer
-from tests.processes import Proc, free_port, start, wait_http
+from tests.processes import KV_CACHE_GIB, Proc, free_port, start, wait_http
 
 pytestmark = [pytest.mark.vllm, pytest.mark.etcd]
 TTL = 4.0
@@ -46,7 +46,7 @@ class EtcdCluster:
         proc = start(f"{name}-{len(self.workers)}", [
             "-m", "mooncake.cli", role, "--model", self.model, "--served-model-name", MODEL_NAME,
             "--port", str(self.worker_ports[name]), "--instance-id", name, "--cpu-bind", cores,
-            "--kv-cache-gib", "1", "--etcd", f"http://{self.etcd.endpoint}", "--registry-ttl", str(TTL),
+            "--kv-cache-gib", KV_CACHE_GIB, "--etcd", f"http://{self.etcd.endpoint}", "--registry-ttl", str(TTL),
             "--cluster-token-file", self.token_file],
             self.log_dir)
         self.workers[name] = proc

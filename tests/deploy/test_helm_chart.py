@@ -87,7 +87,7 @@ def test_values_match_the_schema(renderer, tmp_path, variant):
 
 @pytest.mark.parametrize("bad", [
     {"prefil": {"replicas": 1}},  # a misspelt key
-    {"prefill": {"kvCacheGib": 0.5}},  # vLLM-CPU sizes its KV cache in whole GiB
+    {"prefill": {"kvCacheGib": 0.001}},  # smaller than any prompt of the default model
     {"decode": {"chunkSize": 64}},
     {"conductor": {"scheduling": {"policy": "fastest"}}},
     {"conductor": {"replicas": 0}},

@@ -21,7 +21,7 @@ import pytest
 from mooncake import defaults
 from tests.conftest import MODEL_NAME
 from tests.e2e.prompts import COMPLETION_PROMPTS
-from tests.processes import free_port, free_port_block, start, wait_http
+from tests.processes import KV_CACHE_GIB, free_port, free_port_block, start, wait_http
 
 pytestmark = pytest.mark.vllm
 BLOCK = defaults.KV_BLOCK_SIZE
@@ -127,7 +127,7 @@ def tcp_faulty_cluster(model_path, log_dir):
     token_file.write_text(secrets.token_urlsafe(32))
     env = {"MOONCAKE_KV_TRANSPORTS": "tcp", "MOONCAKE_KV_FAULT_FLIP": "1"}
     serve = start("serve-kv-fault", ["-m", "mooncake.cli", "serve", "--port", str(port), "--worker-port",
-                                     str(worker_port), "--kv-cache-gib", "1", "--cluster-token-file", str(token_file)],
+                                     str(worker_port), "--kv-cache-gib", KV_CACHE_GIB, "--cluster-token-file", str(token_file)],
                   log_dir, env=env)
     workers = {"prefill": f"http://127.0.0.1:{worker_port}", "decode": f"http://127.0.0.1:{worker_port + 1}"}
     conductor_port = free_port()

@@ -22,7 +22,7 @@ import pytest
 
 from mooncake.hashing import hash_prompt_blocks
 from tests.conftest import MODEL_NAME
-from tests.processes import free_port, start, wait_http
+from tests.processes import KV_CACHE_GIB, free_port, start, wait_http
 
 pytestmark = pytest.mark.vllm
 
@@ -48,7 +48,7 @@ class PoolWorker:
     def start(self) -> None:
         self.starts += 1
         self.proc = start(f"{self.name}-{self.starts}", [
-            "-m", "mooncake.cli", "prefill", "--port", str(self.port), "--kv-cache-gib", "1",
+            "-m", "mooncake.cli", "prefill", "--port", str(self.port), "--kv-cache-gib", KV_CACHE_GIB,
             "--pool-dram-gib", str(DRAM_GIB), "--pool-ssd-dir", str(self.ssd_dir), "--pool-ssd-gib", "1",
             "--instance-id", self.name, "--cluster-token-file", str(self.token_file)], self.log_dir)
         wait_http(self.proc, self.url + "/health", 300)
