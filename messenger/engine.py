@@ -10,17 +10,18 @@ transport (messenger/api.py's Transport moves bytes and messages only):
 - Choice per peer: `messenger.select.choose(local, peer, transports)` when that module exists
   (transports: name -> Transport, in preference order; it returns a name), else the first
   transport in preference order whose `can_reach` says yes.
-- Checksums: xxh3-64 per slice, hashed on a small thread pool while the transport already moves
-  the bytes. The message handed to `Transport.submit` is a `PendingMessage`: its `checksums` blocks
-  until the hashes are ready, so a transport reads it when it sends the message, after the slices.
-  The receiving engine verifies them over its own memory in `slices_landed` before `on_notify`.
+- Checksums (messenger/integrity.py): xxh3-64 per slice, hashed on a small thread pool while the
+  transport already moves the bytes. The message handed to `Transport.submit` is a
+  `PendingMessage`: its `checksums` blocks until the hashes are ready, so a transport reads it when
+  it sends the message, after the slices. The receiving engine verifies them over its own memory in
+  `slices_landed` before `on_notify`.
   A mismatch fails the sender's batch with ChecksumError (a transport passes the text
   `slices_landed` returned back into its TransferError; "ChecksumError:" in it marks the kind) and
   hands on_notify the error. Reads are not checksummed here: the
   side that serves a read has no engine hook in the contract (the pool checks its blocks itself).
 - Messages: the engine wraps every payload in a one-byte envelope (a batch's notification or
   none; a call request with the caller's PeerInfo so the callee can answer; a call reply).
-- Timeouts: a watchdog fails every batch and call that is not complete `timeout_s` after it was
+- Timeouts: a watchdog (messenger/watchdog.py) fails every batch and call that is not complete `timeout_s` after it was
   submitted, whatever the transport does (a dead or silent peer).
 
 on_notify and on_call run on the engine's and transports' threads: keep on_notify short (it holds
@@ -29,7 +30,6 @@ the stream it arrived on); on_call runs on a small pool of its own.
 
 from __future__ import annotations
 
-import heapq
 import importlib
 import itertools
 import logging
@@ -37,17 +37,17 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import msgspec
 import numpy as np
-import xxhash
 
 from messenger.api import (Batch, CallHandler, ChecksumError, Direction, NoTransport, NotifyHandler,
                            OutgoingMessage, PeerInfo, Region, Slice, TransferError, Transport)
+from messenger.integrity import CHECKSUM_ERROR_PREFIX, SliceHasher
 from messenger.stats import TransportStats
+from messenger.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
 
@@ -63,11 +63,6 @@ _TRANSPORT_CLASSES = {
 _NOTIFY, _SILENT, _CALL, _REPLY, _REPLY_ERROR = 1, 2, 3, 4, 5
 _CALL_HEAD = struct.Struct("!BQI")  # kind, call id, length of the caller's PeerInfo JSON
 _REPLY_HEAD = struct.Struct("!BQ")
-CHECKSUM_ERROR_PREFIX = "ChecksumError"
-# Below this many bytes a batch is hashed on the transport's thread (xxh3 of 1 MiB takes ~50 us, a
-# pool hop on a loaded machine as long or longer); below the second, in one pool task, not split.
-_INLINE_HASH_BYTES = 1 << 20
-_PARALLEL_HASH_BYTES = 8 << 20
 
 
 @dataclass(frozen=True)
@@ -105,28 +100,6 @@ class EngineConfig:
             raise ValueError("EngineConfig.auth_key must be at least 16 bytes")
 
 
-class PendingMessage(OutgoingMessage):
-    """An OutgoingMessage whose checksums are still being computed: reading `checksums` waits
-    for them (transports read it when they send the message, after the slices). `checksums` is a
-    Future (hashed on the engine's pool) or a function, run once by the first thread that reads
-    them: for a small batch, the transport's sender thread, which costs less than a pool hop."""
-
-    def __init__(self, payload: bytes, checksums: "Future | Callable[[], tuple[int, ...]]") -> None:
-        object.__setattr__(self, "payload", payload)
-        object.__setattr__(self, "_source", checksums)
-        object.__setattr__(self, "_value", None)
-        object.__setattr__(self, "_lock", threading.Lock())
-
-    @property
-    def checksums(self) -> tuple[int, ...]:  # type: ignore[override]
-        if isinstance(self._source, Future):
-            return self._source.result()
-        with self._lock:
-            if self._value is None:
-                object.__setattr__(self, "_value", self._source())
-            return self._value
-
-
 class RegionTable:
     """Registered regions by name (thread-safe)."""
 
@@ -156,53 +129,6 @@ class RegionTable:
             return list(self._regions.values())
 
 
-def slice_checksums(views: list[memoryview]) -> tuple[int, ...]:
-    return tuple(xxhash.xxh3_64_intdigest(v) for v in views)
-
-
-class _Watchdog:
-    """Fails whatever is not done by its deadline: one thread, one heap."""
-
-    def __init__(self) -> None:
-        self._heap: list[tuple[float, int, Batch, str]] = []
-        self._seq = itertools.count()
-        self._cond = threading.Condition()
-        self._closed = False
-        self._thread = threading.Thread(target=self._run, name="messenger-watchdog", daemon=True)
-        self._thread.start()
-
-    def watch(self, batch: Batch, timeout_s: float, what: str) -> None:
-        with self._cond:
-            heapq.heappush(self._heap, (time.monotonic() + timeout_s, next(self._seq), batch, what))
-            if self._heap[0][2] is batch:
-                self._cond.notify()
-
-    def _run(self) -> None:
-        with self._cond:
-            while not self._closed:
-                while self._heap and self._heap[0][2].done():
-                    heapq.heappop(self._heap)
-                if not self._heap:
-                    self._cond.wait()
-                    continue
-                deadline, _, batch, what = self._heap[0]
-                wait = deadline - time.monotonic()
-                if wait > 0:
-                    self._cond.wait(wait)
-                    continue
-                heapq.heappop(self._heap)
-                self._cond.release()
-                try:
-                    batch.complete(TransferError(f"{what} timed out (the peer is dead or silent)"))
-                finally:
-                    self._cond.acquire()
-
-    def close(self) -> None:
-        with self._cond:
-            self._closed = True
-            self._cond.notify()
-
-
 @dataclass
 class _Peer:
     info: PeerInfo
@@ -225,9 +151,9 @@ class TransferEngine:
         self._on_call: CallHandler | None = None
         self._calls: dict[int, Future] = {}
         self._call_ids = itertools.count(1)
-        self._hashers = ThreadPoolExecutor(config.hash_threads, thread_name_prefix=f"messenger-hash-{name}")
+        self._hasher = SliceHasher(config.hash_threads, name)
         self._callers = ThreadPoolExecutor(4, thread_name_prefix=f"messenger-call-{name}")
-        self._watchdog = _Watchdog()
+        self._watchdog = Watchdog()
         self._host_id = _host_id()
         self._started = False
         self._closed = False
@@ -328,7 +254,7 @@ class TransferEngine:
             if not future.done():
                 future.set_exception(TransferError(f"engine {self.name!r} closed"))
         self._watchdog.close()
-        self._hashers.shutdown(wait=False, cancel_futures=True)
+        self._hasher.close()
         self._callers.shutdown(wait=False, cancel_futures=True)
 
     # --- batches -------------------------------------------------------------------------------
@@ -355,8 +281,7 @@ class TransferEngine:
         if direction is Direction.WRITE:
             envelope = bytes([_NOTIFY]) + message if message is not None else bytes([_SILENT])
             if self.config.checksums and views:
-                small = sum(v.nbytes for v in views) < _INLINE_HASH_BYTES
-                outgoing = PendingMessage(envelope, (lambda: slice_checksums(views)) if small else self._hash(views))
+                outgoing = self._hasher.outgoing(envelope, views)
             else:
                 outgoing = OutgoingMessage(envelope)
         self._launch(peer, batch, f"{direction.value} of {len(slices)} slices to {peer_name}",
@@ -410,34 +335,6 @@ class TransferEngine:
                 views.append(region.view[s.local_offset:s.local_offset + s.length])
         return views if len(views) == len(slices) else []
 
-    def _hash(self, views: list[memoryview]) -> Future:
-        if sum(v.nbytes for v in views) < _PARALLEL_HASH_BYTES or len(views) == 1:
-            return self._hashers.submit(slice_checksums, views)
-        # Split the slices into one task per thread: xxh3 releases the GIL, so they run in parallel.
-        n = self.config.hash_threads
-        parts = [self._hashers.submit(slice_checksums, views[i::n]) for i in range(n)]
-        merged: Future = Future()
-
-        def gather(_: Future) -> None:
-            if merged.done() or not all(p.done() for p in parts):
-                return
-            try:
-                results = [p.result() for p in parts]
-            except BaseException as exc:  # noqa: BLE001 (handed to the waiter)
-                merged.set_exception(exc)
-                return
-            out = [0] * len(views)
-            for i, result in enumerate(results):
-                out[i::n] = result
-            try:
-                merged.set_result(tuple(out))
-            except Exception:  # another part's callback won the race
-                pass
-
-        for p in parts:
-            p.add_done_callback(gather)
-        return merged
-
     # --- calls ---------------------------------------------------------------------------------
 
     def call(self, peer: str, request: bytes, timeout_s: float | None = None) -> bytes:
@@ -467,7 +364,7 @@ class TransferEngine:
         error = None
         checksums = message.checksums if message is not None else ()
         if checksums:
-            error = self._verify(slices, checksums)
+            error = self._hasher.verify(slices, checksums, self._regions.get)
         if message is not None and message.payload[:1] == bytes([_NOTIFY]) and self._on_notify is not None:
             try:
                 self._on_notify(peer, bytes(message.payload[1:]), error)
@@ -482,30 +379,6 @@ class TransferEngine:
                 self._on_notify(peer, bytes(message.payload[1:]), error)
             except Exception:
                 log.exception("on_notify failed for a lost batch from %s", peer)
-
-    def _verify(self, slices: list[Slice], checksums: tuple[int, ...]) -> str | None:
-        if len(checksums) != len(slices):
-            return f"{CHECKSUM_ERROR_PREFIX}: {len(checksums)} checksums for {len(slices)} slices"
-        try:
-            views = []
-            for s in slices:
-                region = self._regions.get(s.remote_region)
-                region.check(s.remote_offset, s.length)
-                if region.view is None:
-                    return None  # device memory: the transport that reached it vouches for it
-                views.append(region.view[s.remote_offset:s.remote_offset + s.length])
-        except TransferError as exc:
-            return str(exc)
-        if sum(v.nbytes for v in views) < _INLINE_HASH_BYTES:
-            actual = slice_checksums(views)  # on this (transport) thread: cheaper than a pool hop
-        else:
-            actual = self._hash(views).result()
-        for i, (want, got) in enumerate(zip(checksums, actual)):
-            if want != got:
-                s = slices[i]
-                return (f"{CHECKSUM_ERROR_PREFIX}: slice {i} ({s.length} B into {s.remote_region!r} at "
-                        f"{s.remote_offset}) arrived with xxh3 {got:016x}, sent as {want:016x}")
-        return None
 
     def message(self, peer: str, payload: bytes) -> None:
         kind = payload[0] if payload else 0

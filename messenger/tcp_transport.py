@@ -23,92 +23,28 @@ Failures: a connection that errs or closes fails every batch in flight on its li
 of the link's streams are closed; the next batch reconnects); a peer silent for `timeout_s`
 while something is pending is dropped the same way (the engine's watchdog bounds it too).
 Threads, not asyncio: callers are vLLM's synchronous threads and socket I/O releases the GIL.
+The sending side (links, streams, frame planning) is messenger/tcp_link.py; this module is the
+transport itself and its receiving side.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
-import os
-import queue
-import select
 import socket
 import threading
-import time
 from dataclasses import dataclass
 
 import msgspec
 
 from messenger.api import Batch, Direction, OutgoingMessage, PeerInfo, Slice, TransferError
-from messenger.handshake import HandshakeError, client_handshake, server_handshake
+from messenger.handshake import HandshakeError, server_handshake
 from messenger.stats import TransportStats
-from messenger.wire import (ENGINE_PREFIX_SIZE, Kind, WireError, decode_engine_prefix, encode_engine_prefix,
-                            recv_exactly, recv_into_views, send_views)
+from messenger.tcp_link import Link, drain, send_frame, shutdown_socket, tune_socket
+from messenger.wire import ENGINE_PREFIX_SIZE, Kind, WireError, decode_engine_prefix, recv_exactly, recv_into_views
 
 log = logging.getLogger(__name__)
 
-MAX_FRAME_BYTES = 4 << 20  # a larger slice spans frames, so several streams share it
-MIN_FRAME_BYTES = 256 << 10  # smaller neighbours share a frame (one header, one syscall)
-MAX_FRAME_SEGMENTS = 256  # below IOV_MAX (1024) for sendmsg / recvmsg_into
-SOCKET_BUFFER_BYTES = 8 << 20
-_SCRATCH_BYTES = 1 << 20
-_encode = msgspec.msgpack.encode
 _decode = msgspec.msgpack.decode
-
-# (local region, local offset, remote region, remote offset, length)
-Segment = tuple[str, int, str, int, int]
-
-
-def plan_frames(slices: list[Slice], streams: int) -> list[list[Segment]]:
-    """Cut a batch into frames of roughly equal size: coalesce neighbours, split large slices.
-    Frames are sized so that every stream gets work (total / streams), within [MIN, MAX]."""
-    merged: list[list] = []
-    for s in slices:
-        last = merged[-1] if merged else None
-        if (last is not None and last[0] == s.local_region and last[1] + last[4] == s.local_offset
-                and last[2] == s.remote_region and last[3] + last[4] == s.remote_offset):
-            last[4] += s.length
-        else:
-            merged.append([s.local_region, s.local_offset, s.remote_region, s.remote_offset, s.length])
-    total = sum(m[4] for m in merged)
-    target = min(MAX_FRAME_BYTES, max(MIN_FRAME_BYTES, -(-total // streams)))
-    frames: list[list[Segment]] = []
-    current: list[Segment] = []
-    room = target
-    for lreg, loff, rreg, roff, length in merged:
-        while length:
-            take = min(length, room)
-            current.append((lreg, loff, rreg, roff, take))
-            loff, roff, length, room = loff + take, roff + take, length - take, room - take
-            if room == 0 or len(current) == MAX_FRAME_SEGMENTS:
-                frames.append(current)
-                current, room = [], target
-    if current:
-        frames.append(current)
-    return frames
-
-
-def parse_address(address: str) -> tuple[str, int]:
-    host, sep, port = address.rpartition(":")
-    if not sep or not port.isdigit():
-        raise ValueError(f"address {address!r} is not HOST:PORT")
-    return host.strip("[]") or "127.0.0.1", int(port)
-
-
-def _tune(sock: socket.socket) -> None:
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER_BYTES)
-        except OSError:
-            pass
-
-
-def _drain(sock: socket.socket, n: int) -> None:
-    """Read and drop `n` bytes (a refused segment's), keeping the stream in step."""
-    scratch = memoryview(bytearray(min(n, _SCRATCH_BYTES)))
-    while n:
-        n -= recv_into_views(sock, [scratch[:min(n, scratch.nbytes)]])
 
 
 @dataclass
@@ -123,20 +59,13 @@ class _Inbound:
     error: str | None = None
 
 
-@dataclass
-class _Read:
-    batch: Batch
-    frames: list[list[memoryview]]
-    remaining: int
-
-
 class TcpTransport:
     name = "tcp"
 
     def __init__(self, config) -> None:  # config: messenger.engine.EngineConfig
         self._config = config
         self.stats_counter = TransportStats()
-        self._links: dict[str, _Link] = {}
+        self._links: dict[str, Link] = {}
         self._links_lock = threading.Lock()
         self._inbound: dict[tuple[int, int], _Inbound] = {}
         self._inbound_lock = threading.Lock()
@@ -188,11 +117,11 @@ class TcpTransport:
         for link in links:
             link.fail(TransferError("the tcp transport closed"))
         for conn in list(self._conns):
-            _shutdown(conn)
+            shutdown_socket(conn)
 
     # --- outbound ------------------------------------------------------------------------------
 
-    def _link(self, peer: PeerInfo) -> "_Link":
+    def _link(self, peer: PeerInfo) -> "Link":
         if self._closed.is_set():
             raise TransferError("the tcp transport is closed")
         address = peer.transports.get(self.name)
@@ -201,10 +130,10 @@ class TcpTransport:
         with self._links_lock:
             link = self._links.get(address)
             if link is None or link.failed is not None:
-                link = self._links[address] = _Link(self, peer.name, address)
+                link = self._links[address] = Link(self, peer.name, address)
             return link
 
-    def _forget(self, link: "_Link") -> None:
+    def _forget(self, link: "Link") -> None:
         with self._links_lock:
             if self._links.get(link.address) is link:
                 del self._links[link.address]
@@ -217,7 +146,7 @@ class TcpTransport:
                 conn, addr = self._listener.accept()
             except OSError:
                 return
-            _tune(conn)
+            tune_socket(conn)
             threading.Thread(target=self._serve, args=(conn, addr), name="messenger-tcp-in", daemon=True).start()
 
     def _serve(self, conn: socket.socket, addr) -> None:
@@ -264,7 +193,7 @@ class TcpTransport:
                 log.debug("messenger connection from %s ended: %s", peer, exc)
         finally:
             self._conns.discard(conn)
-            _shutdown(conn)
+            shutdown_socket(conn)
             if session is not None:
                 self._drop_session(session, peer)
 
@@ -276,9 +205,7 @@ class TcpTransport:
         return kind, var, batch_id, arg, payload_len
 
     def _send(self, conn: socket.socket, kind: int, batch_id: int, arg: int, var: bytes, views=()) -> None:
-        payload = sum(memoryview(v).nbytes for v in views)
-        sent = send_views(conn, [encode_engine_prefix(kind, batch_id, arg, var, payload), *views])
-        self.stats_counter.moved(sent=sent)
+        send_frame(self.stats_counter, conn, kind, batch_id, arg, var, views)
 
     def _on_data(self, conn, session: int, peer: str, batch_id: int, var: bytes, payload_len: int) -> None:
         error, views = None, []
@@ -296,7 +223,7 @@ class TcpTransport:
         if error is None:
             recv_into_views(conn, views)
         else:
-            _drain(conn, payload_len)
+            drain(conn, payload_len)
         self.stats_counter.moved(received=payload_len)
         self._landed(conn, session, peer, batch_id, error=error)
 
@@ -357,254 +284,3 @@ class TcpTransport:
                 self._send(conn, Kind.READ_ERR, batch_id, index, str(exc).encode())
                 return
             self._send(conn, Kind.READ_DATA, batch_id, index, b"", views)
-
-
-class _Link:
-    """The streams to one peer and the batches in flight on them. Fails as a whole."""
-
-    def __init__(self, transport: TcpTransport, peer: str, address: str):
-        self.transport = transport
-        self.peer = peer
-        self.address = address
-        self.session = int.from_bytes(os.urandom(8), "big")
-        self.failed: TransferError | None = None
-        self.pending: dict[int, Batch] = {}  # WRITE batches and messages awaiting their ACK
-        self.reads: dict[int, _Read] = {}
-        self.lock = threading.Lock()
-        self._ids = itertools.count(1)
-        self._last_heard = time.monotonic()
-        n = transport._config.tcp_streams
-        self.streams = [_Stream(self, i) for i in range(n)]
-
-    def _register(self, batch: Batch, read: _Read | None = None) -> int | None:
-        batch_id = next(self._ids)
-        with self.lock:
-            if self.failed is not None:
-                error = self.failed
-            else:
-                if read is None:
-                    self.pending[batch_id] = batch
-                else:
-                    self.reads[batch_id] = read
-                error = None
-        if error is not None:
-            batch.complete(error)
-            return None
-        batch.add_done_callback(lambda _: self._unregister(batch_id))
-        return batch_id
-
-    def _unregister(self, batch_id: int) -> None:
-        with self.lock:
-            self.pending.pop(batch_id, None)
-            self.reads.pop(batch_id, None)
-
-    def write(self, slices: list[Slice], batch: Batch, message: OutgoingMessage | None) -> None:
-        frames = plan_frames(slices, len(self.streams)) if slices else []
-        batch_id = self._register(batch)
-        if batch_id is None:
-            return
-        n = len(self.streams)
-        self.streams[0].put((Kind.BATCH, batch_id, (len(frames), slices, message)))
-        for i, stream in enumerate(self.streams):
-            mine = frames[i::n]
-            if mine:
-                stream.put((Kind.DATA, batch_id, mine))
-        self.streams[len(frames) % n].put((Kind.SUMS, batch_id, message))
-
-    def read(self, slices: list[Slice], batch: Batch) -> None:
-        frames = plan_frames(slices, len(self.streams))
-        try:
-            dests = [[self._local_view(lreg, loff, length) for lreg, loff, _, _, length in frame] for frame in frames]
-        except TransferError as exc:
-            batch.complete(exc)
-            return
-        batch_id = self._register(batch, _Read(batch, dests, len(frames)))
-        if batch_id is None:
-            return
-        n = len(self.streams)
-        for i, stream in enumerate(self.streams):
-            mine = [[i + k * n, [[rreg, roff, length] for _, _, rreg, roff, length in frame]]
-                    for k, frame in enumerate(frames[i::n])]
-            if mine:
-                stream.put((Kind.READ, batch_id, mine))
-
-    def message(self, payload: bytes, batch: Batch) -> None:
-        batch_id = self._register(batch)
-        if batch_id is not None:
-            self.streams[0].put((Kind.MSG, batch_id, payload))
-
-    def _local_view(self, region_name: str, offset: int, length: int) -> memoryview:
-        region = self.transport.regions.get(region_name)
-        region.check(offset, length)
-        if region.view is None:
-            raise TransferError(f"region {region_name!r} is device memory: tcp cannot reach it")
-        return region.view[offset:offset + length]
-
-    def live(self, batch_id: int) -> bool:
-        return batch_id in self.pending or batch_id in self.reads
-
-    def busy(self) -> bool:
-        return bool(self.pending or self.reads)
-
-    def heard(self) -> None:
-        self._last_heard = time.monotonic()
-
-    def silent_for(self) -> float:
-        return time.monotonic() - self._last_heard
-
-    def fail(self, error: TransferError) -> None:
-        with self.lock:
-            if self.failed is not None:
-                return
-            self.failed = error
-            batches = list(self.pending.values()) + [r.batch for r in self.reads.values()]
-            self.pending, self.reads = {}, {}
-        self.transport._forget(self)
-        for stream in self.streams:
-            stream.stop()
-        for batch in batches:
-            batch.complete(error)
-
-    # ACKs and read data, from any stream's reader thread.
-    def on_ack(self, batch_id: int, error: bytes) -> None:
-        with self.lock:
-            batch = self.pending.pop(batch_id, None)
-        if batch is not None:
-            batch.complete(TransferError(f"{self.peer}: {error.decode(errors='replace')}") if error else None)
-
-
-class _Stream:
-    """One connection of a link: a sender thread draining a queue, a reader thread for replies."""
-
-    def __init__(self, link: _Link, index: int):
-        self.link = link
-        self.index = index
-        self.sock: socket.socket | None = None
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._send_loop, name=f"messenger-tcp-out{index}", daemon=True)
-        self._thread.start()
-
-    def put(self, item) -> None:
-        self._queue.put(item)
-
-    def stop(self) -> None:
-        self._queue.put(None)
-        if self.sock is not None:
-            _shutdown(self.sock)
-
-    def _connect(self) -> None:
-        transport = self.link.transport
-        config = transport._config
-        sock = socket.create_connection(parse_address(self.link.address), timeout=config.timeout_s)
-        _tune(sock)
-        sock.settimeout(config.timeout_s)  # a frame that makes no progress for that long fails the link
-        try:
-            if config.auth_key is not None:
-                client_handshake(sock, config.auth_key)
-            hello = _encode([transport.local_name])
-            sock.sendall(frame := encode_engine_prefix(Kind.HELLO, self.link.session, 0, hello, 0))
-        except BaseException:
-            _shutdown(sock)
-            raise
-        transport.stats_counter.moved(sent=len(frame))
-        self.sock = sock
-        if self.link.failed is not None:  # failed while connecting: stop() saw no socket yet
-            _shutdown(sock)
-        threading.Thread(target=self._read_loop, name=f"messenger-tcp-ack{self.index}", daemon=True).start()
-
-    def _send_loop(self) -> None:
-        link, transport = self.link, self.link.transport
-        try:
-            while True:
-                item = self._queue.get()
-                if item is None or link.failed is not None:
-                    return
-                if self.sock is None:
-                    self._connect()
-                kind, batch_id, body = item
-                if not link.live(batch_id):
-                    continue  # timed out or failed while queued
-                if kind == Kind.DATA:
-                    for frame in body:
-                        segments = [[rreg, roff, length] for _, _, rreg, roff, length in frame]
-                        views = [link._local_view(lreg, loff, length) for lreg, loff, _, _, length in frame]
-                        transport._send(self.sock, Kind.DATA, batch_id, 0, _encode(segments), views)
-                        link.heard()  # progress: a big batch's ack may be seconds away, but bytes move
-                elif kind == Kind.BATCH:
-                    count, slices, message = body
-                    var = _encode([[[s.local_region, s.local_offset, s.remote_region, s.remote_offset, s.length]
-                                    for s in slices], message.payload if message is not None else None])
-                    transport._send(self.sock, Kind.BATCH, batch_id, count, var)
-                elif kind == Kind.SUMS:
-                    # Reading message.checksums waits for the hashes, computed while the data went out.
-                    checksums = list(body.checksums) if body is not None else []
-                    transport._send(self.sock, Kind.SUMS, batch_id, 0, _encode(checksums))
-                elif kind == Kind.READ:
-                    transport._send(self.sock, Kind.READ, batch_id, 0, _encode(body))
-                elif kind == Kind.MSG:
-                    transport._send(self.sock, Kind.MSG, batch_id, 0, bytes(body))
-        except HandshakeError as exc:
-            link.fail(TransferError(f"{link.peer} at {link.address} refused the handshake: {exc}"))
-        except TransferError as exc:  # a local region vanished under a queued frame
-            link.fail(exc)
-        except (OSError, ValueError) as exc:
-            link.fail(TransferError(f"sending to {link.peer} at {link.address} failed: {exc}"))
-        except Exception as exc:  # e.g. the checksums failed: never leave batches hanging
-            link.fail(TransferError(f"sending to {link.peer} failed: {type(exc).__name__}: {exc}"))
-
-    def _read_loop(self) -> None:
-        link, transport, sock = self.link, self.link.transport, self.sock
-        timeout = transport._config.timeout_s
-        # The socket's own timeout (set in _connect, shared with the sender thread's sendall) bounds
-        # a frame in progress; idle waits poll instead, so they never shorten the sender's timeout.
-        prefix = bytearray(ENGINE_PREFIX_SIZE)
-        try:
-            while link.failed is None:
-                if not select.select([sock], [], [], min(1.0, timeout))[0]:
-                    if link.busy() and link.silent_for() > timeout:
-                        raise TransferError(f"{link.peer} at {link.address} silent for {timeout} s")
-                    continue
-                recv_into_views(sock, [memoryview(prefix)])
-                kind, var_len, batch_id, arg, payload_len = decode_engine_prefix(prefix)
-                var = bytes(recv_exactly(sock, var_len)) if var_len else b""
-                link.heard()
-                if kind == Kind.ACK:
-                    link.on_ack(batch_id, var)
-                elif kind in (Kind.READ_DATA, Kind.READ_ERR):
-                    self._on_read_reply(kind, batch_id, arg, var, payload_len)
-                else:
-                    raise WireError(f"unexpected frame kind {kind} from a server")
-                transport.stats_counter.moved(received=ENGINE_PREFIX_SIZE + var_len + payload_len)
-        except TransferError as exc:
-            link.fail(exc)
-        except (OSError, ValueError) as exc:
-            link.fail(TransferError(f"connection to {link.peer} at {link.address} lost: {exc}"))
-
-    def _on_read_reply(self, kind: int, batch_id: int, index: int, var: bytes, payload_len: int) -> None:
-        link = self.link
-        read = link.reads.get(batch_id)
-        if kind == Kind.READ_ERR:
-            if read is not None:
-                read.batch.complete(TransferError(f"{link.peer} refused the read: {var.decode(errors='replace')}"))
-            return
-        views = read.frames[index] if read is not None and index < len(read.frames) else None
-        if views is None or read.batch.done() or sum(v.nbytes for v in views) != payload_len:
-            _drain(self.sock, payload_len)  # a batch that timed out: its memory is no longer ours to fill
-            return
-        recv_into_views(self.sock, views)
-        with link.lock:
-            read.remaining -= 1
-            finished = read.remaining == 0
-        if finished:
-            read.batch.complete(None)
-
-
-def _shutdown(sock: socket.socket) -> None:
-    try:
-        sock.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass
-    try:
-        sock.close()
-    except OSError:
-        pass

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from messenger.api import ChecksumError, Slice, TransferError
-from messenger.engine import EngineConfig, PendingMessage, TransferEngine
+from messenger.engine import EngineConfig, TransferEngine
+from messenger.integrity import PendingMessage
 
 MiB = 1 << 20
 

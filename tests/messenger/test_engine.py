@@ -11,7 +11,8 @@ import pytest
 import xxhash
 
 from messenger.api import ChecksumError, NoTransport, PeerInfo, Slice, TransferError
-from messenger.engine import EngineConfig, PendingMessage, TransferEngine
+from messenger.engine import EngineConfig, TransferEngine
+from messenger.integrity import PendingMessage
 from messenger.wire import ENGINE_PREFIX_SIZE
 from tests.messenger.engine_pair import make_pair, pair  # noqa: F401 (fixture)
 
@@ -177,7 +178,7 @@ def test_32_concurrent_batches_on_32_threads_do_not_mix(pair):
 
 @pytest.mark.parametrize("size", [4096, 4 * MiB, 12 * MiB])
 def test_checksums_are_computed_off_the_callers_thread(pair, monkeypatch, size):
-    import messenger.engine as engine_module
+    import messenger.integrity as engine_module
 
     hashed_on = []
     real = engine_module.slice_checksums
@@ -284,7 +285,7 @@ def test_stats_count_bytes_batches_and_failures(pair):
 
 
 def test_digest_helper_agrees_with_xxh3():
-    from messenger.engine import slice_checksums
+    from messenger.integrity import slice_checksums
 
     data = np.arange(1000, dtype=np.uint8)
     assert slice_checksums([memoryview(data)[:10], memoryview(data)]) == (

@@ -16,7 +16,7 @@ import xxhash
 
 from messenger.api import ChecksumError, Slice, TransferError
 from messenger.engine import EngineConfig
-from messenger.tcp_transport import MAX_FRAME_BYTES, MAX_FRAME_SEGMENTS, MIN_FRAME_BYTES, plan_frames
+from messenger.tcp_link import MAX_FRAME_BYTES, MAX_FRAME_SEGMENTS, MIN_FRAME_BYTES, plan_frames
 from tests.messenger.engine_pair import make_pair
 from tests.messenger.engine_peer import RANGE, REGION, PeerProcess
 
