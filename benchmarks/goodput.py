@@ -98,7 +98,22 @@ def report(results: dict[str, dict], args: argparse.Namespace) -> str:
                          and by_rate[r][peer]["goodput"] > 0), default=None)
             lines.append(f"ours vs {peer}: SLO capacity {ratio(caps['ours'], caps[peer])}; lowest goodput ratio "
                          f"over the rates {'n/a' if worst is None else f'{worst:.2f}x'}")
+        lines += calibration_lines(results["ours"]["summaries"], args.ttft_slo)
     return "\n".join(lines)
+
+
+def calibration_lines(summaries: list[dict], ttft_slo: float) -> list[str]:
+    """Ours only: how measured TTFT compares with what the conductor predicted (after the
+    warm-up; 0.85-1.15 is #12's goal), and refusals at rates where served TTFT p99 stayed under
+    half the SLO (spurious: #12 asks for none)."""
+    out = []
+    for s in summaries:
+        r, p99 = s.get("ttft_over_predicted") or {}, s["ttft_s"]["p99"]
+        calibrated = f"p50 {r['p50']:.2f} (p10 {r['p10']:.2f}, p90 {r['p90']:.2f}, {r['n']} requests)" if r else "n/a"
+        spurious = s["refused"] if p99 is not None and p99 < ttft_slo / 2 else 0
+        out.append(f"ours at {s['offered_rate']:g} req/s: measured / predicted TTFT {calibrated}; "
+                   f"served TTFT p99 {'-' if p99 is None else f'{p99:.2f} s'}, refusals under half the SLO: {spurious}")
+    return out
 
 
 def plot(results: dict[str, dict], path: Path, args: argparse.Namespace) -> None:

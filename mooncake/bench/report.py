@@ -27,6 +27,10 @@ def table(summaries: list[RateSummary], capacity: float | None, target: float) -
     cap = "none" if capacity is None else f"{capacity:.3g} req/s"
     lines.append(f"SLO capacity (highest offered rate with attainment >= {target:.0%}): {cap}")
     for s in summaries:
+        if s.ttft_over_predicted:
+            r = s.ttft_over_predicted
+            lines.append(f"at {s.offered_rate:.3g} req/s measured / predicted TTFT (server's scheduler, "
+                         f"{r['n']} requests): p10 {r['p10']:.2f}, p50 {r['p50']:.2f}, p90 {r['p90']:.2f}")
         if s.short_outputs:
             lines.append(f"note: at {s.offered_rate:.3g} req/s {s.short_outputs} outputs were shorter than max_tokens")
         if s.max_send_lag_s > 0.1:

@@ -18,6 +18,8 @@ from tqdm import tqdm
 
 from mooncake.bench.stats import ERROR, OK, REFUSED, RequestRecord
 
+PREDICTED_TTFT_HEADER = "x-mooncake-predicted-ttft-ms"
+
 
 class EndpointError(RuntimeError):
     """The endpoint is down, refuses, or does not serve the model: nothing was measured."""
@@ -77,6 +79,16 @@ def retry_after_s(headers) -> float | None:
         return None
 
 
+def predicted_ttft_s(headers) -> float | None:
+    """The TTFT the server's scheduler predicted (our conductor's x-mooncake-predicted-ttft-ms);
+    None from a server that does not say."""
+    value = headers.get(PREDICTED_TTFT_HEADER) if headers is not None else None
+    try:
+        return float(value) / 1000 if value else None
+    except ValueError:
+        return None
+
+
 async def send_one(client: AsyncOpenAI, opts: ClientOptions, prompt: str | list[int], rec: RequestRecord,
                    t0: float) -> None:
     """Send one request (retrying after 429 if asked) and fill `rec`; never raises."""
@@ -87,9 +99,11 @@ async def send_one(client: AsyncOpenAI, opts: ClientOptions, prompt: str | list[
     while True:
         rec.attempts += 1
         try:
-            stream = await client.completions.create(
+            raw = await client.completions.with_raw_response.create(
                 model=opts.model, prompt=prompt, max_tokens=rec.max_tokens, temperature=opts.temperature,
                 stream=True, stream_options={"include_usage": True}, extra_body=extra)
+            rec.predicted_ttft_s = predicted_ttft_s(raw.headers)
+            stream = raw.parse()
             text_chunks, usage_tokens = 0, None
             async for chunk in stream:
                 if chunk.choices and chunk.choices[0].text:

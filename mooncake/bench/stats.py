@@ -36,10 +36,20 @@ class RequestRecord:
     error: str = ""
     attempts: int = 0
     warmup: bool = False
+    predicted_ttft_s: float | None = None
+    """What the server's scheduler predicted this TTFT would be, when it says (our conductor does)."""
 
     @property
     def ttft_s(self) -> float | None:
         return self.first_token_s - self.sent_s if self.status == OK and self.first_token_s is not None else None
+
+    @property
+    def ttft_over_predicted(self) -> float | None:
+        """Measured / predicted TTFT of a completed request the server predicted (1: exact)."""
+        ttft = self.ttft_s
+        if ttft is None or not self.predicted_ttft_s:
+            return None
+        return ttft / self.predicted_ttft_s
 
     @property
     def mean_tbt_s(self) -> float | None:
@@ -100,6 +110,9 @@ class RateSummary:
     max_send_lag_s: float
     """Largest delay of a send past its schedule: large values mean the client, not the
     server, set the pace."""
+    ttft_over_predicted: dict = field(default_factory=dict)
+    """Percentiles of measured / predicted TTFT over completed requests the server predicted
+    (empty: it predicted none); p50 near 1 means its scheduler's predictions are calibrated."""
 
 
 def summarize(records: list[RequestRecord], offered_rate: float, ttft_slo_s: float,
@@ -119,7 +132,13 @@ def summarize(records: list[RequestRecord], offered_rate: float, ttft_slo_s: flo
         goodput=good / duration if duration > 0 else 0.0,
         short_outputs=sum(r.tokens < r.max_tokens for r in done),
         max_send_lag_s=max((r.sent_s - r.scheduled_s for r in records if not math.isnan(r.sent_s)), default=0.0),
+        ttft_over_predicted=_ratio_percentiles([r.ttft_over_predicted for r in done]),
     )
+
+
+def _ratio_percentiles(ratios: list[float | None]) -> dict:
+    known = [r for r in ratios if r is not None]
+    return {"n": len(known), **percentiles(known, (10, 50, 90))} if known else {}
 
 
 def slo_capacity(summaries: list[RateSummary], target: float) -> float | None:

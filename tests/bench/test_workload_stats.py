@@ -158,3 +158,22 @@ def test_slo_capacity_is_the_highest_rate_meeting_the_target():
 def test_trace_error_is_the_base_class_the_simulator_uses():
     from conductor.sim.trace import TraceError as SimTraceError
     assert SimTraceError is TraceError and issubclass(workload.PromptsFileError, TraceError)
+
+
+def test_measured_over_predicted_ttft_covers_completed_requests_the_server_predicted():
+    records = [rec(0, ttft=0.5), rec(1, ttft=1.0), rec(2, ttft=3.0), rec(3, status=REFUSED), rec(4, ttft=9.0)]
+    for r, predicted in zip(records, (1.0, 1.0, 2.0, 1.0, None)):  # the last: a server that said nothing
+        r.predicted_ttft_s = predicted
+    assert [r.ttft_over_predicted for r in records] == [pytest.approx(0.5), pytest.approx(1.0),
+                                                        pytest.approx(1.5), None, None]
+    ratio = summarize(records, 1.0, 10.0, 1.0).ttft_over_predicted
+    assert ratio == {"n": 3, **percentiles([0.5, 1.0, 1.5], (10, 50, 90))}
+    assert summarize([rec(0, ttft=0.5)], 1.0, 1.0, 1.0).ttft_over_predicted == {}
+
+
+def test_the_predicted_ttft_header_is_read_in_seconds():
+    from mooncake.bench.runner import predicted_ttft_s
+
+    assert predicted_ttft_s({"x-mooncake-predicted-ttft-ms": "2500"}) == pytest.approx(2.5)
+    assert predicted_ttft_s({"x-mooncake-predicted-ttft-ms": "soon"}) is None
+    assert predicted_ttft_s({}) is None and predicted_ttft_s(None) is None

@@ -26,3 +26,9 @@ def test_bench_measures_the_spine_cluster(spine_cluster, tmp_path):
     assert 0 <= s["attainment"] <= 1 and s["duration_s"] > 0
     assert s["goodput"] == pytest.approx(s["attainment"] * 4 / s["duration_s"])
     assert doc["slo_capacity"] in (None, 20)
+    # Our conductor says what it predicted; bench reports how measured TTFT compares with it.
+    assert all(r["predicted_ttft_s"] > 0 for r in reqs)
+    ratio = s["ttft_over_predicted"]
+    assert ratio["n"] == 4 and ratio["p10"] <= ratio["p50"] <= ratio["p90"]
+    ratios = sorted(r["ttft_s"] / r["predicted_ttft_s"] for r in reqs)
+    assert ratio["p50"] == pytest.approx((ratios[1] + ratios[2]) / 2)
