@@ -93,8 +93,11 @@ def cluster(model_path, tmp_path_factory):
     c = EtcdCluster(etcd, model_path, workdir)
     try:
         # A generous TTFT SLO: these tests are about routing and failures on two shared cores;
-        # refusals under the SLO have their own test with a strict conductor.
-        c.conductor = c.start_conductor("--ttft-slo", "600")
+        # refusals under the SLO have their own test with a strict conductor. Never prefilled on
+        # the decode worker: it holds every prompt it decoded too (the KV pushed to it), so a
+        # prompt whose uncached tail is short is rightly served there whichever prefill worker
+        # holds its prefix (conditional disaggregation, tested in tests/core and tests/e2e).
+        c.conductor = c.start_conductor("--ttft-slo", "600", "--no-conditional-disaggregation")
         for name in (*PREFILLS, "decode-a"):
             c.start_worker(name)
         wait_http(c.conductor, f"http://127.0.0.1:{c.port}/health", 400)
