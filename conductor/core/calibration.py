@@ -122,9 +122,21 @@ class Calibration:
         return cal
 
     def scales(self, instance_id: str) -> tuple[float, float]:
-        """(prefill scale, decode-step scale); (1, 1), the prior, for an instance not seen yet."""
+        """(prefill scale, decode-step scale). A fit with no sample yet is priced optimistically:
+        the cluster's scale (the geometric mean of the measured instances') when that is below 1,
+        else the prior's 1. Without that, an instance the scheduler has not tried keeps the
+        prior's (pessimistic) price, loses every request to the ones measured faster, and is never
+        measured; and when the measured ones are slow, the untried one is still tried first."""
         cal = self._instances.get(instance_id)
-        return (1.0, 1.0) if cal is None else (cal.prefill.scale, cal.decode_step.scale)
+        own = (cal.prefill, cal.decode_step) if cal is not None else (None, None)
+        return tuple(fit.scale if fit is not None and fit.samples else self._pooled(i)
+                     for i, fit in enumerate(own))  # type: ignore[return-value]
+
+    def _pooled(self, which: int) -> float:
+        """0: prefill, 1: decode step."""
+        logs = [math.log((c.prefill, c.decode_step)[which].scale) for c in self._instances.values()
+                if (c.prefill, c.decode_step)[which].samples]
+        return min(1.0, math.exp(sum(logs) / len(logs))) if logs else 1.0
 
     def retain(self, instance_ids: set[str] | frozenset[str]) -> None:
         """Forget the instances not in instance_ids (they left the pool)."""

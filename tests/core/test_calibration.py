@@ -57,13 +57,16 @@ def test_instances_are_isolated_and_dropped_when_they_leave():
     cal = Calibration(EST, CalibrationConfig(prior_weight=0))
     cal.instance("slow").observe_decode_step(4, 400, 3 * EST.tbt_s(4, 400))
     assert cal.scales("slow") == (1.0, pytest.approx(3.0))
-    assert cal.scales("other") == (1.0, 1.0)
+    assert cal.scales("other") == (1.0, 1.0)  # not measured yet: the better of the prior and the cluster's
     assert isinstance(cal.instance("slow").decode_model(), DecodeModel)
     assert set(cal.describe()) == {"slow"}  # scales() of an unseen instance creates nothing
     cal.instance("other")  # first sight
     assert set(cal.describe()) == {"slow", "other"}
     cal.retain({"other"})
     assert set(cal.describe()) == {"other"} and cal.scales("slow") == (1.0, 1.0)
+    cal.instance("fast").observe_decode_step(4, 400, 0.1 * EST.tbt_s(4, 400))
+    cal.instance("slow").observe_decode_step(4, 400, 3 * EST.tbt_s(4, 400))
+    assert cal.scales("other") == (1.0, pytest.approx((3.0 * 0.1) ** 0.5))  # the cluster's, below 1
 
 
 def test_a_slow_instance_is_priced_slower_and_loses_the_request():
@@ -99,3 +102,31 @@ def test_decode_steps_are_priced_with_the_instance_scale():
     slow = replace(busy, decode_scale=2.0)
     refused = sched.schedule(request(100), state(prefill("p1"), slow), 0.0)
     assert refused.reason == "tbt_slo" and refused.predicted_tbt_s == pytest.approx(2 * admitted.predicted_tbt_s)
+
+
+def test_an_unmeasured_instance_borrows_the_measured_ones_scale_until_it_has_its_own():
+    cal = Calibration(EST, CalibrationConfig(prior_weight=0))
+    assert cal.scales("p1") == (1.0, 1.0)  # nothing measured: the prior
+    cal.instance("d1").observe_prefill(1000, 0, 0.5 * EST.prefill_s(1000, 0))
+    cal.instance("d2").observe_prefill(1000, 0, 0.8 * EST.prefill_s(1000, 0))
+    pooled = (0.5 * 0.8) ** 0.5
+    # p1 is priced like its measured peers, not at the prior that would make it lose every request.
+    assert cal.scales("p1") == (pytest.approx(pooled), 1.0)
+    cal.instance("p1")  # seen, still no sample
+    assert cal.scales("p1") == (pytest.approx(pooled), 1.0)
+    cal.instance("p1").observe_prefill(1000, 0, 2.0 * EST.prefill_s(1000, 0))
+    assert cal.scales("p1")[0] == pytest.approx(2.0)  # its own measurement wins
+    assert cal.scales("d1") == (pytest.approx(0.5), 1.0)
+
+
+def test_an_unmeasured_prefill_instance_wins_a_long_prompt_when_the_decode_one_measured_fast():
+    """The live failure this guards against: the decode instance prefilled short prompts (conditional
+    disaggregation) and measured faster than the prior; the prefill instance, never tried, kept
+    the prior's price and so lost long prompts too."""
+    sched = scheduler(ttft_slo_s=100.0)
+    cal = Calibration(EST, CalibrationConfig(prior_weight=0))
+    for prompt in (100, 200, 300):
+        cal.instance("d1").observe_prefill(prompt, 0, 0.7 * EST.prefill_s(prompt, 0))
+    snapshot = state(replace(prefill("p1"), prefill_scale=cal.scales("p1")[0]),
+                     replace(decode("d1"), prefill_scale=cal.scales("d1")[0]))
+    assert sched.schedule(request(2000), snapshot, 0.0).prefill_instance == "p1"
