@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -76,19 +77,27 @@ class ScaleFit:
 class InstanceCalibration:
     """One instance's prefill and decode-step fits against the scheduler's prior."""
 
-    __slots__ = ("prior", "prefill", "decode_step")
+    __slots__ = ("prior", "prefill", "decode_step", "_on_change")
 
-    def __init__(self, prior: Estimators, config: CalibrationConfig) -> None:
+    def __init__(self, prior: Estimators, config: CalibrationConfig,
+                 on_change: Callable[[], None] | None = None) -> None:
         self.prior = prior
         self.prefill = ScaleFit(config)
         self.decode_step = ScaleFit(config)
+        self._on_change = on_change
+        """Called after a sample moved a scale (the cluster's pooled scales are then stale)."""
 
     def observe_prefill(self, prompt_tokens: int, cached_tokens: int, measured_s: float) -> bool:
         cached = min(max(cached_tokens, 0), prompt_tokens)
-        return self.prefill.add(measured_s, self.prior.prefill_s(prompt_tokens, cached))
+        return self._changed(self.prefill.add(measured_s, self.prior.prefill_s(prompt_tokens, cached)))
 
     def observe_decode_step(self, batch_size: int, kv_tokens: int, measured_s: float) -> bool:
-        return self.decode_step.add(measured_s, self.prior.tbt_s(max(batch_size, 1), max(kv_tokens, 0)))
+        return self._changed(self.decode_step.add(measured_s, self.prior.tbt_s(max(batch_size, 1), max(kv_tokens, 0))))
+
+    def _changed(self, added: bool) -> bool:
+        if added and self._on_change is not None:
+            self._on_change()
+        return added
 
     def prefill_model(self) -> PrefillModel:
         m, s = self.prior.prefill, self.prefill.scale
@@ -114,11 +123,14 @@ class Calibration:
         self.prior = prior
         self.config = config or CalibrationConfig()
         self._instances: dict[str, InstanceCalibration] = {}
+        self._pooled: tuple[float, float] | None = None
+        """(prefill, decode step) for instances not measured yet; None: to be recomputed. Cached
+        because the router reads every instance's scales for every request."""
 
     def instance(self, instance_id: str) -> InstanceCalibration:
         cal = self._instances.get(instance_id)
         if cal is None:
-            cal = self._instances[instance_id] = InstanceCalibration(self.prior, self.config)
+            cal = self._instances[instance_id] = InstanceCalibration(self.prior, self.config, self._invalidate)
         return cal
 
     def scales(self, instance_id: str) -> tuple[float, float]:
@@ -127,21 +139,22 @@ class Calibration:
         else the prior's 1. Without that, an instance the scheduler has not tried keeps the
         prior's (pessimistic) price, loses every request to the ones measured faster, and is never
         measured; and when the measured ones are slow, the untried one is still tried first."""
+        if self._pooled is None:
+            self._pooled = (_optimistic([c.prefill for c in self._instances.values()]),
+                            _optimistic([c.decode_step for c in self._instances.values()]))
         cal = self._instances.get(instance_id)
-        own = (cal.prefill, cal.decode_step) if cal is not None else (None, None)
-        return tuple(fit.scale if fit is not None and fit.samples else self._pooled(i)
-                     for i, fit in enumerate(own))  # type: ignore[return-value]
+        prefill = cal.prefill.scale if cal is not None and cal.prefill.samples else self._pooled[0]
+        decode = cal.decode_step.scale if cal is not None and cal.decode_step.samples else self._pooled[1]
+        return prefill, decode
 
-    def _pooled(self, which: int) -> float:
-        """0: prefill, 1: decode step."""
-        logs = [math.log((c.prefill, c.decode_step)[which].scale) for c in self._instances.values()
-                if (c.prefill, c.decode_step)[which].samples]
-        return min(1.0, math.exp(sum(logs) / len(logs))) if logs else 1.0
+    def _invalidate(self) -> None:
+        self._pooled = None
 
     def retain(self, instance_ids: set[str] | frozenset[str]) -> None:
         """Forget the instances not in instance_ids (they left the pool)."""
         for gone in self._instances.keys() - instance_ids:
             del self._instances[gone]
+        self._invalidate()
 
     def items(self) -> list[tuple[str, InstanceCalibration]]:
         return sorted(self._instances.items())
@@ -149,3 +162,8 @@ class Calibration:
     def describe(self) -> dict[str, Any]:
         return {name: cal.describe() for name, cal in self.items()}
 
+
+def _optimistic(fits: list[ScaleFit]) -> float:
+    """The geometric mean of the measured fits' scales if below 1, else the prior's 1."""
+    logs = [math.log(f.scale) for f in fits if f.samples]
+    return min(1.0, math.exp(sum(logs) / len(logs))) if logs else 1.0
