@@ -35,6 +35,7 @@ class RelayStats:
     prefill_instance: str = ""  # where the prompt was computed
     computed_cached_tokens: int = 0  # prompt tokens prefill_instance did not compute
     prefill_s: float | None = None  # prefill_instance's time for the prompt (None: not measured)
+    prefill_concurrent: int | None = None  # other prompts it computed meanwhile (0: a calibration sample)
     decode_step_s: float | None = None  # decode_instance's mean step (None: fewer than 2 tokens there)
     # n > 1: the prompt tokens each further sample found cached on the decode worker (its prefix
     # cache holds the KV the first sample loaded), in the order they started.
@@ -70,7 +71,7 @@ class Relay:
             if chunk.num_cached_tokens is not None:
                 stats.prefill_cached_tokens = stats.computed_cached_tokens = chunk.num_cached_tokens
             if chunk.prefill_s is not None:
-                stats.prefill_s = chunk.prefill_s
+                stats.prefill_s, stats.prefill_concurrent = chunk.prefill_s, chunk.prefill_concurrent
             first = joined(first, chunk)
         pull = PullParams(transfer_id=request_id, num_tokens=len(prompt), wait_timeout_s=self._kv_wait_timeout_s)
         if first.kv_error is not None:  # the KV did not land: D computes the prompt, waiting for nothing
@@ -177,7 +178,7 @@ class Relay:
                         # Colocated: this worker computed the prompt too. (A retry's prompt ran
                         # elsewhere than prefill_instance, so it is not counted.)
                         stats.computed_cached_tokens = stats.decode_cached_tokens or 0
-                        stats.prefill_s = chunk.prefill_s
+                        stats.prefill_s, stats.prefill_concurrent = chunk.prefill_s, chunk.prefill_concurrent
                     yield chunk
                 return
             except RequestRefused:  # any other worker would refuse it too

@@ -70,6 +70,9 @@ class GenerateChunk(msgspec.Struct, frozen=True, omit_defaults=True):
     # with them; see conductor/core/calibration.py). Seconds.
     queued_s: float | None = None  # waiting before first scheduled
     prefill_s: float | None = None  # first scheduled to first token: the prompt, all its chunks
+    # Other prompts this engine was computing during that prefill (mooncake/engine/prefill_overlap.py):
+    # prefill_s is a calibration sample only when this is 0. None: not counted.
+    prefill_concurrent: int | None = None
     decode_step_s: float | None = None  # mean time per generated token after the first
     # Only when the request asked for them (omitted otherwise: no wire cost). One entry per
     # token in token_ids; the prompt's (None for its first token) on the line(s) where vLLM

@@ -43,6 +43,7 @@ from mooncake.protocol import (ABORT_DECODER, DROP_DECODER, REQUEST_DECODER, Bad
                                GenerateRequest, encode_chunk_line, parse_push)
 from mooncake.engine.config import WorkerConfig
 from mooncake.engine.engine import build_engine, kv_capacity_tokens, refusal, run_request
+from mooncake.engine.prefill_overlap import PrefillOverlap
 from mooncake.engine.kv_events import BlockEventLog, BlockHashTranslator, KVEventSubscriber
 
 POOL_TIERS = ("dram", "ssd")  # the pool's tiers, as its events name them (store/events.py)
@@ -74,6 +75,7 @@ class WorkerState:
     register_task: asyncio.Task | None = None
     engine_error: str | None = None
     in_flight: dict[str, InFlight] = field(default_factory=dict)
+    prefills: PrefillOverlap = field(default_factory=PrefillOverlap)  # prompts the engine computes at once
     metrics: WorkerMetrics = field(default_factory=WorkerMetrics)
     drain: Drain = field(default_factory=Drain)
     pool: object | None = None  # this node's KVCache pool service (store/service.py), if any
@@ -243,7 +245,7 @@ async def _stream(state: WorkerState, gen: GenerateRequest):
     sent = False
     try:
         push = _push_of(gen)
-        async for chunk in run_request(state.engine, gen):
+        async for chunk in run_request(state.engine, gen, state.prefills):
             sent = True
             if push is not None and chunk.finish_reason is not None:
                 # The answer must mean "the KV has landed": the connector pushes without holding

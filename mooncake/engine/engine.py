@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
@@ -10,7 +11,8 @@ from mooncake.auth import kv_key
 from mooncake.control import ControlEndpoint
 from mooncake.engine.config import WorkerConfig
 from mooncake.engine.kv_events import publisher_endpoint
-from mooncake.protocol import GenerateChunk, GenerateRequest
+from mooncake.engine.prefill_overlap import PrefillOverlap
+from mooncake.protocol import CONSUMER_KEY, GenerateChunk, GenerateRequest
 
 if TYPE_CHECKING:
     from vllm.v1.engine.async_llm import AsyncLLM
@@ -138,31 +140,47 @@ def position_logprobs(position) -> list[tuple[int, float, int]]:
     return [(token, max(lp.logprob, -9999.0), lp.rank) for token, lp in position.items()]
 
 
-async def run_request(engine: "AsyncLLM", request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
+async def run_request(engine: "AsyncLLM", request: GenerateRequest,
+                      overlap: PrefillOverlap | None = None) -> AsyncIterator[GenerateChunk]:
     """Yields token deltas. Closing the iterator early aborts the request inside vLLM. The last
-    chunk carries the engine's measured times (see measured_times)."""
+    chunk carries the engine's measured times (see measured_times) and, with `overlap` (the
+    engine's record of prompts in prefill), how many other prompts were computed meanwhile."""
+    rid = request.request_id
+    # A prompt whose KV is pulled from a prefill worker is loaded, not computed here.
+    computes = overlap is not None and CONSUMER_KEY not in (request.kv_transfer_params or {})
+    if computes:
+        overlap.submitted(rid, time.monotonic())
     first = True
-    async for output in engine.generate(
-        {"prompt_token_ids": request.prompt_token_ids}, sampling_params(request), request.request_id
-    ):
-        completion = output.outputs[0]
-        times = measured_times(output.metrics) if output.finished else {}
-        logprobs = None
-        if request.sampling.logprobs is not None:
-            logprobs = [position_logprobs(p) for p in completion.logprobs or ()]
-        prompt_logprobs = None
-        # In DELTA mode vLLM hands each part of the prompt's logprobs out once (with a chunked
-        # prompt, possibly over several outputs); the conductor concatenates them.
-        if request.sampling.prompt_logprobs is not None and output.prompt_logprobs:
-            prompt_logprobs = [None if p is None else position_logprobs(p) for p in output.prompt_logprobs]
-        yield GenerateChunk(
-            token_ids=list(completion.token_ids),
-            finish_reason=completion.finish_reason if output.finished else None,
-            num_cached_tokens=output.num_cached_tokens if first else None,
-            logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-            **times,
-        )
-        first = False
+    try:
+        async for output in engine.generate(
+            {"prompt_token_ids": request.prompt_token_ids}, sampling_params(request), rid
+        ):
+            if first and computes:
+                overlap.first_output(rid, time.monotonic())
+            completion = output.outputs[0]
+            times = measured_times(output.metrics) if output.finished else {}
+            window = prefill_window(output.metrics) if output.finished and overlap is not None else None
+            if window is not None:
+                times["prefill_concurrent"] = overlap.others(rid, *window)
+            logprobs = None
+            if request.sampling.logprobs is not None:
+                logprobs = [position_logprobs(p) for p in completion.logprobs or ()]
+            prompt_logprobs = None
+            # In DELTA mode vLLM hands each part of the prompt's logprobs out once (with a chunked
+            # prompt, possibly over several outputs); the conductor concatenates them.
+            if request.sampling.prompt_logprobs is not None and output.prompt_logprobs:
+                prompt_logprobs = [None if p is None else position_logprobs(p) for p in output.prompt_logprobs]
+            yield GenerateChunk(
+                token_ids=list(completion.token_ids),
+                finish_reason=completion.finish_reason if output.finished else None,
+                num_cached_tokens=output.num_cached_tokens if first else None,
+                logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                **times,
+            )
+            first = False
+    finally:
+        if computes:  # it ended before its first output (an abort, an error): its span ends now
+            overlap.first_output(rid, time.monotonic())
 
 
 def refusal(exc: BaseException) -> str | None:
@@ -194,6 +212,14 @@ def measured_times(stats) -> dict[str, float]:
     if n >= 2 and first > 0 and last > first:
         times["decode_step_s"] = (last - first) / (n - 1)
     return times
+
+
+def prefill_window(stats) -> tuple[float, float] | None:
+    """(first scheduled, first token) on the engine's monotonic clock (the host's CLOCK_MONOTONIC,
+    which this process shares), or None where vLLM did not record them."""
+    scheduled = getattr(stats, "scheduled_ts", 0.0)
+    first = getattr(stats, "first_token_ts", 0.0)
+    return (scheduled, first) if scheduled > 0 and first > scheduled else None
 
 
 def kv_capacity_tokens(engine: "AsyncLLM") -> tuple[int, int]:

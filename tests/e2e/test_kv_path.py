@@ -74,6 +74,7 @@ def test_32_concurrent_requests_interleave_without_mixing(spine_cluster, disaggr
     reference = [complete(colocated_server, p, 6).json()["choices"][0]["text"] for p in prompts]
     decode = spine_cluster.worker_urls["decode"]
     before = kv_stats(decode, spine_cluster.internal_headers)["stats"]
+    samples_before = prefill_samples(disaggregated_api, spine_cluster.internal_headers)
 
     async def run():
         client = openai.AsyncOpenAI(base_url=disaggregated_api, api_key="unused", max_retries=0, timeout=600)
@@ -91,6 +92,14 @@ def test_32_concurrent_requests_interleave_without_mixing(spine_cluster, disaggr
     after = kv_stats(decode, spine_cluster.internal_headers)["stats"]
     assert after["loaded_transfers"] - before["loaded_transfers"] == 32
     assert after["load_failures"] == before["load_failures"]
+    # Prompts computed together measure the burst, not P's speed: they do not calibrate it.
+    assert prefill_samples(disaggregated_api, spine_cluster.internal_headers) - samples_before < 32
+
+
+def prefill_samples(api: str, headers: dict) -> int:
+    """Prefill calibration samples the conductor behind `api` has taken, over all instances."""
+    body = httpx.get(api.removesuffix("/v1") + "/internal/debug/estimators", headers=headers, timeout=10).json()
+    return sum(fits["prefill"]["samples"] for fits in body["instances"].values())
 
 
 def test_blocks_the_decode_worker_holds_are_not_sent(spine_cluster, disaggregated_api, colocated_server, model_path):

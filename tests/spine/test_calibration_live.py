@@ -34,15 +34,16 @@ class MeasuringClient:
     """Stands in for WorkerClient: 8 tokens per request, the last chunk carrying the measured
     prefill time (times `slow` on the named instances) and decode step."""
 
-    def __init__(self, slow: dict[str, float] | None = None):
+    def __init__(self, slow: dict[str, float] | None = None, concurrent: int = 0):
         self.slow = slow or {}
+        self.concurrent = concurrent  # other prompts each prefill shared the engine with
 
     async def generate(self, handle, request):
         n = request.sampling.max_tokens
         k = self.slow.get(handle.name, 1.0)
         yield GenerateChunk([1], num_cached_tokens=0)
         await asyncio.sleep(0)
-        times = {"prefill_s": PREFILL_S * k, "queued_s": 0.001}
+        times = {"prefill_s": PREFILL_S * k, "queued_s": 0.001, "prefill_concurrent": self.concurrent}
         if n >= 2:
             times["decode_step_s"] = STEP_S * k
         yield GenerateChunk([2] * (n - 1), finish_reason="length", **times)
@@ -90,6 +91,17 @@ def test_a_colocated_request_feeds_both_on_the_one_instance():
     assert asyncio.run(complete(service, 300)).status_code == 200
     d1 = service.router.calibration.instance("d1")
     assert (d1.prefill.samples, d1.decode_step.samples) == (1, 1)
+
+
+def test_a_prefill_shared_with_other_prompts_is_not_a_sample():
+    # A burst's prompts reach their first token after each other's chunks: that time is the
+    # queue's (priced apart), not the hardware's. Decode steps still count.
+    service = service_for((("p1", "prefill"), ("d1", "decode")), MeasuringClient({"p1": 50.0}, concurrent=3))
+    r = service.router
+    for _ in range(3):
+        assert asyncio.run(complete(service, 2500)).status_code == 200
+    assert r.calibration.instance("p1").prefill.samples == 0 and r.calibration.scales("p1")[0] == 1.0
+    assert r.calibration.instance("d1").decode_step.samples == 3
 
 
 def test_a_slow_instance_is_calibrated_apart_then_avoided_and_forgotten_when_it_leaves():

@@ -52,7 +52,7 @@ def test_wait_idle_ends_when_the_last_request_ends_or_when_the_grace_does():
 
 
 def _worker(monkeypatch, release: asyncio.Event, drain_timeout_s: float):
-    async def held_run_request(engine, request):  # a request in flight until `release` is set
+    async def held_run_request(engine, request, overlap=None):  # a request in flight until `release` is set
         yield GenerateChunk([11], num_cached_tokens=0)
         await release.wait()
         yield GenerateChunk([12], finish_reason="length")

@@ -178,7 +178,7 @@ def _worker_app(monkeypatch, seen: list):
     from mooncake.control import ControlEndpoint
     from mooncake.engine.config import WorkerConfig
 
-    async def fake_run_request(engine, request):
+    async def fake_run_request(engine, request, overlap=None):
         seen.append(request)
         yield GenerateChunk([11], num_cached_tokens=0)
         yield GenerateChunk([12], finish_reason="length")

@@ -263,7 +263,7 @@ def refusing_worker_app(monkeypatch, seen: list):
     from mooncake.control import ControlEndpoint
     from mooncake.engine.config import WorkerConfig
 
-    async def fake_run_request(engine, request):
+    async def fake_run_request(engine, request, overlap=None):
         seen.append(request.request_id)
         if request.sampling.structured is not None:
             raise EngineGenerateError() from ValueError("Failed to transform regex into a grammar: (")

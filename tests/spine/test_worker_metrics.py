@@ -127,7 +127,7 @@ def test_route_without_a_connector_still_answers_without_kv_counters():
 
 @pytest.mark.parametrize("fail,outcome", [(False, "ok"), (True, "error")])
 def test_stream_records_tokens_first_token_and_outcome(monkeypatch, fail, outcome):
-    async def fake_run_request(engine, gen):
+    async def fake_run_request(engine, gen, overlap=None):
         yield GenerateChunk([11, 12])
         yield GenerateChunk([13], finish_reason=None if fail else "stop")
         if fail:
