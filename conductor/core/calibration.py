@@ -21,10 +21,11 @@ import math
 import statistics
 from collections import deque
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from conductor.core.estimators import DecodeModel, Estimators, PrefillModel
+from conductor.core.profile_table import ProfileTable
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,3 +168,38 @@ def _optimistic(fits: list[ScaleFit]) -> float:
     """The geometric mean of the measured fits' scales if below 1, else the prior's 1."""
     logs = [math.log(f.scale) for f in fits if f.samples]
     return min(1.0, math.exp(sum(logs) / len(logs))) if logs else 1.0
+
+
+def cluster_scales(estimators_doc: dict[str, Any]) -> tuple[float, float]:
+    """(prefill, decode step) scale of a live cluster, from a conductor's
+    `GET /internal/debug/estimators` answer (or its "instances" part): the geometric mean over the
+    instances measured for each kind; 1 (the prior) for a kind none was measured for."""
+    instances = estimators_doc.get("instances", estimators_doc)
+    if not isinstance(instances, dict):
+        raise ValueError("not a conductor's /internal/debug/estimators answer: no 'instances' object")
+
+    def mean(kind: str) -> float:
+        logs = []
+        for name, fits in instances.items():
+            try:
+                fit = fits[kind]
+                if fit["samples"] > 0:
+                    logs.append(math.log(float(fit["scale"])))
+            except (KeyError, TypeError, ValueError) as exc:
+                raise ValueError(f"instance {name!r}: no {kind} scale and samples ({exc})") from exc
+        return math.exp(sum(logs) / len(logs)) if logs else 1.0
+
+    return mean("prefill"), mean("decode_step")
+
+
+def fitted_profile(table: ProfileTable, prefill_scale: float, decode_scale: float) -> ProfileTable:
+    """The profile a live cluster's calibration amounts to: every prefill row's seconds times
+    prefill_scale and every decode row's step times decode_scale. The fits are linear in the
+    seconds, so estimators fitted from it are the calibrated ones (the simulator's input)."""
+    if not (0 < prefill_scale < math.inf and 0 < decode_scale < math.inf):
+        raise ValueError(f"scales must be positive, got {prefill_scale}, {decode_scale}")
+    return replace(
+        table, name=f"{table.name}-fitted",
+        prefill=tuple(replace(r, seconds=r.seconds * prefill_scale) for r in table.prefill),
+        decode=tuple(replace(r, step_seconds=r.step_seconds * decode_scale) for r in table.decode),
+        assumptions={**table.assumptions, "fitted_scales": {"prefill": prefill_scale, "decode_step": decode_scale}})

@@ -9,6 +9,7 @@ import sys
 
 from conductor.core.config import (PAPER_BLOCK_SIZE, PAPER_TBT_SLO_S, PAPER_TTFT_SLO_S, Admission, Policy,
                                     SchedulerConfig)
+from conductor.core.calibration import cluster_scales, fitted_profile
 from conductor.core.estimators import Estimators
 from conductor.core.profile_table import ProfileTable, load_profile
 from conductor.core.scheduler import Scheduler
@@ -17,6 +18,8 @@ from conductor.sim.engine import FLEXIBLE_ROLES_UNSUPPORTED, SimConfig, Simulati
 from conductor.sim.report import SimResult, summarize
 from conductor.sim.trace import TraceError, TraceRecord, block_count_mismatches, fitting_block_sizes, load_trace
 from mooncake.cli_help import DefaultsHelpFormatter
+
+DEFAULT_PROFILE = "paper-70b-8gpu"
 
 
 def simulate(trace: list[TraceRecord], sched: SchedulerConfig, profile: ProfileTable,
@@ -31,6 +34,20 @@ def simulate(trace: list[TraceRecord], sched: SchedulerConfig, profile: ProfileT
     sim_kwargs.update(sim_overrides)
     cost = CostModel(est, CostModelConfig(noise_sigma=noise_sigma, seed=seed))
     return Simulation(trace, Scheduler(sched, est), cost, SimConfig(**sim_kwargs)).run()
+
+
+def sim_profile(profile: str | None, fitted: pathlib.Path | None) -> ProfileTable:
+    """The --profile table, scaled by a live cluster's calibration when --fitted is given."""
+    if fitted is None:
+        return load_profile(profile or DEFAULT_PROFILE)
+    try:
+        doc = json.loads(fitted.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"--fitted {fitted}: not JSON ({exc})") from exc
+    if not isinstance(doc, dict):
+        raise ValueError(f"--fitted {fitted}: not a conductor's /internal/debug/estimators answer")
+    prefill_scale, decode_scale = cluster_scales(doc)
+    return fitted_profile(load_profile(profile or doc.get("profile") or DEFAULT_PROFILE), prefill_scale, decode_scale)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -61,9 +78,14 @@ def build_parser() -> argparse.ArgumentParser:
                     help="time-to-first-token SLO, seconds")
     ap.add_argument("--tbt-slo", type=float, default=PAPER_TBT_SLO_S, metavar="S",
                     help="time-between-tokens SLO, seconds")
-    ap.add_argument("--profile", default="paper-70b-8gpu", metavar="NAME|PATH",
+    ap.add_argument("--profile", default=None, metavar="NAME|PATH",
                     help="profile table the estimators and cost models are fitted from: a bundled name "
-                         "(paper-70b-8gpu) or a JSON path written by `mooncake profile`")
+                         "(paper-70b-8gpu) or a JSON path written by `mooncake profile` (default: "
+                         "paper-70b-8gpu; with --fitted, the profile that conductor runs)")
+    ap.add_argument("--fitted", type=pathlib.Path, default=None, metavar="FILE",
+                    help="a live conductor's GET /internal/debug/estimators answer, saved: replay with the "
+                         "profile scaled by what that cluster measured (the geometric mean of its instances' "
+                         "prefill and decode-step scales), to predict that cluster")
     ap.add_argument("--threshold", type=float, default=SchedulerConfig().kvcache_balancing_threshold, metavar="R",
                     help="kvcache_balancing_threshold: fetch a remote prefix when best_len/local_len >= R")
     ap.add_argument("--no-colocate", action="store_true",
@@ -126,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         trace = load_trace(args.trace)
-        profile = load_profile(args.profile)
+        profile = sim_profile(args.profile, args.fitted)
         sched = SchedulerConfig(policy=Policy(args.policy), admission=Admission(args.admission),
                                 block_size=args.block_size, ttft_slo_s=args.ttft_slo, tbt_slo_s=args.tbt_slo,
                                 kvcache_balancing_threshold=args.threshold,

@@ -130,3 +130,37 @@ def test_an_unmeasured_prefill_instance_wins_a_long_prompt_when_the_decode_one_m
     snapshot = state(replace(prefill("p1"), prefill_scale=cal.scales("p1")[0]),
                      replace(decode("d1"), prefill_scale=cal.scales("d1")[0]))
     assert sched.schedule(request(2000), snapshot, 0.0).prefill_instance == "p1"
+
+
+def test_cluster_scales_are_the_geometric_mean_of_the_measured_instances():
+    from conductor.core.calibration import cluster_scales
+
+    doc = {"profile": "x", "instances": {
+        "p1": {"prefill": {"scale": 0.5, "samples": 10}, "decode_step": {"scale": 1.0, "samples": 0}},
+        "p2": {"prefill": {"scale": 2.0, "samples": 3}, "decode_step": {"scale": 9.0, "samples": 0}},
+        "d1": {"prefill": {"scale": 7.0, "samples": 0}, "decode_step": {"scale": 0.8, "samples": 5}}}}
+    prefill, decode = cluster_scales(doc)
+    assert prefill == pytest.approx(1.0) and decode == pytest.approx(0.8)  # unmeasured fits are left out
+    assert cluster_scales({"instances": {}}) == (1.0, 1.0)
+    with pytest.raises(ValueError, match="p1"):
+        cluster_scales({"instances": {"p1": {"prefill": {"scale": 1.0}}}})
+    with pytest.raises(ValueError, match="instances"):
+        cluster_scales({"instances": [1, 2]})
+
+
+def test_a_fitted_profile_gives_the_calibrated_estimators():
+    from conductor.core.calibration import InstanceCalibration, fitted_profile
+    from conductor.core.estimators import Estimators
+    from conductor.core.profile_table import load_profile
+
+    table = load_profile("smollm2-135m-cpu")
+    prior = Estimators.from_profile(table)
+    fitted = Estimators.from_profile(fitted_profile(table, 0.6, 1.7))
+    cal = InstanceCalibration(prior, CalibrationConfig())
+    cal.prefill.scale, cal.decode_step.scale = 0.6, 1.7
+    for prompt, cached in ((500, 0), (3000, 1024), (8000, 0)):
+        assert fitted.prefill_s(prompt, cached) == pytest.approx(cal.prefill_model().seconds(prompt, cached), rel=1e-6)
+    for batch, kv in ((1, 1000), (16, 40_000)):
+        assert fitted.tbt_s(batch, kv) == pytest.approx(cal.decode_model().step_seconds(batch, kv), rel=1e-6)
+    with pytest.raises(ValueError):
+        fitted_profile(table, 0.0, 1.0)

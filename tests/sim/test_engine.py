@@ -268,3 +268,26 @@ def test_cli_can_ignore_pending_prefixes(tmp_path, capsys):
                      "--policy", "cache-aware", *flag]) == 0
         ttft.append(json.loads(capsys.readouterr().out)["mean_ttft_s"])
     assert ttft[0] != ttft[1]
+
+
+def test_cli_fitted_replays_a_live_clusters_calibration(tmp_path, capsys):
+    write_trace(generate_trace(TraceParams(n_requests=40, rate_rps=1.0, seed=4)), tmp_path / "t.jsonl")
+    base = ["--trace", str(tmp_path / "t.jsonl"), "--json", "--no-progress", "--prefill", "1", "--decode", "1",
+            "--admission", "none"]
+
+    def run(*flags):
+        assert main([*base, *flags]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    def saved(prefill_scale):
+        path = tmp_path / f"est-{prefill_scale}.json"
+        path.write_text(json.dumps({"profile": "paper-70b-8gpu", "instances": {
+            "p": {"prefill": {"scale": prefill_scale, "samples": 9}, "decode_step": {"scale": 1.0, "samples": 0}}}}))
+        return str(path)
+
+    prior = run()
+    slow = run("--fitted", saved(3.0))
+    assert slow["profile"] == "paper-70b-8gpu-fitted" and slow["mean_ttft_s"] > 2 * prior["mean_ttft_s"]
+    (tmp_path / "bad.json").write_text("[1, 2]")
+    assert main([*base, "--fitted", str(tmp_path / "bad.json")]) == 2
+    assert "estimators" in capsys.readouterr().err

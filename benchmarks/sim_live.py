@@ -1,0 +1,135 @@
+"""Does the simulator, fed a live cluster's fitted profile, predict that cluster's SLO attainment?
+(issue #12: within 10 points at three rates.)
+
+    python benchmarks/sim_live.py --dtype float32 --rates 0.25,0.5,1.0 --requests 30
+
+1. Starts `mooncake serve`, 1 prefill + 1 decode worker (one core each), with fixed roles and no
+   conditional disaggregation: the simulator models fixed roles only (conductor/sim/engine.py).
+2. `mooncake bench`: a warm-up (the conductor's calibration learns the hardware), then Poisson
+   arrivals at each rate, refusals counted as misses.
+3. Saves the conductor's `GET /internal/debug/estimators` (its fitted scales) next to the records.
+4. Replays each rate's measured requests in the simulator (`mooncake sim --fitted`'s profile): the
+   same arrival times, prompt and output lengths, 1P+1D, the same SLOs and scheduler settings,
+   averaged over several noise seeds.
+5. Prints live and simulated attainment per rate and the difference in points.
+Writes benchmarks/out/sim-live-<dtype>/ (bench.json, estimators.json, report.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import secrets
+import statistics
+import sys
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks import servers  # noqa: E402
+from conductor.config import live_scheduler_config  # noqa: E402
+from conductor.core.calibration import cluster_scales, fitted_profile  # noqa: E402
+from conductor.core.profile_table import load_profile  # noqa: E402
+from conductor.sim.cli import simulate  # noqa: E402
+from conductor.sim.report import summarize  # noqa: E402
+from mooncake import defaults  # noqa: E402
+from mooncake.bench import cli as bench_cli  # noqa: E402
+from mooncake.model import ensure_model  # noqa: E402
+from mooncake.trace import TraceRecord  # noqa: E402
+
+GOAL_POINTS = 10.0
+
+
+def trace_of(requests: list[dict], block_size: int) -> list[TraceRecord]:
+    """A rate's measured requests as the simulator's trace: when each was scheduled to arrive,
+    its prompt and output lengths, and block hashes no other request shares (bench's generated
+    prompts are fresh random tokens: nothing is cached across them)."""
+    out, next_id = [], 0
+    for n, r in enumerate(sorted((r for r in requests if not r["warmup"]), key=lambda r: r["scheduled_s"])):
+        blocks = math.ceil(r["input_length"] / block_size)
+        out.append(TraceRecord(n + 1, 1000.0 * r["scheduled_s"], r["input_length"], r["max_tokens"],
+                               tuple(range(next_id, next_id + blocks))))
+        next_id += blocks
+    return out
+
+
+def simulated_attainment(trace: list[TraceRecord], profile, args: argparse.Namespace) -> tuple[float, list[float]]:
+    sched = live_scheduler_config(ttft_slo_s=args.ttft_slo, tbt_slo_s=args.tbt_slo, flexible_roles=False,
+                                  conditional_disaggregation=False)
+    got = []
+    for seed in range(args.sim_seeds):
+        res = simulate(trace, sched, profile, n_prefill=1, n_decode=1, noise_sigma=args.noise, seed=seed)
+        got.append(summarize(res, args.ttft_slo, args.tbt_slo)["slo_attainment"])
+    return statistics.mean(got), got
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dtype", default="float32", choices=("bfloat16", "float32"))
+    p.add_argument("--rates", default="0.25,0.5,1.0", help="offered rates in req/s")
+    p.add_argument("--requests", type=int, default=30, help="requests per rate")
+    p.add_argument("--input-len", default="1000-3000", help="prompt tokens, MIN-MAX")
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--warmup", type=int, default=20, help="requests before measuring (calibration learns)")
+    p.add_argument("--ttft-slo", type=float, default=10.0)
+    p.add_argument("--tbt-slo", type=float, default=0.25)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--sim-seeds", type=int, default=5, help="noise seeds the simulation is averaged over")
+    p.add_argument("--noise", type=float, default=0.1, help="the simulator's lognormal sigma per duration")
+    args = p.parse_args()
+    model = str(ensure_model())
+    out_dir = ROOT / "benchmarks" / "out" / f"sim-live-{args.dtype}"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    token_file = out_dir / "cluster-token"
+    token_file.write_text(secrets.token_hex(16))
+    token_file.chmod(0o600)
+    bench_out = out_dir / "bench.json"
+    extra = ["--ttft-slo", str(args.ttft_slo), "--tbt-slo", str(args.tbt_slo), "--no-flexible-roles",
+             "--no-conditional-disaggregation", "--cluster-token-file", str(token_file)]
+    with servers.mooncake_cluster(model, out_dir / "logs", extra=extra, dtype=args.dtype) as url:
+        code = bench_cli.main(["--url", url, "--model", servers.MODEL_NAME, "--num-requests", str(args.requests),
+                               "--input-len", args.input_len, "--output-len", str(args.output_len),
+                               "--seed", str(args.seed), "--rates", args.rates, "--warmup", str(args.warmup),
+                               "--ttft-slo", str(args.ttft_slo), "--tbt-slo", str(args.tbt_slo),
+                               "--out", str(bench_out)])
+        if code != 0:
+            print(f"mooncake bench exited with {code}", file=sys.stderr)
+            return 1
+        fitted = httpx.get(url.removesuffix("/v1") + "/internal/debug/estimators", timeout=10,
+                           headers={"Authorization": f"Bearer {token_file.read_text()}"})
+        fitted.raise_for_status()
+    doc = fitted.json()
+    (out_dir / "estimators.json").write_text(json.dumps(doc, indent=1))
+    prefill_scale, decode_scale = cluster_scales(doc)
+    profile = fitted_profile(load_profile(doc["profile"]), prefill_scale, decode_scale)
+    runs = json.loads(bench_out.read_text())["runs"]
+    lines = [f"dtype {args.dtype}; {args.requests} requests per rate after {args.warmup} warm-up, prompts "
+             f"{args.input_len} tokens, {args.output_len} output tokens; SLO TTFT <= {args.ttft_slo} s, mean TBT "
+             f"<= {args.tbt_slo} s; live: mooncake serve 1P+1D, fixed roles, no conditional disaggregation",
+             f"fitted profile: {doc['profile']} x prefill {prefill_scale:.3f}, decode step {decode_scale:.3f}; "
+             f"simulation averaged over {args.sim_seeds} noise seeds (sigma {args.noise})", "",
+             "| rate (req/s) | live attainment | simulated attainment (seeds) | difference (points) |",
+             "|---|---|---|---|"]
+    worst = 0.0
+    for run in runs:
+        s = run["summary"]
+        trace = trace_of(run["requests"], defaults.KV_BLOCK_SIZE)
+        sim, per_seed = simulated_attainment(trace, profile, args)
+        diff = 100 * (sim - s["attainment"])
+        worst = max(worst, abs(diff))
+        lines.append(f"| {s['offered_rate']:g} | {100 * s['attainment']:.0f} % ({s['refused']} refused) | "
+                     f"{100 * sim:.0f} % ({', '.join(f'{100 * a:.0f}' for a in per_seed)}) | {diff:+.1f} |")
+    lines += ["", f"largest difference {worst:.1f} points (goal: within {GOAL_POINTS:g}): "
+                  f"{'met' if worst <= GOAL_POINTS else 'missed'}"]
+    text = "\n".join(lines)
+    print(text)
+    (out_dir / "report.md").write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
