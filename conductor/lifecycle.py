@@ -106,10 +106,12 @@ class RequestLife:
         started = self.first_token_at is not None
         stats = self.stats
         if stats is not None:  # before `finished`: the decode load it measured in includes itself
-            # A prompt computed beside others took their time too: not a measure of the hardware.
+            # Time shared with other prompts' prefill is not a measure of the hardware (the
+            # scheduler prices that sharing itself): only what ran beside none is a sample.
             prefill_s = stats.prefill_s if stats.prefill_concurrent == 0 else None
+            decode_step_s = stats.decode_step_s if stats.decode_concurrent == 0 else None
             self._router.measured(stats.prompt_tokens, stats.prefill_instance, stats.computed_cached_tokens,
-                                  prefill_s, stats.decode_instance, stats.decode_step_s)
+                                  prefill_s, stats.decode_instance, decode_step_s)
         self._router.finished(self.route, now - self.first_token_at if started else None)
         if started:
             self._metrics.e2e.labels(slo_class=self.slo_class).observe(now - self.arrived)

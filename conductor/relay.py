@@ -37,6 +37,7 @@ class RelayStats:
     prefill_s: float | None = None  # prefill_instance's time for the prompt (None: not measured)
     prefill_concurrent: int | None = None  # other prompts it computed meanwhile (0: a calibration sample)
     decode_step_s: float | None = None  # decode_instance's mean step (None: fewer than 2 tokens there)
+    decode_concurrent: int | None = None  # other prompts it computed meanwhile (0: a calibration sample)
     # n > 1: the prompt tokens each further sample found cached on the decode worker (its prefix
     # cache holds the KV the first sample loaded), in the order they started.
     sibling_cached_tokens: list[int] = field(default_factory=list)
@@ -173,7 +174,7 @@ class Relay:
                     if chunk.num_cached_tokens is not None and stats.decode_cached_tokens is None:
                         stats.decode_cached_tokens = chunk.num_cached_tokens
                     if chunk.decode_step_s is not None:
-                        stats.decode_step_s = chunk.decode_step_s
+                        stats.decode_step_s, stats.decode_concurrent = chunk.decode_step_s, chunk.decode_concurrent
                     if pull is None and not stats.retried and chunk.prefill_s is not None:
                         # Colocated: this worker computed the prompt too. (A retry's prompt ran
                         # elsewhere than prefill_instance, so it is not counted.)

@@ -74,6 +74,7 @@ class GenerateChunk(msgspec.Struct, frozen=True, omit_defaults=True):
     # prefill_s is a calibration sample only when this is 0. None: not counted.
     prefill_concurrent: int | None = None
     decode_step_s: float | None = None  # mean time per generated token after the first
+    decode_concurrent: int | None = None  # the same for the decode steps (first to last token)
     # Only when the request asked for them (omitted otherwise: no wire cost). One entry per
     # token in token_ids; the prompt's (None for its first token) on the line(s) where vLLM
     # produced them, in order.

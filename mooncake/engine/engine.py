@@ -159,9 +159,8 @@ async def run_request(engine: "AsyncLLM", request: GenerateRequest,
                 overlap.first_output(rid, time.monotonic())
             completion = output.outputs[0]
             times = measured_times(output.metrics) if output.finished else {}
-            window = prefill_window(output.metrics) if output.finished and overlap is not None else None
-            if window is not None:
-                times["prefill_concurrent"] = overlap.others(rid, *window)
+            if output.finished and overlap is not None:
+                times.update(concurrent_prompts(output.metrics, overlap, rid))
             logprobs = None
             if request.sampling.logprobs is not None:
                 logprobs = [position_logprobs(p) for p in completion.logprobs or ()]
@@ -214,12 +213,21 @@ def measured_times(stats) -> dict[str, float]:
     return times
 
 
-def prefill_window(stats) -> tuple[float, float] | None:
-    """(first scheduled, first token) on the engine's monotonic clock (the host's CLOCK_MONOTONIC,
-    which this process shares), or None where vLLM did not record them."""
+def concurrent_prompts(stats, overlap: PrefillOverlap, request_id: str) -> dict[str, int]:
+    """prefill_concurrent and decode_concurrent: how many other prompts this engine computed
+    during the request's prefill (first scheduled to first token) and during its decode (first to
+    last token), on the engine's monotonic clock (the host's CLOCK_MONOTONIC, which this process
+    shares). A chunk of another prompt lengthens the steps it rides in, so only a 0 makes the
+    measured time a calibration sample. Left out where vLLM recorded no such span."""
     scheduled = getattr(stats, "scheduled_ts", 0.0)
     first = getattr(stats, "first_token_ts", 0.0)
-    return (scheduled, first) if scheduled > 0 and first > scheduled else None
+    last = getattr(stats, "last_token_ts", 0.0)
+    out = {}
+    if scheduled > 0 and first > scheduled:
+        out["prefill_concurrent"] = overlap.others(request_id, scheduled, first)
+    if getattr(stats, "num_generation_tokens", 0) >= 2 and first > 0 and last > first:
+        out["decode_concurrent"] = overlap.others(request_id, first, last)
+    return out
 
 
 def kv_capacity_tokens(engine: "AsyncLLM") -> tuple[int, int]:

@@ -45,7 +45,7 @@ class MeasuringClient:
         await asyncio.sleep(0)
         times = {"prefill_s": PREFILL_S * k, "queued_s": 0.001, "prefill_concurrent": self.concurrent}
         if n >= 2:
-            times["decode_step_s"] = STEP_S * k
+            times.update(decode_step_s=STEP_S * k, decode_concurrent=self.concurrent)
         yield GenerateChunk([2] * (n - 1), finish_reason="length", **times)
 
     async def drop_transfer(self, handle, transfer_id):
@@ -95,13 +95,18 @@ def test_a_colocated_request_feeds_both_on_the_one_instance():
 
 def test_a_prefill_shared_with_other_prompts_is_not_a_sample():
     # A burst's prompts reach their first token after each other's chunks: that time is the
-    # queue's (priced apart), not the hardware's. Decode steps still count.
-    service = service_for((("p1", "prefill"), ("d1", "decode")), MeasuringClient({"p1": 50.0}, concurrent=3))
+    # queue's (priced apart), not the hardware's; so are decode steps that carried their chunks.
+    client = MeasuringClient({"p1": 50.0}, concurrent=3)
+    service = service_for((("p1", "prefill"), ("d1", "decode")), client)
     r = service.router
     for _ in range(3):
         assert asyncio.run(complete(service, 2500)).status_code == 200
     assert r.calibration.instance("p1").prefill.samples == 0 and r.calibration.scales("p1")[0] == 1.0
-    assert r.calibration.instance("d1").decode_step.samples == 3
+    assert r.calibration.instance("d1").decode_step.samples == 0  # its steps carried others' chunks
+    # Computed alone, the same answers are samples.
+    client.concurrent = 0
+    assert asyncio.run(complete(service, 2500)).status_code == 200
+    assert r.calibration.instance("p1").prefill.samples == 1 == r.calibration.instance("d1").decode_step.samples
 
 
 def test_a_slow_instance_is_calibrated_apart_then_avoided_and_forgotten_when_it_leaves():
