@@ -40,20 +40,23 @@ class Ledger:
             self.backlog_s = min(self.backlog_s, sum(self.prefill_jobs.values()))
 
     def assign(self, request_id: str, prefill: "Ledger", predicted_prefill_s: float, arrival_s: float,
-               kv_tokens: int, tbt_slo_s: float | None = None) -> None:
+               kv_tokens: int, tbt_slo_s: float | None = None, max_tokens: int | None = None) -> None:
         """Record a decision: prefill work on `prefill` (may be self), a sequence coming here.
-        tbt_slo_s: the request's own TBT SLO, which later requests joining this batch must keep."""
+        tbt_slo_s: the request's own TBT SLO, which later requests joining this batch must keep.
+        max_tokens: the most it will generate (the forecast's cap on how long it stays)."""
         prefill._drain(arrival_s)
         prefill.prefill_jobs[request_id] = predicted_prefill_s
         prefill.backlog_s += predicted_prefill_s
-        self.incoming[request_id] = DecodeSeq(arrival_s + predicted_prefill_s, kv_tokens, tbt_slo_s=tbt_slo_s)
+        self.incoming[request_id] = DecodeSeq(arrival_s + predicted_prefill_s, kv_tokens, tbt_slo_s=tbt_slo_s,
+                                              max_tokens=max_tokens)
 
     def prefill_done(self, request_id: str, prefill: "Ledger", now: float) -> None:
         prefill._drain(now)
         prefill._drop_job(request_id)
         seq = self.incoming.pop(request_id, None)
         if seq is not None:
-            self.running[request_id] = DecodeSeq(now, seq.kv_tokens, tbt_slo_s=seq.tbt_slo_s)
+            self.running[request_id] = DecodeSeq(now, seq.kv_tokens, tbt_slo_s=seq.tbt_slo_s,
+                                                 max_tokens=seq.max_tokens)
 
     def finished(self, request_id: str, prefill: "Ledger") -> None:
         prefill._drop_job(request_id)

@@ -130,7 +130,8 @@ class Router:
         route.kv_tokens = len(prompt) + max_tokens
         seconds = predicted_prefill_s(self.scheduler.estimators, len(prompt), cached,
                                       self.calibration.scales(route.prefill.name)[0])
-        route.decode.ledger.assign(route.request_id, route.prefill.ledger, seconds, now, route.kv_tokens, tbt_slo_s)
+        route.decode.ledger.assign(route.request_id, route.prefill.ledger, seconds, now, route.kv_tokens, tbt_slo_s,
+                                   max_tokens)
         self.pending.add(route.prefill.name, route.blocks)
         self.metrics.routes.labels(kind=_route_kind(route)).inc()
         return route

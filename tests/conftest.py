@@ -116,7 +116,7 @@ def disaggregated_api(spine_cluster, model_path, log_dir):
     proc = start("conductor-always-disaggregated",
                  ["-m", "mooncake.cli", "conductor", "--port", str(port), "--model", model_path,
                   "--served-model-name", MODEL_NAME, "--no-conditional-disaggregation", "--no-flexible-roles",
-                  "--slo-class", "batch:60000:2000:5",
+                  "--slo-class", "batch:600000:2000:5",
                   "--cluster-token-file", spine_cluster.token_file,
                   "--prefill-url", spine_cluster.worker_urls["prefill"],
                   "--decode-url", spine_cluster.worker_urls["decode"]], log_dir)

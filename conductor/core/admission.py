@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 from conductor.core.config import Admission, SchedulerConfig
 from conductor.core.estimators import Estimators
-from conductor.core.types import InstanceState, RejectReason, Request, Role
+from conductor.core.types import DecodeSeq, InstanceState, RejectReason, Request, Role
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,18 +127,29 @@ def decode_load(inst: InstanceState, view: LoadView, h: Horizon, est: Estimators
     step = est.tbt_s(max(len(inst.running), 1), inst.kv_tokens, inst.decode_scale)
     if inst.lengths_known:
         return _request_level(inst, h, dt, step)
+    # A sequence with a max_tokens is surely gone at t* once that many steps fit between its
+    # start and t*, whatever t_d says (t_d is every request's mean: a 4-token request would
+    # otherwise hold its KV for a 64-token one's time). Steps are taken at twice the current
+    # step time: a margin for the batch growing meanwhile.
+    slowest_step = 2.0 * step
+
+    def capped(s: DecodeSeq) -> bool:
+        return s.max_tokens is not None and s.start_s + s.max_tokens * slowest_step <= h.t_star
+
     batch = kv = 0.0
+    running = [s for s in inst.running if not capped(s)]
     if h.fluid:
         w = max(1.0 - dt / h.t_d, 0.0)
-        batch += w * len(inst.running)
-        kv += w * (inst.kv_tokens + len(inst.running) * dt / step)
+        running_kv = inst.kv_tokens if len(running) == len(inst.running) else sum(s.kv_tokens for s in running)
+        batch += w * len(running)
+        kv += w * (running_kv + len(running) * dt / step)
     else:
-        for s in inst.running:
+        for s in running:
             if s.start_s + h.t_d > h.t_star:
                 batch += 1
                 kv += s.kv_tokens + dt / step
     for s in inst.incoming:
-        if s.start_s + h.t_d > h.t_star:
+        if s.start_s + h.t_d > h.t_star and not capped(s):
             batch += 1
             kv += s.kv_tokens + max(h.t_star - s.start_s, 0.0) / step
     return batch, kv

@@ -65,13 +65,17 @@ class DecodeSeq:
     kv_tokens is its KV footprint in tokens. remaining_tokens is how many tokens it still has
     to generate, when the shell knows (a simulator replaying a trace with oracle lengths, or an
     output-length predictor); None, the live default, means unknown. tbt_slo_s is its request's
-    TBT SLO, which a request joining its batch must keep; None, the config's.
+    TBT SLO, which a request joining its batch must keep; None, the config's. max_tokens is the
+    most tokens it may generate in all (the request's max_tokens, which the live shell always
+    knows); None, unbounded. It does not tell how long the sequence runs (it may stop at EOS),
+    only that it is surely gone once that many steps have run: the forecast uses it as a cap.
     """
 
     start_s: float
     kv_tokens: int
     remaining_tokens: int | None = None
     tbt_slo_s: float | None = None
+    max_tokens: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

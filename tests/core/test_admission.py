@@ -104,3 +104,22 @@ def test_request_level_forecast_uses_known_remaining_lengths():
     unknown = state(prefill("p0"), inst(lambda i: None), mean_decode_s=1000.0)
     assert not unknown.decode[0].lengths_known
     assert isinstance(scheduler(admission="prediction", **SLO).schedule(request(1000), unknown, 0.0), Rejection)
+
+
+def test_max_tokens_caps_how_long_a_sequence_is_forecast_to_stay():
+    # 100 running, t_d = 1000 s (the mean is long), step 0.11 s, prefill 1 s. Sequences capped at
+    # 4 tokens started at t=0 are surely gone by t* = 1 s (4 steps at twice 0.11 s = 0.88 s): the
+    # fluid forecast keeps only the uncapped ones. With the cap at 8 tokens (1.76 s) they stay.
+    def inst(cap):
+        run = tuple(DecodeSeq(0.0, 100, max_tokens=cap if i % 2 else None) for i in range(100))
+        return InstanceState("d0", Role.DECODE, running=run)
+
+    sch = scheduler(admission="prediction", **SLO)
+    assert isinstance(sch.schedule(request(1000), state(prefill("p0"), inst(4), mean_decode_s=1000.0), 0.0), Decision)
+    assert isinstance(sch.schedule(request(1000), state(prefill("p0"), inst(8), mean_decode_s=1000.0), 0.0), Rejection)
+    # Incoming sequences too: 100 arriving at t=0 with 4 tokens each are gone by t*.
+    incoming = InstanceState("d0", Role.DECODE, incoming=tuple(DecodeSeq(0.0, 100, max_tokens=4) for _ in range(100)))
+    assert isinstance(sch.schedule(request(1000), state(prefill("p0"), incoming, mean_decode_s=1000.0), 0.0), Decision)
+    uncapped = InstanceState("d0", Role.DECODE, incoming=tuple(DecodeSeq(0.0, 100) for _ in range(100)))
+    assert isinstance(sch.schedule(request(1000), state(prefill("p0"), uncapped, mean_decode_s=1000.0), 0.0),
+                      Rejection)

@@ -86,7 +86,7 @@ def test_bad_body_values_are_400_and_an_unknown_class_is_counted_as_unknown(spin
 
 
 def test_a_named_class_is_served_and_its_metrics_carry_it(disaggregated_api):
-    """The second conductor has the operator class batch (60 s TTFT, 2 s TBT, priority 5)."""
+    """The second conductor has the operator class batch (600 s TTFT, 2 s TBT, priority 5)."""
     metrics = disaggregated_api.removesuffix("/v1") + "/metrics"
     before = httpx.get(metrics).text
     c = client(disaggregated_api)
