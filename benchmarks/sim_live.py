@@ -37,6 +37,7 @@ from conductor.core.profile_table import load_profile  # noqa: E402
 from conductor.sim.cli import simulate  # noqa: E402
 from conductor.sim.report import summarize  # noqa: E402
 from mooncake import defaults  # noqa: E402
+from mooncake.auth import token_headers  # noqa: E402
 from mooncake.bench import cli as bench_cli  # noqa: E402
 from mooncake.model import ensure_model  # noqa: E402
 from mooncake.trace import TraceRecord  # noqa: E402
@@ -100,7 +101,7 @@ def main() -> int:
             print(f"mooncake bench exited with {code}", file=sys.stderr)
             return 1
         fitted = httpx.get(url.removesuffix("/v1") + "/internal/debug/estimators", timeout=10,
-                           headers={"Authorization": f"Bearer {token_file.read_text()}"})
+                           headers=token_headers(token_file.read_text()))
         fitted.raise_for_status()
     doc = fitted.json()
     (out_dir / "estimators.json").write_text(json.dumps(doc, indent=1))

@@ -107,6 +107,12 @@ def test_a_prefill_shared_with_other_prompts_is_not_a_sample():
     client.concurrent = 0
     assert asyncio.run(complete(service, 2500)).status_code == 200
     assert r.calibration.instance("p1").prefill.samples == 1 == r.calibration.instance("d1").decode_step.samples
+    # A prefill that shared its first and last steps with its neighbours in a first-come-first-
+    # served stream (2 others) still is; a decode step that carried any prompt's chunk is not.
+    client.concurrent = 2
+    assert asyncio.run(complete(service, 2500)).status_code == 200
+    assert r.calibration.instance("p1").prefill.samples == 2
+    assert r.calibration.instance("d1").decode_step.samples == 1
 
 
 def test_a_slow_instance_is_calibrated_apart_then_avoided_and_forgotten_when_it_leaves():
