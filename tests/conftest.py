@@ -111,12 +111,16 @@ def disaggregated_api(spine_cluster, model_path, log_dir):
     """A second conductor in front of the spine workers that always prefills on the prefill worker
     and decodes on the decode worker (fixed roles, never colocated): for tests that need the KV
     pushed. Shared by the session, like the cluster. It also has an SLO class less important than
-    `default` (batch), which leaves default requests as they are (tests/e2e/test_priority.py)."""
+    `default` (batch), which leaves default requests as they are (tests/e2e/test_priority.py).
+    Its TTFT SLOs are wide (300 s default, 600 s batch, whose limit is then 0.8 x 300 s: a class
+    is capped below the more important ones', conductor/core/admission.py limits_for): its tests
+    are about the KV path, and admission must not depend on what the calibration learnt from the
+    tests before them."""
     port = free_port()
     proc = start("conductor-always-disaggregated",
                  ["-m", "mooncake.cli", "conductor", "--port", str(port), "--model", model_path,
                   "--served-model-name", MODEL_NAME, "--no-conditional-disaggregation", "--no-flexible-roles",
-                  "--slo-class", "batch:600000:2000:5",
+                  "--ttft-slo", "300", "--slo-class", "batch:600000:2000:5",
                   "--cluster-token-file", spine_cluster.token_file,
                   "--prefill-url", spine_cluster.worker_urls["prefill"],
                   "--decode-url", spine_cluster.worker_urls["decode"]], log_dir)

@@ -80,10 +80,10 @@ def test_32_concurrent_requests_interleave_without_mixing(spine_cluster, disaggr
         client = openai.AsyncOpenAI(base_url=disaggregated_api, api_key="unused", max_retries=0, timeout=600)
         answers = await asyncio.gather(*(client.completions.with_raw_response.create(
             model=MODEL_NAME, prompt=p, max_tokens=6, temperature=0, extra_body={"ignore_eos": True},
-            # 32 prefills at once: the operator's batch class (600 s TTFT) admits them all. (The
-            # queue model prices them one after another, each with its own per-request cost; vLLM
-            # batches short prompts, so the real wait is shorter than predicted: with a 60 s class,
-            # its 24 s limit after the priority headroom refused the last ones in CI.)
+            # 32 prefills at once: the batch class's 240 s limit admits them all. (The queue model
+            # prices them one after another, each with its own per-request cost; vLLM batches short
+            # prompts, so the real wait is shorter than predicted: with the 30 s default class the
+            # batch limit was 24 s, and the last prompts were refused in CI at 24.7 s.)
             extra_headers={"X-Mooncake-SLO-Class": "batch"}) for p in prompts))
         await client.close()
         return answers
