@@ -30,15 +30,6 @@ from mooncake.protocol import GenerateChunk
 log = logging.getLogger(__name__)
 
 CLIENT_GONE = "499"  # nginx's "client closed request": the client left before the answer ended
-PREFILL_SAMPLE_MAX_CONCURRENT = 2
-"""A prefill time is a calibration sample when the engine computed at most this many other
-prompts meanwhile. In a stream of long prompts vLLM works first come, first served: a prompt
-shares its first step with the previous prompt's last chunk and its last step with the next
-one's first, so 2 others, each for one step. Those samples are kept: they carry the slowdown a
-loaded host really has (the other engine, the conductor, the clients on the same cores), and
-dropping them left only prompts that arrived at an empty queue, which priced a loaded cluster
-1.3-2.4x too fast. More than 2 means prompts scheduled together (a burst of short ones): each
-one's time is the whole batch's, and one burst of 32 had taught a 10x scale."""
 
 
 class RequestLife:
@@ -115,12 +106,7 @@ class RequestLife:
         started = self.first_token_at is not None
         stats = self.stats
         if stats is not None:  # before `finished`: the decode load it measured in includes itself
-            # Time shared with a batch of other prompts measures the batch, not the hardware (the
-            # queue model prices the wait): see PREFILL_SAMPLE_MAX_CONCURRENT.
-            prefill_s = stats.prefill_s if _at_most(stats.prefill_concurrent, PREFILL_SAMPLE_MAX_CONCURRENT) else None
-            decode_step_s = stats.decode_step_s if _at_most(stats.decode_concurrent, 0) else None
-            self._router.measured(stats.prompt_tokens, stats.prefill_instance, stats.computed_cached_tokens,
-                                  prefill_s, stats.decode_instance, decode_step_s)
+            self._router.measured(stats)
         self._router.finished(self.route, now - self.first_token_at if started else None)
         if started:
             self._metrics.e2e.labels(slo_class=self.slo_class).observe(now - self.arrived)
@@ -149,7 +135,3 @@ class LifeStreamingResponse(StreamingResponse):
             finally:
                 await self.life.release()
 
-
-def _at_most(concurrent: int | None, limit: int) -> bool:
-    """A worker's count of prompts computed meanwhile is within limit (None: not counted, so no)."""
-    return concurrent is not None and concurrent <= limit

@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from conductor.core.admission import Limits, limits_for
 from conductor.core.calibration import Calibration
@@ -39,7 +40,21 @@ from mooncake.defaults import WorkerRole
 from mooncake.hashing import hash_prompt_blocks
 from mooncake.protocol import FetchParams
 
+if TYPE_CHECKING:
+    from conductor.relay import RelayStats  # the relay imports Route from here
+
 log = logging.getLogger(__name__)
+
+PREFILL_SAMPLE_MAX_CONCURRENT = 2
+"""A prefill time is a calibration sample when the engine computed at most this many other
+prompts meanwhile. In a stream of long prompts vLLM works first come, first served: a prompt
+shares its first step with the previous prompt's last chunk and its last step with the next
+one's first, so 2 others, each for one step. Those samples are kept: they carry the slowdown a
+loaded host really has (the other engine, the conductor, the clients on the same cores), and
+dropping them left only prompts that arrived at an empty queue, which priced a loaded cluster
+1.3-2.4x too fast. More than 2 means prompts scheduled together (a burst of short ones): each
+one's time is the whole batch's, and one burst of 32 had taught a 10x scale."""
+
 DEFAULT_BANDWIDTH_BPS = 2e9  # until a worker's pushes are measured (WorkerHandle.push_bandwidth)
 
 
@@ -156,18 +171,22 @@ class Router:
             m = self.mean_decode_s
             self.mean_decode_s = decode_seconds if m is None else 0.9 * m + 0.1 * decode_seconds
 
-    def measured(self, prompt_tokens: int, prefill_instance: str, cached_tokens: int, prefill_s: float | None,
-                 decode_instance: str, decode_step_s: float | None) -> None:
+    def measured(self, stats: RelayStats) -> None:
         """What the workers measured for one request, fed to the instances' calibrations: the
         prefill time where the prompt was computed, and the mean decode step at the load the
         ledger says that decode instance carries (call before `finished` removes this request
-        from it: the load it decoded in includes itself)."""
+        from it: the load it decoded in includes itself). Time shared with a batch of other
+        prompts measures the batch, not the hardware (the queue model prices the wait), so it is
+        left out (PREFILL_SAMPLE_MAX_CONCURRENT)."""
         handles = {h.name: h for h in self.pool.all()}
-        if prefill_s is not None and prefill_instance in handles:
-            self.calibration.instance(prefill_instance).observe_prefill(prompt_tokens, cached_tokens, prefill_s)
-        if decode_step_s is not None and decode_instance in handles:
-            batch, kv = handles[decode_instance].ledger.running_load()
-            self.calibration.instance(decode_instance).observe_decode_step(batch, kv, decode_step_s)
+        if (stats.prefill_s is not None and stats.prefill_instance in handles
+                and _at_most(stats.prefill_concurrent, PREFILL_SAMPLE_MAX_CONCURRENT)):
+            self.calibration.instance(stats.prefill_instance).observe_prefill(
+                stats.prompt_tokens, stats.computed_cached_tokens, stats.prefill_s)
+        if (stats.decode_step_s is not None and stats.decode_instance in handles
+                and _at_most(stats.decode_concurrent, 0)):
+            batch, kv = handles[stats.decode_instance].ledger.running_load()
+            self.calibration.instance(stats.decode_instance).observe_decode_step(batch, kv, stats.decode_step_s)
 
     def forget_departed(self) -> None:
         """Drop the calibrations of instances that left the pool."""
@@ -215,3 +234,8 @@ def _rejection_message(r: Rejection, limits: Limits, slo: RequestSLO) -> str:
         return (f"{text}; this request misses the SLO even on an idle cluster, so retrying will not help "
                 f"(shorten the prompt or max_tokens)")
     return f"{text}; retry after {math.ceil(r.retry_after_s)} s"
+
+
+def _at_most(concurrent: int | None, limit: int) -> bool:
+    """A worker's count of prompts computed meanwhile is within limit (None: not counted, so no)."""
+    return concurrent is not None and concurrent <= limit

@@ -137,7 +137,9 @@ def decode_load(inst: InstanceState, view: LoadView, h: Horizon, est: Estimators
         return s.max_tokens is not None and s.start_s + s.max_tokens * slowest_step <= h.t_star
 
     batch = kv = 0.0
-    running = [s for s in inst.running if not capped(s)]
+    # Only where some sequence has a cap: the simulator's never do, and this runs per instance
+    # per decision.
+    running = [s for s in inst.running if not capped(s)] if inst.any_max_tokens else inst.running
     if h.fluid:
         w = max(1.0 - dt / h.t_d, 0.0)
         running_kv = inst.kv_tokens if len(running) == len(inst.running) else sum(s.kv_tokens for s in running)
@@ -149,7 +151,7 @@ def decode_load(inst: InstanceState, view: LoadView, h: Horizon, est: Estimators
                 batch += 1
                 kv += s.kv_tokens + dt / step
     for s in inst.incoming:
-        if s.start_s + h.t_d > h.t_star and not capped(s):
+        if s.start_s + h.t_d > h.t_star and not (inst.any_max_tokens and capped(s)):
             batch += 1
             kv += s.kv_tokens + max(h.t_star - s.start_s, 0.0) / step
     return batch, kv

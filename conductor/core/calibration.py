@@ -166,8 +166,12 @@ class Calibration:
 
 def _optimistic(fits: list[ScaleFit]) -> float:
     """The geometric mean of the measured fits' scales if below 1, else the prior's 1."""
-    logs = [math.log(f.scale) for f in fits if f.samples]
-    return min(1.0, math.exp(sum(logs) / len(logs))) if logs else 1.0
+    mean = _geometric_mean([f.scale for f in fits if f.samples])
+    return 1.0 if mean is None else min(1.0, mean)
+
+
+def _geometric_mean(scales: list[float]) -> float | None:
+    return math.exp(sum(math.log(x) for x in scales) / len(scales)) if scales else None
 
 
 def cluster_scales(estimators_doc: dict[str, Any]) -> tuple[float, float]:
@@ -179,15 +183,15 @@ def cluster_scales(estimators_doc: dict[str, Any]) -> tuple[float, float]:
         raise ValueError("not a conductor's /internal/debug/estimators answer: no 'instances' object")
 
     def mean(kind: str) -> float:
-        logs = []
+        scales = []
         for name, fits in instances.items():
             try:
                 fit = fits[kind]
                 if fit["samples"] > 0:
-                    logs.append(math.log(float(fit["scale"])))
+                    scales.append(float(fit["scale"]))
             except (KeyError, TypeError, ValueError) as exc:
                 raise ValueError(f"instance {name!r}: no {kind} scale and samples ({exc})") from exc
-        return math.exp(sum(logs) / len(logs)) if logs else 1.0
+        return _geometric_mean(scales) or 1.0
 
     return mean("prefill"), mean("decode_step")
 

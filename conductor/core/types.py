@@ -115,6 +115,9 @@ class InstanceState:
     does (derived). See admission.batch_tbt_slo_s."""
     any_config_tbt_slo: bool = field(init=False)
     """Some running or incoming sequence has no tbt_slo_s of its own: the config's (derived)."""
+    any_max_tokens: bool = field(init=False)
+    """Some running or incoming sequence carries max_tokens (derived; the simulator's never do,
+    so the forecast skips its cap there)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kv_tokens", sum(s.kv_tokens for s in self.running))
@@ -127,6 +130,8 @@ class InstanceState:
                            min((s.tbt_slo_s for s in seqs if s.tbt_slo_s is not None), default=math.inf))
         object.__setattr__(self, "any_config_tbt_slo",  # short-circuits at the first (the simulator's case)
                            any(s.tbt_slo_s is None for s in seqs))
+        object.__setattr__(self, "any_max_tokens",  # short-circuits at the first (the live case)
+                           any(s.max_tokens is not None for s in seqs))
 
     @property
     def batch_size(self) -> int:

@@ -158,9 +158,7 @@ async def run_request(engine: "AsyncLLM", request: GenerateRequest,
             if first and computes:
                 overlap.first_output(rid, time.monotonic())
             completion = output.outputs[0]
-            times = measured_times(output.metrics) if output.finished else {}
-            if output.finished and overlap is not None:
-                times.update(concurrent_prompts(output.metrics, overlap, rid))
+            times = measured_times(output.metrics, overlap, rid) if output.finished else {}
             logprobs = None
             if request.sampling.logprobs is not None:
                 logprobs = [position_logprobs(p) for p in completion.logprobs or ()]
@@ -194,10 +192,13 @@ def refusal(exc: BaseException) -> str | None:
     return None
 
 
-def measured_times(stats) -> dict[str, float]:
+def measured_times(stats, overlap: PrefillOverlap | None = None, request_id: str = "") -> dict[str, float]:
     """queued_s, prefill_s and decode_step_s of a finished request, from vLLM's RequestStateStats
-    (engine-core monotonic timestamps; 0.0 means not recorded). A time that was not recorded, or
-    that does not apply (decode_step_s needs two generated tokens), is left out."""
+    (engine-core monotonic timestamps: the host's CLOCK_MONOTONIC, which this process shares; 0.0
+    means not recorded). A time that was not recorded, or that does not apply (decode_step_s needs
+    two generated tokens), is left out. With `overlap`, each span's time comes with how many other
+    prompts the engine computed during it (prefill_concurrent, decode_concurrent): another prompt's
+    chunk lengthens the steps it rides in, so the conductor calibrates only on low counts."""
     queued = getattr(stats, "queued_ts", 0.0)
     scheduled = getattr(stats, "scheduled_ts", 0.0)
     first = getattr(stats, "first_token_ts", 0.0)
@@ -208,26 +209,13 @@ def measured_times(stats) -> dict[str, float]:
         times["queued_s"] = scheduled - queued
     if scheduled > 0 and first > scheduled:
         times["prefill_s"] = first - scheduled
+        if overlap is not None:
+            times["prefill_concurrent"] = overlap.others(request_id, scheduled, first)
     if n >= 2 and first > 0 and last > first:
         times["decode_step_s"] = (last - first) / (n - 1)
+        if overlap is not None:
+            times["decode_concurrent"] = overlap.others(request_id, first, last)
     return times
-
-
-def concurrent_prompts(stats, overlap: PrefillOverlap, request_id: str) -> dict[str, int]:
-    """prefill_concurrent and decode_concurrent: how many other prompts this engine computed
-    during the request's prefill (first scheduled to first token) and during its decode (first to
-    last token), on the engine's monotonic clock (the host's CLOCK_MONOTONIC, which this process
-    shares). A chunk of another prompt lengthens the steps it rides in, so only a 0 makes the
-    measured time a calibration sample. Left out where vLLM recorded no such span."""
-    scheduled = getattr(stats, "scheduled_ts", 0.0)
-    first = getattr(stats, "first_token_ts", 0.0)
-    last = getattr(stats, "last_token_ts", 0.0)
-    out = {}
-    if scheduled > 0 and first > scheduled:
-        out["prefill_concurrent"] = overlap.others(request_id, scheduled, first)
-    if getattr(stats, "num_generation_tokens", 0) >= 2 and first > 0 and last > first:
-        out["decode_concurrent"] = overlap.others(request_id, first, last)
-    return out
 
 
 def kv_capacity_tokens(engine: "AsyncLLM") -> tuple[int, int]:

@@ -77,16 +77,17 @@ class FakeEngine:
 def test_decode_steps_count_the_prompts_computed_meanwhile():
     from types import SimpleNamespace
 
-    from mooncake.engine.engine import concurrent_prompts
+    from mooncake.engine.engine import measured_times
 
     o = PrefillOverlap()
     o.submitted("other", 5.0)
     o.first_output("other", 6.0)  # computed while r decoded (4, 8)
     stats = SimpleNamespace(scheduled_ts=1.0, first_token_ts=4.0, last_token_ts=8.0, num_generation_tokens=5)
-    assert concurrent_prompts(stats, o, "r") == {"prefill_concurrent": 0, "decode_concurrent": 1}
+    times = measured_times(stats, o, "r")
+    assert (times["prefill_concurrent"], times["decode_concurrent"]) == (0, 1)
     one = SimpleNamespace(scheduled_ts=1.0, first_token_ts=4.0, last_token_ts=4.0, num_generation_tokens=1)
-    assert concurrent_prompts(one, o, "r") == {"prefill_concurrent": 0}  # no decode step to judge
-    assert concurrent_prompts(None, o, "r") == {}  # stats off
+    assert "decode_concurrent" not in measured_times(one, o, "r")  # no decode step to judge
+    assert measured_times(None, o, "r") == {}  # stats off
 
 
 def test_run_request_reports_how_many_prompts_shared_the_prefill():
