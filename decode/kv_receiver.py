@@ -24,6 +24,7 @@ import torch
 
 from decode.load_planner import LoadSpec
 from decode.staging import KVStaging, StagedTransfer, StagingConfig
+from mooncake.kv_layout import block_bytes, blocks_first, direct, runs
 from mooncake.protocol import (KV_CALL_DECODER, KV_CALL_ENCODER, KV_NOTE_DECODER, KVHello, KVReserve,
                                KVReserved)
 
@@ -32,17 +33,6 @@ log = logging.getLogger("vllm.mooncake." + __name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 STAGING_REGION = "kv-staging"
-
-
-def runs(block_ids: tuple[int, ...]) -> list[tuple[int, int, int]]:
-    """(position in block_ids, first block id, count) per run of consecutive ids."""
-    out: list[tuple[int, int, int]] = []
-    for i, block in enumerate(block_ids):
-        if out and out[-1][1] + out[-1][2] == block:
-            out[-1] = (out[-1][0], out[-1][1], out[-1][2] + 1)
-        else:
-            out.append((i, block, 1))
-    return out
 
 
 @dataclass
@@ -73,6 +63,7 @@ class KVReceiver:
         self._engine = engine
         self._block_size = block_size
         self._staging = KVStaging(staging)
+        self._pin_for_cuda = staging.pin_for_cuda
         self._arena = np.empty(staging.capacity_bytes, dtype=np.uint8)  # allocated once, never zeroed
         self._engine.register(STAGING_REGION, self._arena)
         self._kv_caches: dict[str, torch.Tensor] = {}
@@ -81,16 +72,39 @@ class KVReceiver:
         self._pending: dict[str, _PendingLoad] = {}
         self._stats = ReceiverStats()
         self._stats_lock = threading.Lock()
+        self._pinned = False
 
-    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self._kv_caches = dict(kv_caches)
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], num_blocks: int | None = None) -> None:
+        """`num_blocks`: blocks per layer, which tells the block dim (mooncake/kv_layout.py)."""
+        self._kv_caches = {name: blocks_first(c, num_blocks) for name, c in kv_caches.items()}
         self._layer_index = {name: i for i, name in enumerate(self._kv_caches)}
         self._layout = [(name, str(c.dtype).removeprefix("torch."), list(c.shape[1:]))
                         for name, c in self._kv_caches.items()]
-        # CPU caches as flat bytes: landing is a memcpy per run of adjacent blocks (numpy's copy is
+        # Host caches as flat bytes: landing is a memcpy per run of adjacent blocks (numpy's copy is
         # one plain memcpy; torch's parallel copy_ stalls when its threads find the cores busy).
         self._cache_bytes = {name: c.view(torch.uint8).view(-1).numpy() for name, c in self._kv_caches.items()
-                             if c.device.type == "cpu" and c.is_contiguous()}
+                             if direct(c)}
+        devices = {c.device for c in self._kv_caches.values() if c.device.type == "cuda"}
+        if devices and self._pin_for_cuda:
+            self._pin_arena()
+
+    def _pin_arena(self) -> None:
+        """Page-lock the arena, so landing on a GPU is one DMA per layer instead of the driver's
+        copy through its own pinned bounce buffer (benchmarks/kv_path_cuda.py measures both)."""
+        start = time.perf_counter()
+        error = torch.cuda.cudart().cudaHostRegister(self._arena.ctypes.data, self._arena.nbytes, 0)
+        if int(error) != 0:
+            log.warning("could not pin the %d MiB staging arena (CUDA error %s); landing copies go "
+                        "through pageable memory", self._arena.nbytes >> 20, error)
+            return
+        self._pinned = True
+        log.info("pinned the %d MiB staging arena in %.2f s", self._arena.nbytes >> 20, time.perf_counter() - start)
+
+    def shutdown(self) -> None:
+        """Unpin the arena (if pinned); the engine that registered it is closed by its owner."""
+        if self._pinned:
+            torch.cuda.cudart().cudaHostUnregister(self._arena.ctypes.data)
+            self._pinned = False
 
     def stats(self) -> dict:
         with self._stats_lock:
@@ -114,7 +128,7 @@ class KVReceiver:
             mismatch = next(((a, b) for a, b in zip(layout, self._layout) if a != b), None)
             return KVReserved(error=f"incompatible KV layout: sender has {len(layout)} layers, this engine "
                                     f"{len(self._layout)}; first difference {mismatch}")
-        sizes = {self._kv_caches[name][0].numel() * self._kv_caches[name].element_size() for name, _, _ in layout}
+        sizes = {block_bytes(self._kv_caches[name]) for name, _, _ in layout}
         if sizes != {request.block_bytes}:
             return KVReserved(error=f"block of {request.block_bytes} B, this engine's are {sorted(sizes)} B")
         try:
@@ -199,7 +213,7 @@ class KVReceiver:
                 for position, block, run in runs(spec.block_ids):
                     np.copyto(flat[block * size:(block + run) * size],
                               raw[position * size:(position + run) * size])
-            else:  # device memory (CUDA): one host-to-device index_copy_ per layer
+            else:  # device memory, or strided blocks: one copy in and one index_copy_ per layer
                 rows = torch.from_numpy(raw).view(cache.dtype).view(count, *cache.shape[1:])
                 ids = torch.tensor(spec.block_ids, dtype=torch.long, device=cache.device)
                 cache.index_copy_(0, ids, rows.to(cache.device, non_blocking=False))

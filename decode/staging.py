@@ -28,6 +28,9 @@ class StagingConfig:
     """Size of the arena: most KV bytes held at once; a reservation beyond it is refused."""
     ttl_s: float = 120.0
     """An unclaimed transfer is dropped this long after it was reserved."""
+    pin_for_cuda: bool = True
+    """Page-lock the arena when the KV caches are on a GPU (host-to-device copies then run at
+    the bus's speed; it commits the whole arena's memory at start)."""
 
     def __post_init__(self) -> None:
         if self.capacity_bytes <= 0 or self.ttl_s <= 0:

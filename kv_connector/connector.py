@@ -40,6 +40,7 @@ from kv_connector.metadata import ServeConnectorMetadata
 from kv_connector.fault import flip_bytes_on_the_wire
 from messenger.engine import EngineConfig, TransferEngine
 from mooncake import defaults
+from mooncake.kv_layout import num_blocks_of
 from mooncake.control import ControlEndpoint, ControlServer
 from prefill.kv_sender import KVSender
 from prefill.push_planner import PushPlanner
@@ -58,6 +59,7 @@ class MooncakeServeConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
                  kv_cache_config: "KVCacheConfig | None" = None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        self._num_blocks = lambda: num_blocks_of(vllm_config, kv_cache_config)  # known once caches exist
         extra = self._kv_transfer_config.kv_connector_extra_config
         block_size = vllm_config.cache_config.block_size
         self._pushes: PushPlanner | None = None
@@ -93,8 +95,9 @@ class MooncakeServeConnector(KVConnectorBase_V1):
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         assert self._sender is not None and self._receiver is not None
-        self._sender.register_kv_caches(kv_caches)
-        self._receiver.register_kv_caches(kv_caches)
+        num_blocks = self._num_blocks()
+        self._sender.register_kv_caches(kv_caches, num_blocks)
+        self._receiver.register_kv_caches(kv_caches, num_blocks)
         self._engine.start(on_notify=self._receiver.on_notify, on_call=self._receiver.on_call)
         flip_bytes_on_the_wire(self._engine, self._fault_flip)  # TEST ONLY; 0 (off) unless a test sets it
         if self._control is not None:

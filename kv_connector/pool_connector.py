@@ -34,6 +34,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kv_connector.pool_copier import PoolCopier
 from kv_connector.pool_planner import PoolLoad, PoolPlanner, PoolSave
+from mooncake.kv_layout import num_blocks_of
 from mooncake.control import ControlEndpoint
 from store.channel import PoolClient
 
@@ -58,6 +59,7 @@ class MooncakePoolConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
                  kv_cache_config: "KVCacheConfig | None" = None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        self._num_blocks = lambda: num_blocks_of(vllm_config, kv_cache_config)  # known once caches exist
         extra = self._kv_transfer_config.kv_connector_extra_config
         endpoint = ControlEndpoint(str(extra["pool_path"]), str(extra["pool_key"]))
         timeout_s = float(extra.get("pool_timeout_s", 2.0))
@@ -74,7 +76,7 @@ class MooncakePoolConnector(KVConnectorBase_V1):
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         assert self._copier is not None
-        self._copier.register_kv_caches(kv_caches)
+        self._copier.register_kv_caches(kv_caches, self._num_blocks())
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         assert self._copier is not None and isinstance(kv_connector_metadata, PoolConnectorMetadata)

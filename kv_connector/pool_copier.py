@@ -17,6 +17,10 @@ maps it once, so a copy is one index_select/index_copy_ per layer, never a socke
   request with saves in flight is reported finished sending only once they are copied (vLLM
   keeps its blocks until then); a preempted one's saves are finished before the next step can
   overwrite its freed blocks (handle_preemptions).
+- On CUDA both directions go through pinned host memory (the bus's speed, 6-8x pageable memory's
+  on an H200, benchmarks/RESULTS.md). A save first waits, on its thread, for an event recorded on
+  the forward's stream when the layer was saved, so it never reads KV the GPU has not written yet;
+  a load's layer is released to the forward only once its copy has run on the device.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from kv_connector.pool_planner import PoolLoad, PoolSave
+from mooncake.kv_layout import block_bytes, blocks_first, runs
 from store.arena import Arena
 from store.channel import PoolClient, PoolUnavailable
 
@@ -50,10 +55,8 @@ class ArenaLayout:
     @classmethod
     def of(cls, kv_caches: dict[str, torch.Tensor]) -> "ArenaLayout":
         names, offsets, sizes, offset = [], [], [], 0
-        for name, cache in kv_caches.items():
-            if not cache.is_contiguous():
-                raise ValueError(f"KV cache layer {name} is not contiguous; the pool copies whole blocks")
-            size = cache[0].numel() * cache.element_size()
+        for name, cache in kv_caches.items():  # blocks-first views (mooncake/kv_layout.py)
+            size = block_bytes(cache)
             names.append(name)
             offsets.append(offset)
             sizes.append(size)
@@ -108,6 +111,7 @@ class PoolCopier:
         self._layout: ArenaLayout | None = None
         self._mapping: Arena | None = None
         self._arena: torch.Tensor | None = None
+        self._arena_bytes = None  # the same memory as numpy (slots x block bytes), for memcpys
         self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pool-load")
         self._async_loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pool-fetch")
         self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pool-save")
@@ -124,8 +128,9 @@ class PoolCopier:
 
     # -- set-up ---------------------------------------------------------------------------
 
-    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self._caches = dict(kv_caches)
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], num_blocks: int | None = None) -> None:
+        """`num_blocks`: blocks per layer, which tells where the blocks are (mooncake/kv_layout.py)."""
+        self._caches = {name: blocks_first(cache, num_blocks) for name, cache in kv_caches.items()}
         self._layout = ArenaLayout.of(self._caches)
         self._layer_of = {name: i for i, name in enumerate(self._layout.names)}
         try:
@@ -138,6 +143,7 @@ class PoolCopier:
             log.error("KVCache pool unavailable, running without it: %s", exc)
             return
         self._arena = torch.from_numpy(self._mapping.array).view(info.slots, info.block_bytes)
+        self._arena_bytes = self._arena.numpy()
         log.info("KVCache pool: %d arena slots of %d B mapped from %s", info.slots, info.block_bytes, info.path)
 
     def shutdown(self) -> None:
@@ -233,10 +239,28 @@ class PoolCopier:
     def _copy_in(self, name: str, index: int, block_ids, slots) -> None:
         assert self._layout is not None and self._arena is not None
         cache = self._caches[name]
-        ids = torch.tensor(block_ids, dtype=torch.long)
-        rows = self._arena.narrow(1, self._layout.offsets[index], self._layout.sizes[index]).index_select(
-            0, torch.tensor(slots, dtype=torch.long))
-        cache.index_copy_(0, ids.to(cache.device), rows.view(cache.dtype).view(len(block_ids), *cache.shape[1:]).to(cache.device))
+        shape = (len(block_ids), *cache.shape[1:])
+        rows = torch.empty((len(block_ids), self._layout.sizes[index]), dtype=torch.uint8, pin_memory=cache.is_cuda)
+        self._arena_rows(index, slots, rows.numpy(), into_arena=False)
+        if not cache.is_cuda:
+            cache.index_copy_(0, torch.tensor(block_ids, dtype=torch.long), rows.view(cache.dtype).view(shape))
+            return
+        on_device = rows.to(cache.device, non_blocking=True).view(cache.dtype).view(shape)
+        cache.index_copy_(0, torch.tensor(block_ids, dtype=torch.long).to(cache.device), on_device)
+        torch.cuda.current_stream(cache.device).synchronize()  # in the cache before the forward reads it
+
+    def _arena_rows(self, index: int, slots, rows, into_arena: bool) -> None:
+        """Copy one layer's part of each slot to (or from) `rows`, one numpy copy per run of
+        adjacent slots: plain memcpys (torch's index_select / index_copy_ on the arena's strided
+        byte view ran at 1.4-2.6 GB/s on the H200 machine, memcpy at 10)."""
+        assert self._layout is not None and self._arena is not None
+        begin = self._layout.offsets[index]
+        layer = self._arena_bytes[:, begin:begin + self._layout.sizes[index]]
+        for position, slot, count in runs(slots):
+            if into_arena:
+                layer[slot:slot + count] = rows[position:position + count]
+            else:
+                rows[position:position + count] = layer[slot:slot + count]
 
     def collect_loads(self) -> tuple[set[str], set[str]]:
         """(finished, failed) asynchronous loads; failed ones are also finished, as vLLM wants."""
@@ -263,6 +287,10 @@ class PoolCopier:
         if not saves or self._arena is None:
             return
         index = self._layer_of[layer_name]
+        written = None
+        if self._caches[layer_name].is_cuda:  # the layer's KV is written once the forward's stream gets here
+            written = torch.cuda.Event()
+            written.record(torch.cuda.current_stream(self._caches[layer_name].device))
         with self._lock:
             for save in saves:
                 if save not in self._jobs:  # its first layer
@@ -270,17 +298,24 @@ class PoolCopier:
                     self._saves_left[save.request_id] = self._saves_left.get(save.request_id, 0) + 1
                     self._jobs[save] = _SaveJob(len(self._layer_of))
         for save in saves:
-            self._saver.submit(self._save_layer, save, layer_name, index)
+            self._saver.submit(self._save_layer, save, layer_name, index, written)
 
-    def _save_layer(self, save: PoolSave, name: str, index: int) -> None:
+    def _save_layer(self, save: PoolSave, name: str, index: int, written=None) -> None:
         start = time.perf_counter()
         ok = True
         try:
             assert self._layout is not None and self._arena is not None
             cache = self._caches[name]
-            rows = cache.index_select(0, torch.tensor(save.block_ids, dtype=torch.long, device=cache.device)).cpu()
-            self._arena.narrow(1, self._layout.offsets[index], self._layout.sizes[index]).index_copy_(
-                0, torch.tensor(save.slots, dtype=torch.long), rows.reshape(len(save.block_ids), -1).view(torch.uint8))
+            ids = torch.tensor(save.block_ids, dtype=torch.long, device=cache.device)
+            if written is not None:
+                written.synchronize()
+                rows = torch.empty((len(save.block_ids), *cache.shape[1:]), dtype=cache.dtype, pin_memory=True)
+                rows.copy_(cache.index_select(0, ids), non_blocking=True)
+                torch.cuda.current_stream(cache.device).synchronize()
+            else:
+                rows = cache.index_select(0, ids)
+            self._arena_rows(index, save.slots, rows.reshape(len(save.block_ids), -1).view(torch.uint8).numpy(),
+                             into_arena=True)
         except Exception as exc:  # noqa: BLE001 - a failed save is a future cache miss, never wrong KV
             log.exception("pool save of layer %s failed: %s", name, exc)
             ok = False

@@ -3,8 +3,10 @@ cache straight into the decode worker's staging arena through the transfer engin
 
 `save_kv_layer` (vLLM's forward thread) only notes what to send: on CPU the layer's cache tensor
 is a registered region and its block rows are contiguous at dim 0, so adjacent blocks become one
-slice and nothing is copied on the forward thread. On CUDA the rows are first copied into a
-pinned host buffer on a side stream (never run here: no GPU in this sandbox). A sender thread
+slice and nothing is copied on the forward thread. On CUDA the rows are first gathered into a
+pinned host buffer on a side stream, in the blocks-first order of mooncake/kv_layout.py (so
+FlashAttention's K-first layout travels like FlashInfer's); a CPU cache whose blocks are not
+contiguous rows is gathered the same way, without the stream. A sender thread
 reserves room on the decode worker once per transfer (`engine.call`), then writes each layer's
 slices with a `KVLayerNote` riding on the batch, without waiting for the previous batch.
 
@@ -27,6 +29,7 @@ import msgspec
 import torch
 
 from messenger.api import Batch, PeerInfo, Slice, TransferError
+from mooncake.kv_layout import block_bytes, blocks_first, direct, runs
 from mooncake.protocol import (KV_CALL_ENCODER, KV_RESERVED_DECODER, KVHello, KVLayerNote, KVReserve)
 from prefill.push_planner import SaveSpec
 
@@ -39,17 +42,6 @@ OUTCOMES_KEPT = 4096  # finished transfers whose outcome the shell may still ask
 
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
-
-
-def block_runs(block_ids: tuple[int, ...]) -> list[tuple[int, int, int]]:
-    """(position in block_ids, first block id, count) per run of consecutive ids: one slice each."""
-    runs: list[tuple[int, int, int]] = []
-    for i, block in enumerate(block_ids):
-        if runs and runs[-1][1] + runs[-1][2] == block:
-            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
-        else:
-            runs.append((i, block, 1))
-    return runs
 
 
 @dataclass
@@ -92,9 +84,9 @@ class _Work:
     layer: int
     computed_s: float
     region: str  # local region holding the rows
-    base: int  # offset of block id 0 (CPU: the cache itself) or of the copied rows (CUDA)
-    contiguous_ids: bool  # False: rows were copied, in block_ids order, starting at `base`
-    event: object | None = None  # CUDA: the copy's event
+    base: int  # offset of block id 0 (the cache itself) or of the gathered rows
+    contiguous_ids: bool  # False: rows were gathered, in block_ids order, starting at `base`
+    event: object | None = None  # CUDA: the gather's event
 
 
 class KVSender:
@@ -104,6 +96,7 @@ class KVSender:
         self._timeout_s = timeout_s
         self._layer_names: list[str] = []
         self._layer_index: dict[str, int] = {}
+        self._views: list[torch.Tensor] = []  # blocks-first, per layer
         self._block_bytes: list[int] = []
         self._layout: list[tuple[str, str, list[int]]] = []
         self._device = "cpu"
@@ -118,21 +111,22 @@ class KVSender:
         self._stats = SenderStats()
         self._busy_since: float | None = None
         self._in_flight_total = 0
-        self._pinned_seq = 0
+        self._gather_seq = 0
         self._thread = threading.Thread(target=self._run, name="kv-push", daemon=True)
         self._thread.start()
 
-    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], num_blocks: int | None = None) -> None:
+        """`num_blocks`: blocks per layer, which tells the block dim (mooncake/kv_layout.py)."""
         self._layer_names = list(kv_caches)
         self._layer_index = {name: i for i, name in enumerate(self._layer_names)}
-        for i, (name, cache) in enumerate(kv_caches.items()):
-            if not cache.is_contiguous():
-                raise ValueError(f"KV cache {name} is not contiguous; its block rows cannot be sent as slices")
-            self._block_bytes.append(cache[0].numel() * cache.element_size())
-            self._layout.append((name, dtype_name(cache.dtype), list(cache.shape[1:])))
-            self._device = str(cache.device)
-            if cache.device.type == "cpu":
-                self._engine.register(f"kv-layer-{i}", cache.view(torch.uint8).view(-1).numpy())
+        for i, cache in enumerate(kv_caches.values()):
+            view = blocks_first(cache, num_blocks)
+            self._views.append(view)
+            self._block_bytes.append(block_bytes(view))
+            self._layout.append((self._layer_names[i], dtype_name(view.dtype), list(view.shape[1:])))
+            self._device = str(view.device)
+            if direct(view):
+                self._engine.register(f"kv-layer-{i}", view.view(torch.uint8).view(-1).numpy())
         if self._device.startswith("cuda"):
             self._copy_stream = torch.cuda.Stream(device=self._device)
 
@@ -156,26 +150,30 @@ class KVSender:
                 if index == 0:
                     transfer.chunks += 1
                 self._saved_this_step.add(spec.request_id)
-            if kv_layer.device.type == "cpu":
+            view = self._views[index]  # vLLM's kv_layer is the registered cache of this layer
+            if direct(view):
                 work = _Work(spec, index, now, f"kv-layer-{index}", 0, True)
             else:
-                work = self._copy_to_pinned(spec, index, now, kv_layer)
+                work = self._gather(spec, index, now, view)
             self._work.put(work)
 
-    def _copy_to_pinned(self, spec: SaveSpec, index: int, now: float, kv_layer: torch.Tensor) -> _Work:
-        """CUDA: copy the layer's rows to pinned host memory on a side stream (after the forward's
-        writes, via wait_stream), registered as its own region until its batch completes. Written
-        for vLLM CUDA but never run here (no GPU in this sandbox)."""
-        assert self._copy_stream is not None
-        self._copy_stream.wait_stream(torch.cuda.current_stream(kv_layer.device))
-        with torch.cuda.stream(self._copy_stream):
-            ids = torch.tensor(spec.block_ids, dtype=torch.long, device=kv_layer.device)
-            host = torch.empty((len(spec.block_ids), *kv_layer.shape[1:]), dtype=kv_layer.dtype, pin_memory=True)
-            host.copy_(kv_layer.index_select(0, ids), non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(self._copy_stream)
-        self._pinned_seq += 1
-        name = f"kv-pinned-{self._pinned_seq}"
+    def _gather(self, spec: SaveSpec, index: int, now: float, view: torch.Tensor) -> _Work:
+        """Copy the request's rows of one layer into a host buffer, registered as its own region
+        until its batch completes. CUDA: pinned memory, on a side stream after the forward's writes
+        (wait_stream); the sender thread waits for the copy's event, never the forward thread."""
+        event = None
+        ids = torch.tensor(spec.block_ids, dtype=torch.long, device=view.device)
+        if self._copy_stream is not None:
+            self._copy_stream.wait_stream(torch.cuda.current_stream(view.device))
+            with torch.cuda.stream(self._copy_stream):
+                host = torch.empty((len(spec.block_ids), *view.shape[1:]), dtype=view.dtype, pin_memory=True)
+                host.copy_(view.index_select(0, ids), non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(self._copy_stream)
+        else:
+            host = view.index_select(0, ids)
+        self._gather_seq += 1
+        name = f"kv-rows-{self._gather_seq}"
         if len(spec.block_ids):
             self._engine.register(name, host.view(torch.uint8).view(-1).numpy())
         return _Work(spec, index, now, name, 0, False, event)
@@ -282,8 +280,8 @@ class KVSender:
             work.event.synchronize()  # the pinned copy is complete
         size = self._block_bytes[layer]
         slices = []
-        runs = block_runs(spec.block_ids) if work.contiguous_ids else [(0, 0, len(spec.block_ids))]
-        for position, first_id, count in runs:
+        pieces = runs(spec.block_ids) if work.contiguous_ids else [(0, 0, len(spec.block_ids))]
+        for position, first_id, count in pieces:
             local = work.base + (first_id * size if work.contiguous_ids else 0)
             remote_block = spec.first_block + position - transfer.spec.skip_blocks
             remote = transfer.offset + (layer * (spec.total_blocks - spec.skip_blocks) + remote_block) * size
@@ -301,7 +299,7 @@ class KVSender:
     def _acked(self, transfer: _Transfer, work: _Work, batch: Batch) -> None:
         now = time.monotonic()
         if not work.contiguous_ids and work.spec.block_ids:
-            self._engine.unregister(work.region)  # CUDA: the pinned copy is no longer needed
+            self._engine.unregister(work.region)  # the gathered rows are no longer needed
         with self._lock:
             transfer.in_flight -= 1
             self._in_flight_total -= 1

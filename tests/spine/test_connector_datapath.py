@@ -18,7 +18,8 @@ from decode.load_planner import LoadSpec
 from decode.staging import StagingConfig
 from kv_connector.fault import flip_bytes_on_the_wire
 from messenger.engine import EngineConfig, TransferEngine
-from prefill.kv_sender import KVSender, block_runs
+from mooncake.kv_layout import runs as block_runs
+from prefill.kv_sender import KVSender
 from prefill.push_planner import SaveSpec
 
 LAYERS, BLOCKS, BLOCK, HEADS, DIM = 3, 80, 4, 2, 8
