@@ -42,6 +42,7 @@ from pathlib import Path
 import msgspec
 import numpy as np
 
+from mooncake import defaults
 from mooncake.control import ControlEndpoint
 from mooncake.net import free_port
 
@@ -53,7 +54,7 @@ REPO = Path(__file__).resolve().parents[1]
 GOALS = {64 * KIB: 2.0, 4 * MIB: 1.5}  # remote get, ours / Mooncake Store
 # Our remote gets run twice: over tcp (what reaches another machine, and what Mooncake Store
 # uses here), and with the engine's own choice for this peer (shm: same host).
-REMOTE_TRANSPORTS = (("", ("tcp",)), ("_auto", ("shm", "rdma", "nixl", "tcp")))
+REMOTE_TRANSPORTS = (("", ("tcp",)), ("_auto", defaults.KV_TRANSPORTS))  # as a node runs them
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -63,6 +63,7 @@ _TRANSPORT_CLASSES = {
 _NOTIFY, _SILENT, _CALL, _REPLY, _REPLY_ERROR = 1, 2, 3, 4, 5
 _CALL_HEAD = struct.Struct("!BQI")  # kind, call id, length of the caller's PeerInfo JSON
 _REPLY_HEAD = struct.Struct("!BQ")
+_CALLERS_KEPT = 64  # distinct caller descriptions remembered (a caller's changes when it registers memory)
 
 
 @dataclass(frozen=True)
@@ -150,6 +151,10 @@ class TransferEngine:
         self._on_notify: NotifyHandler | None = None
         self._on_call: CallHandler | None = None
         self._calls: dict[int, Future] = {}
+        self._info_lock = threading.Lock()  # a change and its version bump, together
+        self._info_version = 0  # bumped when what info() returns changes (regions, addresses)
+        self._info_json: tuple[int, bytes] = (-1, b"")  # (version, info() encoded): calls carry it
+        self._callers_seen: dict[bytes, PeerInfo] = {}  # callers' encoded PeerInfo, decoded once
         self._call_ids = itertools.count(1)
         self._hasher = SliceHasher(config.hash_threads, name)
         self._callers = ThreadPoolExecutor(4, thread_name_prefix=f"messenger-call-{name}")
@@ -178,11 +183,15 @@ class TransferEngine:
             if address is None or not length or length <= 0:
                 raise ValueError(f"region {name!r}: give a buffer, or an address and a positive length")
             region = Region(name, length, address, None, device)
-        self._regions.add(region)
+        with self._info_lock:
+            self._regions.add(region)
+            self._info_version += 1
         return region
 
     def unregister(self, name: str) -> None:
-        self._regions.remove(name)
+        with self._info_lock:
+            self._regions.remove(name)
+            self._info_version += 1
 
     # --- lifecycle -----------------------------------------------------------------------------
 
@@ -198,7 +207,10 @@ class TransferEngine:
                 reasons[name] = why
                 continue
             try:
-                self._addresses[name] = transport.start(self._regions, self)
+                address = transport.start(self._regions, self)
+                with self._info_lock:
+                    self._addresses[name] = address
+                    self._info_version += 1
             except Exception as exc:  # a transport that fails to start must not stop the others
                 reasons[name] = f"failed to start: {exc}"
                 log.warning("messenger transport %s failed to start: %s", name, exc)
@@ -344,7 +356,11 @@ class TransferEngine:
         call_id = next(self._call_ids)
         reply: Future = Future()
         self._calls[call_id] = reply
-        caller = msgspec.json.encode(self.info())
+        version, caller = self._info_json  # a call carries the caller's PeerInfo: the callee answers by it
+        if version != self._info_version:
+            version = self._info_version  # read first: a change during the encoding re-encodes next time
+            caller = msgspec.json.encode(self.info())
+            self._info_json = (version, caller)
         payload = _CALL_HEAD.pack(_CALL, call_id, len(caller)) + caller + request
         timeout = timeout_s if timeout_s is not None else self.config.timeout_s
         sent = Batch(len(payload), 0)
@@ -385,7 +401,12 @@ class TransferEngine:
         if kind == _CALL:
             _, call_id, info_len = _CALL_HEAD.unpack_from(payload)
             start = _CALL_HEAD.size
-            caller = msgspec.json.decode(payload[start:start + info_len], type=PeerInfo)
+            raw = bytes(payload[start:start + info_len])
+            caller = self._callers_seen.get(raw)
+            if caller is None:
+                if len(self._callers_seen) >= _CALLERS_KEPT:
+                    self._callers_seen.clear()
+                caller = self._callers_seen[raw] = msgspec.json.decode(raw, type=PeerInfo)
             request = bytes(payload[start + info_len:])
             self._callers.submit(self._answer, caller, call_id, request)
         elif kind in (_REPLY, _REPLY_ERROR):
@@ -411,7 +432,7 @@ class TransferEngine:
             return
         known = self._peers.get(caller.name)
         try:
-            if known is None or known.info != caller:
+            if known is None or (known.info is not caller and known.info != caller):
                 self.add_peer(caller)
             target = self._peer(caller.name)
             done = Batch(0, 0)

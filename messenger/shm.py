@@ -283,6 +283,11 @@ class ShmTransport:
     def _enqueue(self, peer: PeerInfo, job: Job) -> None:
         """Queue `job` on the link to `peer`, opening one if there is none (or the last died)."""
         address = _socket_of(peer)
+        if job.direction is None and address is not None:  # a message: on this thread if the link is idle
+            with self._lock:
+                link = None if self.closed else self._links.get(address)
+            if link is not None and link.send_now(job):
+                return
         with self._lock:
             closed = self.closed
             if not closed and address is not None:
@@ -290,7 +295,7 @@ class ShmTransport:
                 if link is None:
                     link = self._links[address] = Link(self, peer.name, address)
                     link.start()
-                link.jobs.put(job)  # under the lock: never after a dead link's sentinel (Link.die)
+                link.put(job)  # under the lock: never after a dead link's sentinel (Link.die)
                 return
         job.batch.complete(TransferError("the shm transport was closed" if closed
                                          else f"peer {peer.name!r} publishes no shm address"))

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from messenger.api import PeerInfo, Slice, TransferError
+from mooncake import defaults
 from store import channel
 from store.pool import checksum
 
@@ -55,7 +56,8 @@ class RemotePool:
         from messenger.engine import EngineConfig, TransferEngine
 
         self._service = service
-        config = engine_config or replace(EngineConfig(), checksums=False)
+        # The KV path's transports unless told otherwise: NIXL's agent polls a core (defaults.py).
+        config = engine_config or replace(EngineConfig(), checksums=False, transports=defaults.KV_TRANSPORTS)
         self.engine = TransferEngine(f"kv-pool-{socket.gethostname()}-{os.getpid()}", config)
         self.engine.register(ARENA_REGION, service.arena.array)
         self._info = self.engine.start(on_call=self._on_call)
