@@ -168,7 +168,7 @@ def run_config(args, transport: str, layout: str, pin: bool, emulated: Emulated)
     receiver = KVReceiver(c_engine, args.block_size, StagingConfig(capacity_bytes=nbytes + (64 << 20), pin_for_cuda=pin))
     pin_start = time.perf_counter()
     receiver.register_kv_caches(dst, blocks)
-    pin_s, pinned = time.perf_counter() - pin_start, receiver._pinned
+    pin_s, pinned = time.perf_counter() - pin_start, receiver.arena_pinned
     c_engine.start(on_notify=receiver.on_notify, on_call=receiver.on_call)
     sender = KVSender(p_engine, timeout_s=60.0)
     sender.register_kv_caches(src, blocks)

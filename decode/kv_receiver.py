@@ -31,7 +31,6 @@ from mooncake.protocol import (KV_CALL_DECODER, KV_CALL_ENCODER, KV_NOTE_DECODER
 # Under "vllm." so the messages show in vLLM's worker processes, whose logging vLLM configures.
 log = logging.getLogger("vllm.mooncake." + __name__)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 STAGING_REGION = "kv-staging"
 
 
@@ -99,6 +98,11 @@ class KVReceiver:
             return
         self._pinned = True
         log.info("pinned the %d MiB staging arena in %.2f s", self._arena.nbytes >> 20, time.perf_counter() - start)
+
+    @property
+    def arena_pinned(self) -> bool:
+        """Whether the staging arena is page-locked (caches on a GPU, pin_for_cuda)."""
+        return self._pinned
 
     def shutdown(self) -> None:
         """Unpin the arena (if pinned); the engine that registered it is closed by its owner."""

@@ -21,6 +21,7 @@ from messenger import cma, shm_wire
 from messenger.api import Batch, ChecksumError, Direction, OutgoingMessage, Region, Slice, TransferError
 from messenger.handshake import client_handshake
 from messenger.segments import SegmentSpan
+from messenger.send_gate import SendGate
 from messenger.shm_serve import peer_pid
 
 if TYPE_CHECKING:
@@ -63,9 +64,7 @@ class Link:
     def __init__(self, transport: ShmTransport, peer: str, address: str):
         self.transport, self.peer, self.address = transport, peer, address
         self.jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
-        self._sending = threading.Lock()  # held while a job is handled, by either thread
-        self._count_lock = threading.Lock()
-        self._queued = 0  # jobs put and not yet handled by the sender thread
+        self._gate = SendGate()
         self._connected = False
         self.cma = False
         self.cma_reason: str | None = "not connected"
@@ -81,18 +80,15 @@ class Link:
         threading.Thread(target=self._send_loop, name=f"shm-send-{self.peer}", daemon=True).start()
 
     def put(self, job: Job) -> None:
-        with self._count_lock:
-            self._queued += 1
+        self._gate.queued()
         self.jobs.put(job)
 
     def send_now(self, job: Job) -> bool:
         """Send a message job on this thread if the link is connected and idle, after everything
         queued before it; False: queue it instead."""
-        if not self._connected or self._dead is not None or not self._sending.acquire(blocking=False):
+        if not self._connected or self._dead is not None or not self._gate.try_idle():
             return False
         try:
-            if self._queued:
-                return False
             assert job.message is not None
             try:
                 self._request(shm_wire.Note(0, job.message.payload), job.batch)
@@ -100,7 +96,7 @@ class Link:
                 job.batch.complete(exc)
             return True
         finally:
-            self._sending.release()
+            self._gate.sending.release()
 
     def die(self, reason: str) -> None:
         """Fail everything in flight and queued; the transport opens a new link next time."""
@@ -125,12 +121,8 @@ class Link:
         except Exception as exc:  # OSError, HandshakeError or a bug: either way no batch may wait forever
             self.die(f"cannot connect: {exc}")
         while (job := self.jobs.get()) is not None:
-            try:
-                with self._sending:
-                    self._handle(job)
-            finally:
-                with self._count_lock:
-                    self._queued -= 1
+            with self._gate.handling():
+                self._handle(job)
 
     def _handle(self, job: Job) -> None:
         if self._dead is not None:

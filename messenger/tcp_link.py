@@ -20,6 +20,7 @@ import msgspec
 
 from messenger.api import Batch, OutgoingMessage, Slice, TransferError
 from messenger.handshake import HandshakeError, client_handshake
+from messenger.send_gate import SendGate
 from messenger.stats import TransportStats
 from messenger.wire import (ENGINE_PREFIX_SIZE, Kind, WireError, decode_engine_prefix, encode_engine_prefix,
                             recv_exactly, recv_into_views, send_views)
@@ -229,31 +230,26 @@ class Stream:
         self.index = index
         self.sock: socket.socket | None = None
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._sending = threading.Lock()  # held while a frame goes out, by either thread
-        self._count_lock = threading.Lock()
-        self._queued = 0  # items put and not yet sent (or dropped) by the sender thread
+        self._gate = SendGate()
         self._thread = threading.Thread(target=self._send_loop, name=f"messenger-tcp-out{index}", daemon=True)
         self._thread.start()
 
     def put(self, item) -> None:
-        with self._count_lock:
-            self._queued += 1
+        self._gate.queued()
         self._queue.put(item)
 
     def send_now(self, kind: int, batch_id: int, body: bytes) -> bool:
         """Send one small frame on this thread if the stream is connected and idle, keeping the
         order of everything queued before it; False: queue it instead."""
         sock = self.sock
-        if sock is None or self.link.failed is not None or not self._sending.acquire(blocking=False):
+        if sock is None or self.link.failed is not None or not self._gate.try_idle():
             return False
         try:
-            if self._queued:
-                return False
             send_frame(self.link.transport.stats_counter, sock, kind, batch_id, 0, bytes(body))
         except (OSError, ValueError) as exc:
             self.link.fail(TransferError(f"sending to {self.link.peer} at {self.link.address} failed: {exc}"))
         finally:
-            self._sending.release()
+            self._gate.sending.release()
         return True
 
     def stop(self) -> None:
@@ -288,12 +284,8 @@ class Stream:
                 item = self._queue.get()
                 if item is None or link.failed is not None:
                     return
-                try:
-                    with self._sending:
-                        self._send_item(item)
-                finally:
-                    with self._count_lock:
-                        self._queued -= 1
+                with self._gate.handling():
+                    self._send_item(item)
         except HandshakeError as exc:
             link.fail(TransferError(f"{link.peer} at {link.address} refused the handshake: {exc}"))
         except TransferError as exc:  # a local region vanished under a queued frame

@@ -10,6 +10,7 @@ moves. The pool copier saves from one layout and loads into another the same way
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from types import SimpleNamespace
 
 import pytest
@@ -74,17 +75,24 @@ def test_the_block_count_comes_from_whichever_engine_config_has_it():
     assert num_blocks_of(SimpleNamespace(cache_config=SimpleNamespace(num_gpu_blocks=None)), None) is None
 
 
-def make_pair(src, dst, transports):
+@contextmanager
+def pair(src, dst, transports):
+    """A producer and a consumer on their own engines; everything closed after."""
     config = EngineConfig(transports=transports, timeout_s=5.0)
-    c_engine = TransferEngine("consumer", config)
+    c_engine, p_engine = TransferEngine("consumer", config), TransferEngine("producer", config)
     consumer = KVReceiver(c_engine, BLOCK, StagingConfig(capacity_bytes=16 << 20))
-    consumer.register_kv_caches(dst, BLOCKS)
-    c_engine.start(on_notify=consumer.on_notify, on_call=consumer.on_call)
-    p_engine = TransferEngine("producer", config)
     producer = KVSender(p_engine, timeout_s=5.0)
-    producer.register_kv_caches(src, BLOCKS)
-    p_engine.start()
-    return (p_engine, producer), (c_engine, consumer)
+    try:
+        consumer.register_kv_caches(dst, BLOCKS)
+        c_engine.start(on_notify=consumer.on_notify, on_call=consumer.on_call)
+        producer.register_kv_caches(src, BLOCKS)
+        p_engine.start()
+        yield producer, consumer, p_engine, c_engine.info().transports["tcp"]
+    finally:
+        consumer.shutdown()
+        producer.shutdown()
+        p_engine.close()
+        c_engine.close()
 
 
 @pytest.mark.parametrize("transports", [("tcp",), ("shm", "tcp")], ids=["tcp", "shm"])
@@ -93,16 +101,14 @@ def make_pair(src, dst, transports):
 @pytest.mark.parametrize("device", DEVICES)
 def test_blocks_land_in_the_consumers_layout(device, src_layout, dst_layout, transports):
     src, dst = caches(src_layout, device, True), caches(dst_layout, device, False)
-    (p_engine, producer), (c_engine, consumer) = make_pair(src, dst, transports)
-    try:
-        dest = c_engine.info().transports["tcp"]
+    with pair(src, dst, transports) as (producer, consumer, p_engine, dest):
         save(producer, src, [spec("p", dest, (5, 6), 0, 4, final=False)])  # first chunk: blocks 0-1
         save(producer, src, [spec("p", dest, (20, 3), 2, 4, final=True)])  # last chunk: blocks 2-3
         assert producer.outcome("t-p", 10.0) == "ok"
         consumer.start_load_kv([LoadSpec("d", "t-p", block_ids=(0, 17, 9, 23), first_block=0, num_tokens=15,
                                          wait_timeout_s=10)])
         assert wait_loaded(consumer, "d", timeout=10.0) == set()
-        assert consumer._pinned == (device == "cuda")  # landing on a GPU reads a page-locked arena
+        assert consumer.arena_pinned == (device == "cuda")  # landing on a GPU reads a page-locked arena
         for name in src:
             sent, got = blocks_first(src[name], BLOCKS), blocks_first(dst[name], BLOCKS)
             for s, d in ((5, 0), (6, 17), (20, 9), (3, 23)):
@@ -110,24 +116,14 @@ def test_blocks_land_in_the_consumers_layout(device, src_layout, dst_layout, tra
             assert got[1].abs().sum() == 0  # untouched blocks stay untouched
         assert p_engine.stats()[transports[0]]["sent_bytes"] > 0
         assert producer.finished_sending({"p"}) == {"p"}
-    finally:
-        consumer.shutdown()
-        producer.shutdown()
-        p_engine.close()
-        c_engine.close()
 
 
 def test_layouts_whose_blocks_differ_are_refused_before_a_byte_moves():
     src, dst = caches("kernel_blocks", "cpu", True), caches("blocks_first", "cpu", False)
-    (p_engine, producer), (c_engine, consumer) = make_pair(src, dst, ("tcp",))
-    try:
-        save(producer, src, [spec("p", c_engine.info().transports["tcp"], (0,), 0, 1, final=True)])
+    with pair(src, dst, ("tcp",)) as (producer, consumer, _, dest):
+        save(producer, src, [spec("p", dest, (0,), 0, 1, final=True)])
         assert "layout" in producer.outcome("t-p", 5.0)
         assert consumer.stats()["staged_bytes"] == 0
-    finally:
-        producer.shutdown()
-        p_engine.close()
-        c_engine.close()
 
 
 @pytest.mark.parametrize("device", DEVICES)
