@@ -75,6 +75,10 @@ def _estimator_gauges(estimators: dict[str, dict[str, Any]]):
         ("decode_step", "scale"): GaugeMetricFamily(
             "mooncake_estimator_decode_step_scale", "Measured decode step time / the profile's prediction, as "
             "fitted for each instance and used to price it (ratio).", labels=["instance"]),
+        ("ttft_residual", "scale"): GaugeMetricFamily(
+            "mooncake_estimator_ttft_residual", "Measured TTFT / the TTFT predicted when the request was "
+            "routed, as fitted for each prefill instance; its prefill price is multiplied by it (ratio; 1: "
+            "the queue and prefill model are right under the load the cluster runs at).", labels=["instance"]),
         ("prefill", "relative_error"): GaugeMetricFamily(
             "mooncake_estimator_prefill_relative_error", "Median |measured - calibrated prediction| / measured "
             "prefill time over the recent samples (ratio).", labels=["instance"]),
@@ -83,13 +87,14 @@ def _estimator_gauges(estimators: dict[str, dict[str, Any]]):
             "measured decode step time over the recent samples (ratio).", labels=["instance"]),
     }
     samples = GaugeMetricFamily("mooncake_estimator_samples", "Measurements each instance's calibration has "
-                                "seen, by kind (prefill, decode_step).", labels=["instance", "kind"])
+                                "seen, by kind (prefill, decode_step, ttft_residual).",
+                                labels=["instance", "kind"])
     for instance, fits in sorted(estimators.items()):
         for (kind, key), family in families.items():
             value = fits[kind][key]
             if value is not None:  # no error before the first sample
                 family.add_metric([instance], value)
-        for kind in ("prefill", "decode_step"):
+        for kind in ("prefill", "decode_step", "ttft_residual"):
             samples.add_metric([instance, kind], fits[kind]["samples"])
     yield from families.values()
     yield samples

@@ -69,6 +69,8 @@ class Route:
     decode_held_blocks: int = 0  # leading prompt blocks `decode` holds (prefix index): P skips them
     released: bool = field(default=False)
     fetch: FetchParams | None = None  # Algorithm 1's fetch_from, for the prefill worker
+    decided_at: float = 0.0  # when the router picked it (the start of the TTFT it predicted)
+    ttft_residual: float = 1.0  # the prefill instance's TTFT residual in that prediction
 
     @property
     def colocated(self) -> bool:
@@ -143,6 +145,7 @@ class Router:
     def _commit(self, route: Route, prompt: list[int], max_tokens: int, now: float, cached: int,
                 tbt_slo_s: float) -> Route:
         route.kv_tokens = len(prompt) + max_tokens
+        route.decided_at, route.ttft_residual = now, self.calibration.ttft_residual(route.prefill.name)
         seconds = predicted_prefill_s(self.scheduler.estimators, len(prompt), cached,
                                       self.calibration.scales(route.prefill.name)[0])
         route.decode.ledger.assign(route.request_id, route.prefill.ledger, seconds, now, route.kv_tokens, tbt_slo_s,
@@ -154,6 +157,11 @@ class Router:
     def first_token(self, route: Route, now: float) -> None:
         route.decode.ledger.prefill_done(route.request_id, route.prefill.ledger, now)
         self._prefill_ended(route)
+        decision = route.decision
+        if decision is not None and any(h is route.prefill for h in self.pool.all()):
+            # The TTFT it was admitted on, against the one it got (calibration.py: the residual).
+            self.calibration.instance(route.prefill.name).observe_ttft(
+                now - route.decided_at, decision.predicted_ttft_s, route.ttft_residual)
 
     def _prefill_ended(self, route: Route) -> None:
         """Its blocks are stored now (the worker's KV events follow) or never will be (failure)."""

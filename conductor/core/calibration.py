@@ -9,6 +9,19 @@ and learns one multiplicative scale per instance for prefill and one for the dec
   shrink = n / (n + prior_weight)       (few samples: stay near the prior)
   clamped to [min_scale, max_scale]
 
+A third fit closes the loop on what admission is judged by: the TTFT the conductor measured for
+a request against the TTFT it predicted when it routed it (`observe_ttft`). The prefill fit learns
+the engine's speed from prompts it computed (nearly) alone; under a standing queue on a busy host
+(two engines, the conductor and the clients on a few cores) the prompts run slower than that,
+and the queue the ledger prices drains slower: a loaded cluster was priced 1.3-1.5x too fast
+(benchmarks/RESULTS.md, the simulator against the live cluster). The TTFT residual is the median
+of measured / predicted TTFT, the prediction taken without the residual it was priced with, so it
+is a direct fit, not an integrator that could swing. It multiplies the instance's prefill price
+(and so the queue its new work adds), within [min_residual, max_residual]: it corrects the prior's
+and the prefill fit's misses, it does not replace them. Only predictions of at least
+`min_ttft_sample_s` are samples: a short prompt's TTFT is mostly fixed overhead (HTTP,
+tokenizing), which a multiplicative residual would misread.
+
 A median, not a mean: one sample 10x off (a GC pause, a preempted step) moves it by one rank.
 A scaled model is still a PrefillModel / DecodeModel (every coefficient times the scale), so the
 calibrated model is concrete and printable. Pure: no clock is needed (the window is by count),
@@ -36,19 +49,27 @@ class CalibrationConfig:
     """n0: with n samples the measured log-scale counts n / (n + n0), the prior the rest."""
     min_scale: float = 0.1
     max_scale: float = 10.0
+    min_residual: float = 1 / 3
+    """The TTFT residual's clamp (module doc): a correction of the prefill fit, not a second one."""
+    max_residual: float = 3.0
+    min_ttft_sample_s: float = 0.25
+    """A request's TTFT is a residual sample when its predicted TTFT was at least this (seconds)."""
 
     def __post_init__(self) -> None:
-        if self.window < 1 or self.prior_weight < 0 or not 0 < self.min_scale <= 1 <= self.max_scale:
+        if (self.window < 1 or self.prior_weight < 0 or not 0 < self.min_scale <= 1 <= self.max_scale
+                or not 0 < self.min_residual <= 1 <= self.max_residual or self.min_ttft_sample_s < 0):
             raise ValueError(f"bad calibration config: {self}")
 
 
 class ScaleFit:
     """A robust multiplicative fit of measured seconds to a prior's predicted seconds."""
 
-    __slots__ = ("config", "_log_ratios", "_pairs", "samples", "scale", "relative_error")
+    __slots__ = ("config", "bounds", "_log_ratios", "_pairs", "samples", "scale", "relative_error")
 
-    def __init__(self, config: CalibrationConfig) -> None:
+    def __init__(self, config: CalibrationConfig, bounds: tuple[float, float] | None = None) -> None:
         self.config = config
+        self.bounds = bounds or (config.min_scale, config.max_scale)
+        """The scale's clamp (min, max)."""
         self._log_ratios: deque[float] = deque(maxlen=config.window)
         self._pairs: deque[tuple[float, float]] = deque(maxlen=config.window)  # (measured, prior predicted)
         self.samples = 0
@@ -70,21 +91,23 @@ class ScaleFit:
         n = len(self._log_ratios)
         shrink = n / (n + cfg.prior_weight)
         scale = math.exp(shrink * statistics.median(self._log_ratios))
-        self.scale = min(max(scale, cfg.min_scale), cfg.max_scale)
+        self.scale = min(max(scale, self.bounds[0]), self.bounds[1])
         self.relative_error = statistics.median(abs(m - self.scale * p) / m for m, p in self._pairs)
         return True
 
 
 class InstanceCalibration:
-    """One instance's prefill and decode-step fits against the scheduler's prior."""
+    """One instance's prefill and decode-step fits against the scheduler's prior, and its TTFT
+    residual (module doc)."""
 
-    __slots__ = ("prior", "prefill", "decode_step", "_on_change")
+    __slots__ = ("prior", "prefill", "decode_step", "ttft_residual", "_on_change")
 
     def __init__(self, prior: Estimators, config: CalibrationConfig,
                  on_change: Callable[[], None] | None = None) -> None:
         self.prior = prior
         self.prefill = ScaleFit(config)
         self.decode_step = ScaleFit(config)
+        self.ttft_residual = ScaleFit(config, (config.min_residual, config.max_residual))
         self._on_change = on_change
         """Called after a sample moved a scale (the cluster's pooled scales are then stale)."""
 
@@ -95,13 +118,26 @@ class InstanceCalibration:
     def observe_decode_step(self, batch_size: int, kv_tokens: int, measured_s: float) -> bool:
         return self._changed(self.decode_step.add(measured_s, self.prior.tbt_s(max(batch_size, 1), max(kv_tokens, 0))))
 
+    def observe_ttft(self, measured_s: float, predicted_s: float, residual_priced: float) -> bool:
+        """A request routed to prefill here: the TTFT measured from the routing decision to the
+        first token, against the TTFT predicted then, which this instance's residual at that time
+        (`residual_priced`) had multiplied. Predictions under `min_ttft_sample_s` are not samples."""
+        if not (predicted_s >= self.ttft_residual.config.min_ttft_sample_s and residual_priced > 0):
+            return False
+        return self._changed(self.ttft_residual.add(measured_s, predicted_s / residual_priced))
+
+    def prefill_price_scale(self) -> float:
+        """What the scheduler multiplies this instance's prior prefill seconds by."""
+        return self.prefill.scale * self.ttft_residual.scale
+
     def _changed(self, added: bool) -> bool:
         if added and self._on_change is not None:
             self._on_change()
         return added
 
     def prefill_model(self) -> PrefillModel:
-        m, s = self.prior.prefill, self.prefill.scale
+        """The prefill model it is priced with (the TTFT residual included)."""
+        m, s = self.prior.prefill, self.prefill_price_scale()
         return PrefillModel(m.c0 * s, m.c1 * s, m.c2 * s, m.c3 * s)
 
     def decode_model(self) -> DecodeModel:
@@ -113,8 +149,11 @@ class InstanceCalibration:
         def fit(f: ScaleFit, prior: Any, calibrated: Any) -> dict[str, Any]:
             return {"scale": f.scale, "samples": f.samples, "relative_error": f.relative_error,
                     "prior": asdict(prior), "calibrated": asdict(calibrated)}
+        residual = self.ttft_residual
         return {"prefill": fit(self.prefill, self.prior.prefill, self.prefill_model()),
-                "decode_step": fit(self.decode_step, self.prior.decode, self.decode_model())}
+                "decode_step": fit(self.decode_step, self.prior.decode, self.decode_model()),
+                "ttft_residual": {"scale": residual.scale, "samples": residual.samples,
+                                  "relative_error": residual.relative_error}}
 
 
 class Calibration:
@@ -124,8 +163,8 @@ class Calibration:
         self.prior = prior
         self.config = config or CalibrationConfig()
         self._instances: dict[str, InstanceCalibration] = {}
-        self._pooled: tuple[float, float] | None = None
-        """(prefill, decode step) for instances not measured yet; None: to be recomputed. Cached
+        self._pooled: tuple[float, float, float] | None = None
+        """(prefill, decode step, TTFT residual) for instances not measured yet; None: to be recomputed. Cached
         because the router reads every instance's scales for every request."""
 
     def instance(self, instance_id: str) -> InstanceCalibration:
@@ -135,18 +174,30 @@ class Calibration:
         return cal
 
     def scales(self, instance_id: str) -> tuple[float, float]:
-        """(prefill scale, decode-step scale). A fit with no sample yet is priced optimistically:
+        """(prefill price scale, decode-step scale): the prefill one is the prefill fit times the
+        TTFT residual. A fit with no sample yet is priced optimistically:
         the cluster's scale (the geometric mean of the measured instances') when that is below 1,
         else the prior's 1. Without that, an instance the scheduler has not tried keeps the
         prior's (pessimistic) price, loses every request to the ones measured faster, and is never
         measured; and when the measured ones are slow, the untried one is still tried first."""
         if self._pooled is None:
-            self._pooled = (_optimistic([c.prefill for c in self._instances.values()]),
-                            _optimistic([c.decode_step for c in self._instances.values()]))
+            self._pooled = tuple(_optimistic([getattr(c, kind) for c in self._instances.values()])
+                                 for kind in ("prefill", "decode_step", "ttft_residual"))
         cal = self._instances.get(instance_id)
-        prefill = cal.prefill.scale if cal is not None and cal.prefill.samples else self._pooled[0]
-        decode = cal.decode_step.scale if cal is not None and cal.decode_step.samples else self._pooled[1]
-        return prefill, decode
+        prefill, decode, residual = (
+            getattr(cal, kind).scale if cal is not None and getattr(cal, kind).samples else pooled
+            for kind, pooled in zip(("prefill", "decode_step", "ttft_residual"), self._pooled, strict=True))
+        return prefill * residual, decode
+
+    def ttft_residual(self, instance_id: str) -> float:
+        """The TTFT residual scales(instance_id)[0] includes."""
+        cal = self._instances.get(instance_id)
+        if cal is not None and cal.ttft_residual.samples:
+            return cal.ttft_residual.scale
+        if self._pooled is None:
+            self.scales(instance_id)
+        assert self._pooled is not None
+        return self._pooled[2]
 
     def _invalidate(self) -> None:
         self._pooled = None
@@ -177,14 +228,18 @@ def _geometric_mean(scales: list[float]) -> float | None:
 def cluster_scales(estimators_doc: dict[str, Any]) -> tuple[float, float]:
     """(prefill, decode step) scale of a live cluster, from a conductor's
     `GET /internal/debug/estimators` answer (or its "instances" part): the geometric mean over the
-    instances measured for each kind; 1 (the prior) for a kind none was measured for."""
+    instances measured for each kind; 1 (the prior) for a kind none was measured for. The prefill
+    one includes the TTFT residual, as the conductor prices with it (an answer from before the
+    residual has none: 1)."""
     instances = estimators_doc.get("instances", estimators_doc)
     if not isinstance(instances, dict):
         raise ValueError("not a conductor's /internal/debug/estimators answer: no 'instances' object")
 
-    def mean(kind: str) -> float:
+    def mean(kind: str, optional: bool = False) -> float:
         scales = []
         for name, fits in instances.items():
+            if optional and isinstance(fits, dict) and kind not in fits:
+                continue
             try:
                 fit = fits[kind]
                 if fit["samples"] > 0:
@@ -193,7 +248,7 @@ def cluster_scales(estimators_doc: dict[str, Any]) -> tuple[float, float]:
                 raise ValueError(f"instance {name!r}: no {kind} scale and samples ({exc})") from exc
         return _geometric_mean(scales) or 1.0
 
-    return mean("prefill"), mean("decode_step")
+    return mean("prefill") * mean("ttft_residual", optional=True), mean("decode_step")
 
 
 def fitted_profile(table: ProfileTable, prefill_scale: float, decode_scale: float) -> ProfileTable:

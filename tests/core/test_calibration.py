@@ -142,6 +142,10 @@ def test_cluster_scales_are_the_geometric_mean_of_the_measured_instances():
     prefill, decode = cluster_scales(doc)
     assert prefill == pytest.approx(1.0) and decode == pytest.approx(0.8)  # unmeasured fits are left out
     assert cluster_scales({"instances": {}}) == (1.0, 1.0)
+    # The TTFT residual multiplies the prefill scale, as the conductor prices with it.
+    doc["instances"]["p1"]["ttft_residual"] = {"scale": 1.5, "samples": 20}
+    doc["instances"]["d1"]["ttft_residual"] = {"scale": 0.2, "samples": 0}  # unmeasured: left out
+    assert cluster_scales(doc)[0] == pytest.approx(1.5)
     with pytest.raises(ValueError, match="p1"):
         cluster_scales({"instances": {"p1": {"prefill": {"scale": 1.0}}}})
     with pytest.raises(ValueError, match="instances"):
@@ -164,3 +168,38 @@ def test_a_fitted_profile_gives_the_calibrated_estimators():
         assert fitted.tbt_s(batch, kv) == pytest.approx(cal.decode_model().step_seconds(batch, kv), rel=1e-6)
     with pytest.raises(ValueError):
         fitted_profile(table, 0.0, 1.0)
+
+
+def test_the_ttft_residual_fits_measured_over_predicted_ttft_whatever_it_was_priced_with():
+    cfg = CalibrationConfig(prior_weight=0)
+    cal = Calibration(EST, cfg)
+    p1 = cal.instance("p1")
+    rng = random.Random(3)
+    for _ in range(100):
+        # The cluster runs 1.4x slower than the fits say. Each prediction was priced with the
+        # residual of its time; measured over the prediction less that residual is the sample,
+        # so the fit lands on 1.4 rather than chasing its own corrections.
+        base = rng.uniform(1.0, 9.0)
+        priced = p1.ttft_residual.scale if p1.ttft_residual.samples else 1.0
+        assert p1.observe_ttft(1.4 * base * math.exp(rng.gauss(0, 0.1)), base * priced, priced)
+    assert p1.ttft_residual.scale == pytest.approx(1.4, rel=0.05)
+    p1.prefill.add(2.0, 1.0)  # a prefill fit of 2 (prior_weight 0)
+    assert cal.scales("p1")[0] == pytest.approx(2.0 * p1.ttft_residual.scale)
+    assert p1.prefill_model().seconds(1000, 0) == pytest.approx(cal.scales("p1")[0] * EST.prefill_s(1000, 0))
+    assert cal.ttft_residual("p1") == p1.ttft_residual.scale
+    # An instance with no sample is priced with the cluster's residual only when below 1.
+    assert cal.ttft_residual("p2") == 1.0
+    assert cal.instance("p3").observe_ttft(0.5, 1.0, 1.0) and cal.ttft_residual("p2") < 1.0
+
+
+def test_short_predictions_are_not_residual_samples_and_the_residual_is_clamped():
+    cfg = CalibrationConfig(prior_weight=0, min_ttft_sample_s=0.25)
+    p1 = Calibration(EST, cfg).instance("p1")
+    # A 50 ms prediction measured at 200 ms is HTTP and tokenizing, not a slow cluster.
+    assert not p1.observe_ttft(0.2, 0.05, 1.0) and p1.ttft_residual.samples == 0
+    assert not p1.observe_ttft(1.0, 2.0, 0.0)  # no residual priced: not a sample
+    for _ in range(10):
+        assert p1.observe_ttft(100.0, 1.0, 1.0)
+    assert p1.ttft_residual.scale == cfg.max_residual
+    with pytest.raises(ValueError):
+        CalibrationConfig(max_residual=0.5)

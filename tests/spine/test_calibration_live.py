@@ -7,6 +7,7 @@ endpoint, the engine's measured times, and the profile chosen for the cluster's 
 
 import asyncio
 import logging
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -15,6 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from conductor.app import create_app, estimators_report
 from conductor.config import ConductorConfig, resolve_profile
+from conductor.core.calibration import Calibration, CalibrationConfig
 from conductor.core.profile_table import bundled_profile_exists
 from conductor.metrics import LiveState
 from conductor.relay import Relay
@@ -52,9 +54,11 @@ class MeasuringClient:
         pass
 
 
-def service_for(specs, client):
+def service_for(specs, client, calibration: CalibrationConfig | None = None):
     pool = pool_of(*specs)
     r = router(pool)
+    if calibration is not None:
+        r.calibration = Calibration(r.scheduler.estimators, calibration)
     relay = Relay(client, 1.0, pick_fallback=lambda tried: None)
     return CompletionService(ConductorConfig(model_path="unused", served_model_name="m"), LetterTokenizer(),
                              r, relay, r.metrics)
@@ -80,10 +84,12 @@ def test_disaggregated_requests_feed_the_prefill_and_the_decode_instance():
     assert p1.prefill.scale == pytest.approx(expected)
     expected = (STEP_S / r.scheduler.estimators.tbt_s(1, 2508)) ** (3 / 7)
     assert d1.decode_step.scale == pytest.approx(expected)
-    # The ledger's queued prefill for the next request is priced with the calibrated scale.
+    # The ledger's queued prefill for the next request is priced with the calibrated scale
+    # and the TTFT residual (at its floor: this fake answers in a millisecond, not seconds).
+    assert p1.ttft_residual.samples == 3 and p1.ttft_residual.scale == CalibrationConfig().min_residual
     route = r.pick("next", list(range(5000, 7500)), 8, now=0.0)
     assert route.prefill.ledger.prefill_jobs["next"] == pytest.approx(
-        p1.prefill.scale * r.scheduler.estimators.prefill_s(2500, 0))
+        p1.prefill.scale * p1.ttft_residual.scale * r.scheduler.estimators.prefill_s(2500, 0))
 
 
 def test_a_colocated_request_feeds_both_on_the_one_instance():
@@ -101,7 +107,8 @@ def test_a_prefill_shared_with_other_prompts_is_not_a_sample():
     r = service.router
     for _ in range(3):
         assert asyncio.run(complete(service, 2500)).status_code == 200
-    assert r.calibration.instance("p1").prefill.samples == 0 and r.calibration.scales("p1")[0] == 1.0
+    p1 = r.calibration.instance("p1")
+    assert p1.prefill.samples == 0 and p1.prefill.scale == 1.0
     assert r.calibration.instance("d1").decode_step.samples == 0  # its steps carried others' chunks
     # Computed alone, the same answers are samples.
     client.concurrent = 0
@@ -115,8 +122,14 @@ def test_a_prefill_shared_with_other_prompts_is_not_a_sample():
     assert r.calibration.instance("d1").decode_step.samples == 1
 
 
+# This fake answers in a millisecond whatever prefill time it reports, so here the TTFT residual
+# (which would learn that every prediction is far too long) is off: the prefill fit alone.
+NO_RESIDUAL = CalibrationConfig(min_ttft_sample_s=math.inf)
+
+
 def test_a_slow_instance_is_calibrated_apart_then_avoided_and_forgotten_when_it_leaves():
-    service = service_for((("p1", "prefill"), ("p2", "prefill"), ("d1", "decode")), MeasuringClient({"p1": 500.0}))
+    service = service_for((("p1", "prefill"), ("p2", "prefill"), ("d1", "decode")), MeasuringClient({"p1": 500.0}),
+                          NO_RESIDUAL)
     r = service.router
     used = []
     for k in range(8):  # distinct prompts: no prefix cache draws them anywhere
@@ -137,7 +150,10 @@ def test_metrics_show_the_estimator_gauges_per_instance():
     r.metrics.watch(lambda: LiveState(estimators=estimators_report(r)))
     families = {f.name: f for f in text_string_to_metric_families(r.metrics.render().decode())}
     by_name = {(f, tuple(sorted(s.labels.items()))): s.value for f, fam in families.items() for s in fam.samples}
-    assert by_name[("mooncake_estimator_prefill_scale", (("instance", "p1"),))] == r.calibration.scales("p1")[0]
+    p1 = r.calibration.instance("p1")
+    assert by_name[("mooncake_estimator_prefill_scale", (("instance", "p1"),))] == p1.prefill.scale
+    assert by_name[("mooncake_estimator_ttft_residual", (("instance", "p1"),))] == p1.ttft_residual.scale
+    assert p1.prefill.scale * p1.ttft_residual.scale == r.calibration.scales("p1")[0]
     assert by_name[("mooncake_estimator_decode_step_scale", (("instance", "d1"),))] == r.calibration.scales("d1")[1]
     assert ("mooncake_estimator_prefill_relative_error", (("instance", "p1"),)) in by_name
     assert ("mooncake_estimator_decode_step_relative_error", (("instance", "d1"),)) in by_name
@@ -156,8 +172,11 @@ def test_debug_endpoint_shows_prior_and_calibrated_coefficients():
     body = TestClient(app).get("/internal/debug/estimators").json()  # no `with`: no lifespan
     assert body["profile"] == "smollm2-135m-cpu" and set(body["instances"]) == {"p1", "d1"}
     p1 = body["instances"]["p1"]["prefill"]
-    assert p1["samples"] == 1 and p1["scale"] == r.calibration.scales("p1")[0]
-    assert p1["calibrated"]["c1"] == pytest.approx(p1["prior"]["c1"] * p1["scale"])
+    residual = body["instances"]["p1"]["ttft_residual"]
+    assert p1["samples"] == 1 == residual["samples"]
+    assert p1["scale"] * residual["scale"] == r.calibration.scales("p1")[0]
+    # The calibrated coefficients are the ones it is priced with: the residual included.
+    assert p1["calibrated"]["c1"] == pytest.approx(p1["prior"]["c1"] * p1["scale"] * residual["scale"])
     assert p1["relative_error"] >= 0
     d1 = body["instances"]["d1"]["decode_step"]
     assert d1["samples"] == 1 and d1["calibrated"]["d0"] == pytest.approx(d1["prior"]["d0"] * d1["scale"])

@@ -166,3 +166,23 @@ def test_flexible_roles_serve_with_only_prefill_workers():
     r = router(pool_of(("p1", "prefill")), flexible_roles=True)
     route = r.pick("a", list(range(300)), 4, now=0.0)
     assert route.colocated and route.prefill.name == "p1"
+
+
+def test_the_first_token_feeds_the_prefill_instance_ttft_residual():
+    pool = pool_of(("p1", "prefill"), ("d1", "decode"))
+    r = router(pool)
+    route = r.pick("a", list(range(1000, 3500)), 8, now=10.0)
+    predicted = route.decision.predicted_ttft_s
+    assert predicted > 1.0 and route.decided_at == 10.0 and route.ttft_residual == 1.0
+    r.first_token(route, now=10.0 + 2 * predicted)  # twice as long as predicted
+    p1 = r.calibration.instance("p1")
+    assert p1.ttft_residual.samples == 1 and p1.ttft_residual.scale == pytest.approx(2 ** (1 / 5))  # shrunk 1/(1+4)
+    # The next request's prefill is priced, and queued in the ledger, with the residual.
+    nxt = r.pick("b", list(range(5000, 7500)), 8, now=20.0)
+    assert nxt.ttft_residual == p1.ttft_residual.scale
+    assert nxt.prefill.ledger.prefill_jobs["b"] == pytest.approx(
+        p1.ttft_residual.scale * r.scheduler.estimators.prefill_s(2500, 0))
+    # A prefill instance that left the pool learns nothing more.
+    pool.remove("http://p1")
+    r.first_token(nxt, now=30.0)
+    assert p1.ttft_residual.samples == 1
