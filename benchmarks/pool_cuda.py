@@ -88,7 +88,7 @@ def run(args) -> dict:
             start = time.perf_counter()
             for name in src:
                 writer.save_layer(saves, name)
-            writer._saver.submit(lambda: None).result()  # the save thread drains in order
+            writer.flush([f"s{r}"])  # both save stages done, the keys committed
             saved = time.perf_counter() - start
             dst_ids = list(reversed(range(blocks - n - 1, blocks)))
             loader, manager = PoolPlanner(PoolClient(service.endpoint), args.block_size), _Manager()

@@ -143,7 +143,7 @@ def test_the_pool_saves_from_one_layout_and_loads_into_another(device):
         _, saves, _ = planner.plan(step(new={"a": 0}, scheduled={"a": len(tokens)}))
         for name in source:
             writer.save_layer(saves, name)
-        writer._saver.submit(lambda: None).result()  # the save thread drains in order
+        writer.flush(["a"])  # both save stages done, the keys committed
         assert service.lookup(hash_prompt_blocks(tokens, BLOCK)) == ["dram"] * 3
         loader = PoolPlanner(PoolClient(service.endpoint), BLOCK)
         loader.bind_kv_cache_manager(FakeManager({"b": [1, 12, 4, 6]}))
@@ -161,3 +161,16 @@ def test_the_pool_saves_from_one_layout_and_loads_into_another(device):
         writer.shutdown()
         reader.shutdown()
         service.close()
+
+
+def test_split_runs_shares_a_copy_among_threads_without_losing_or_repeating_a_row():
+    from mooncake.kv_layout import runs, split_runs
+
+    for ids in ([1, 2, 3, 4, 5, 6, 7, 8, 9], [5, 9, 2, 7], [], [3], [*range(10), *range(20, 23)]):
+        for parts in (1, 2, 3, 4):
+            split = split_runs(runs(ids), parts)
+            rows = [(position + i, first + i) for part in split for position, first, count in part for i in range(count)]
+            assert rows == list(enumerate(ids))
+            assert len(split) <= parts
+            sizes = [sum(count for _, _, count in part) for part in split]
+            assert not sizes or max(sizes) - min(sizes) <= max(sizes) // 2 + 1  # about equal shares

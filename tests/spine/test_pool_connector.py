@@ -106,7 +106,7 @@ def test_saved_blocks_are_committed_then_loaded_layer_by_layer_into_another_engi
     assert [s.block_ids for s in saves] == [(5, 9, 2)]  # full blocks only
     save_step(writer, saves, source)
     assert planner.finished(req) is True  # blocks kept until the copies are done...
-    writer._saver.submit(lambda: None).result()  # (the save thread drains in order)
+    writer.flush(["a"])  # (both save stages done)
     assert writer.finished_saving({"a"}) == {"a"}  # ...which they are now
     keys = hash_prompt_blocks(tokens, BS)
     assert service.lookup(keys) == ["dram"] * 3
@@ -161,7 +161,7 @@ def test_a_block_evicted_before_the_worker_reads_it_is_reported_for_recompute(se
     planner.after_alloc(req, blocks_of([0, 1, 2]), 0)
     _, saves, _ = planner.plan(step(new={"a": 0}, scheduled={"a": len(tokens)}))
     save_step(writer, saves, source)
-    writer._saver.submit(lambda: None).result()
+    writer.flush(["a"])
     planner2 = PoolPlanner(PoolClient(service.endpoint), BS)
     planner2.bind_kv_cache_manager(FakeManager({"b": [8, 9, 10]}))
     req2 = FakeRequest("b", tokens)
