@@ -214,6 +214,7 @@ def test_a_fetch_instruction_loads_the_other_pools_prefix_asynchronously_once(se
 
 
 def test_the_conductor_fetches_only_from_a_holder_whose_pool_it_can_reach():
+    pytest.importorskip("fastapi", reason="the conductor's routing needs it (absent on a bare GPU machine)")
     from conductor.core.types import Decision
     from conductor.routing import fetch_params
     from conductor.workers import WorkerHandle
