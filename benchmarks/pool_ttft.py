@@ -2,7 +2,7 @@
 tier, or in another node's pool (fetched), against the same prompt computed cold; and vLLM's own
 OffloadingConnector (CPU tier) on the same prompts and engine cache size.
 
-    python -m benchmarks.pool_ttft [--lengths 2048 8192] [--repeats 3] [--skip-offloading]
+    python -m benchmarks.pool_ttft [--lengths 2048 8000] [--repeats 3] [--skip-offloading]
 
 Each case drops the engine's own prefix cache first (/internal/reset_prefix_cache; vLLM's
 /reset_prefix_cache with VLLM_SERVER_DEV_MODE=1), so only the tier under test can supply the
@@ -49,13 +49,16 @@ class Worker:
         start = time.perf_counter()
         cached = 0
         with httpx.stream("POST", self.url + "/internal/generate", json=body, timeout=600) as resp:
+            if resp.status_code != 200:  # e.g. a prompt over the engine's max model length
+                raise RuntimeError(f"{self.url} refused a {len(ids)}-token prompt: {resp.status_code} "
+                                   f"{resp.read().decode(errors='replace')[:500]}")
             for line in resp.iter_lines():
                 chunk = json.loads(line)
                 if chunk.get("num_cached_tokens") is not None:
                     cached = chunk["num_cached_tokens"]
                 if chunk.get("token_ids"):
                     return time.perf_counter() - start, cached
-        raise RuntimeError("no token")
+        raise RuntimeError(f"{self.url} ended the stream of a {len(ids)}-token prompt without a token")
 
     def reset(self) -> None:
         for _ in range(100):
