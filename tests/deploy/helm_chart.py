@@ -43,7 +43,7 @@ VARIANTS = {
     "cpu": {
         "prefill": {"replicas": 0, "gpusPerPod": 0},
         "decode": {"gpusPerPod": 0, "cpuBind": "0-3", "resources": {"limits": {"cpu": "4"}}},
-        "store": {"ssd": {"enabled": True, "type": "emptyDir", "size": "20Gi"}},
+        "store": {"dramGib": 1.5, "ssd": {"enabled": True, "type": "emptyDir", "size": "20Gi", "capacityGib": 16}},
         "metrics": {"dashboardConfigMap": {"enabled": False}, "monitor": ""},
     },
 }

@@ -131,6 +131,7 @@ def test_rendered_units_are_valid_and_run_options_the_cli_takes(tmp_path):
         "mooncake_service_manager": "systemd", "mooncake_start_services": False, "mooncake_venv": sys.prefix,
         "mooncake_model": "/srv/models/SmolLM2-135M-Instruct", "mooncake_dtype": "bfloat16", "etcd_install_package": False,
         "etcd_binary": etcd, "conductor_ttft_slo": 10, "conductor_port": 8300, "prefill_cpu_bind": "0-3",
+        "mooncake_pool_dram_gib": 1.5, "mooncake_pool_ssd_dir": str(root / "ssd"),
         **({"mooncake_cluster_token": "t0ken-for-the-test"} if HAS_TOKEN else {}),
         **({"mooncake_api_keys": ["sk-one", "sk-two SmolLM2-135M-Instruct"]} if HAS_KEYS else {})},
         "--skip-tags", "install", timeout=300)
@@ -166,6 +167,12 @@ def test_rendered_units_are_valid_and_run_options_the_cli_takes(tmp_path):
     assert conductor.port == 8300 and conductor.ttft_slo == 10
     prefill = parse_cli(shlex.split(unit_settings(units["mooncake-prefill"])["ExecStart"][0])[1:])
     assert prefill.cpu_bind == "0-3" and prefill.instance_id == "prefill-localhost"
+    # Each worker's pool: the DRAM tier given, an SSD folder of its own (created), the command's cap.
+    decode = parse_cli(shlex.split(unit_settings(units["mooncake-decode"])["ExecStart"][0])[1:])
+    for role, worker in (("prefill", prefill), ("decode", decode)):
+        assert worker.pool_dram_gib == 1.5 and worker.pool_ssd_dir == str(root / "ssd" / role)
+        assert (root / "ssd" / role).is_dir()
+    assert prefill.pool_ssd_gib == parse_cli(["prefill"]).pool_ssd_gib  # not set: the command's default
 
     analyze = shutil.which("systemd-analyze")
     if analyze is None:

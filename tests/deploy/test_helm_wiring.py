@@ -246,8 +246,8 @@ def test_worker_pools_gpus_and_spread(renderer, tmp_path, variant):
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_the_store_ssd_volume(renderer, tmp_path, variant):
-    """Mounted in every worker when enabled; no option points the workers at it yet (the pool
-    that will use it is not built), so no command line mentions it."""
+    """Mounted in every worker when enabled, and the worker's pool pointed at it; the pool's DRAM
+    tier and SSD capacity reach the command line when set."""
     docs, values = render(renderer, VARIANTS[variant], tmp_path)
     ssd = values["store"]["ssd"]
     for role in ("prefill", "decode"):
@@ -258,11 +258,14 @@ def test_the_store_ssd_volume(renderer, tmp_path, variant):
         mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
         volumes = {v["name"]: v for v in pod_spec(workload)["volumes"]}
         claims = [c["metadata"]["name"] for c in workload["spec"].get("volumeClaimTemplates", [])]
+        args = args_of(container)
+        assert option(args, "--pool-dram-gib") == (str(values["store"]["dramGib"]) if values["store"]["dramGib"] else None)
         if not ssd["enabled"]:
             assert "store-ssd" not in mounts and "store-ssd" not in claims
+            assert option(args, "--pool-ssd-dir") is None and option(args, "--pool-ssd-gib") is None
             continue
-        assert mounts["store-ssd"] == ssd["mountPath"]
-        assert not any(ssd["mountPath"] in a for a in args_of(container))
+        assert mounts["store-ssd"] == ssd["mountPath"] == option(args, "--pool-ssd-dir")
+        assert option(args, "--pool-ssd-gib") == (str(ssd["capacityGib"]) if ssd["capacityGib"] else None)
         if ssd["type"] == "persistentVolumeClaim":
             claim = workload["spec"]["volumeClaimTemplates"][0]
             assert claim["spec"]["resources"]["requests"]["storage"] == ssd["size"]
