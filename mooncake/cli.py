@@ -82,11 +82,10 @@ def _auth_errors(args: argparse.Namespace) -> list[str]:
 
 
 def _cmd_conductor(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from conductor.app import create_app, drain_conductor
     from conductor.config import ConductorConfig
     from mooncake.drain import DrainingServer
+    from mooncake.net import http_server_config
 
     from conductor.auth import load_api_keys
     from conductor.cli_args import scheduler_config, slo_bounds
@@ -106,8 +105,8 @@ def _cmd_conductor(args: argparse.Namespace) -> int:
         drain_timeout_s=args.drain_timeout,
     )
     app = create_app(config)
-    DrainingServer(uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
-                                  log_config=uvicorn_log_config()), drain=lambda: drain_conductor(app)).run()
+    DrainingServer(http_server_config(app, args.host, args.port, log_level="info", log_config=uvicorn_log_config()),
+                   drain=lambda: drain_conductor(app)).run()
     return 0
 
 

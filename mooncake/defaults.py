@@ -47,6 +47,11 @@ KV_CACHE_GIB = 1.0
 --gpu-memory-utilization)."""
 REGISTRY_TTL_S = 5.0
 """A worker that stops refreshing its registration leaves routing after this."""
+HTTP_KEEP_ALIVE_S = 75.0
+"""How long our HTTP servers keep an idle connection open. Longer than clients' own idle expiry
+(httpx, which the openai package and the conductor use: 5 s; aiohttp: 15 s): uvicorn's default of
+5 s equals httpx's, so a pooled connection could be closed by the server just as the client sent a
+request on it, and that request failed with a connection error before reaching us."""
 MAX_BODY_BYTES = 16 << 20
 """Larger HTTP request bodies are refused with 413 before they are parsed (conductor and workers)."""
 DRAIN_TIMEOUT_S = 20.0

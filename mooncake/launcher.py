@@ -26,6 +26,7 @@ from mooncake import defaults
 from mooncake.auth import TOKEN_ENV, generate_token
 from mooncake.defaults import Dtype, WorkerRole, engine_option_errors
 from mooncake.logs import uvicorn_log_config
+from mooncake.net import http_server_config
 
 log = logging.getLogger(__name__)
 
@@ -231,8 +232,8 @@ def serve(config: ClusterConfig) -> int:
             api_keys=config.api_keys, cluster_token=cluster.cluster_token, scheduler=config.scheduler,
             profile=config.profile, dtype=config.dtype, slo_bounds=config.slo_bounds,
         ))
-        server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="info",
-                                               timeout_graceful_shutdown=5, log_config=uvicorn_log_config()))
+        server = uvicorn.Server(http_server_config(app, config.host, config.port, log_level="info",
+                                                   timeout_graceful_shutdown=5, log_config=uvicorn_log_config()))
 
         def watch() -> None:
             error = wait_until_ready(cluster.workers, fetch_health, stop)

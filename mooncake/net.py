@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import socket
+from typing import Any
+
+from mooncake import defaults
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -10,3 +13,11 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
+
+
+def http_server_config(app, host: str, port: int, **kwargs: Any):
+    """uvicorn's config for one of our HTTP servers (conductor, workers): idle connections are
+    kept open HTTP_KEEP_ALIVE_S, longer than the clients' pools keep them (defaults.py says why)."""
+    import uvicorn
+
+    return uvicorn.Config(app, host=host, port=port, timeout_keep_alive=int(defaults.HTTP_KEEP_ALIVE_S), **kwargs)

@@ -132,7 +132,7 @@ async def send_one(client: AsyncOpenAI, opts: ClientOptions, prompt: str | list[
         except openai.APIStatusError as exc:
             rec.status, rec.error = ERROR, f"HTTP {exc.status_code}: {exc.message}"
         except openai.APIConnectionError as exc:
-            rec.status, rec.error = ERROR, f"{type(exc).__name__}: {exc.__cause__ or exc}"
+            rec.status, rec.error = ERROR, connection_error_text(exc)
         except Exception as exc:  # noqa: BLE001  a broken stream mid-run is that request's error
             rec.status, rec.error = ERROR, f"{type(exc).__name__}: {exc}"
         rec.end_s = now()
@@ -157,3 +157,13 @@ async def run_schedule(client: AsyncOpenAI, opts: ClientOptions, prompts: list[s
         await asyncio.gather(*(one(p, r) for p, r in zip(prompts, records)))
     finally:
         bar.close()
+
+
+def connection_error_text(exc: BaseException) -> str:
+    """A connection error with what the HTTP library raised under it, by type: its message is
+    often empty (a server that closed a pooled connection: "RemoteProtocolError: Server
+    disconnected without sending a response")."""
+    cause = exc.__cause__ or exc.__context__
+    if cause is None:
+        return f"{type(exc).__name__}: {exc}"
+    return f"{type(exc).__name__}: {type(cause).__name__}: {cause}"

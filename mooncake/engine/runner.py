@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import logging
 
-import uvicorn
 
-from mooncake.net import free_port
+from mooncake.net import free_port, http_server_config
 from mooncake.control import ControlEndpoint
 from mooncake.logs import configure_logging
 from mooncake.drain import DrainingServer
@@ -26,7 +25,7 @@ def run_worker(config: WorkerConfig, pool_factory=None) -> None:
     # Events port 0: the worker binds a free one for vLLM's KV events itself, before it builds the
     # engine (mooncake/engine/kv_events.py), so no other process can take it in between.
     app = create_app(config, kv_port, 0, ControlEndpoint.new(), pool_factory)
-    server = DrainingServer(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
-                                           timeout_graceful_shutdown=5),
+    server = DrainingServer(http_server_config(app, config.host, config.port, log_level="warning",
+                                               timeout_graceful_shutdown=5),
                             drain=lambda: drain_worker(app.state.worker))
     server.run()
