@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import torch
 
-from messenger.cma import split as split_copies
-
 
 def blocks_first(cache: torch.Tensor, num_blocks: int | None = None) -> torch.Tensor:
     """A view of `cache` (no copy) whose dim 0 indexes the scheduler's blocks. Without
@@ -48,9 +46,22 @@ def runs(ids) -> list[tuple[int, int, int]]:
 
 def split_runs(spans: list[tuple[int, int, int]], parts: int) -> list[list[tuple[int, int, int]]]:
     """`runs(...)` cut into at most `parts` lists of about equal rows (a long run is cut too), for
-    copies shared among threads: the messenger's cut of its copies, whose triples (two starts and
-    a length) advance the same way."""
-    return split_copies(spans, parts)
+    copies shared among threads."""
+    total = sum(count for _, _, count in spans)
+    if parts <= 1 or total <= 1:
+        return [spans] if spans else []
+    share = -(-total // parts)
+    out: list[list[tuple[int, int, int]]] = [[]]
+    room = share
+    for position, first, count in spans:
+        while count:
+            if room == 0:
+                out.append([])
+                room = share
+            take = min(count, room)
+            out[-1].append((position, first, take))
+            position, first, count, room = position + take, first + take, count - take, room - take
+    return out
 
 
 def block_bytes(view: torch.Tensor) -> int:
