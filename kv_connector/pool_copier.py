@@ -17,15 +17,11 @@ maps it once, so a copy is one index_select/index_copy_ per layer, never a socke
   request with saves in flight is reported finished sending only once they are copied (vLLM
   keeps its blocks until then); a preempted one's saves are finished before the next step can
   overwrite its freed blocks (handle_preemptions).
-- A save runs in two stages, each on its own thread, so the gather of layer i+1 overlaps layer i's
-  copy into the arena: the gather takes the layer's blocks out of the paged cache (on CUDA it only
-  enqueues the device-to-host copy on a copy stream, after an event recorded on the forward's
-  stream when the layer was saved, so it never reads KV the GPU has not written yet); the writer
-  waits for that copy, writes the rows into their slots and, after the last layer, commits. At
-  most SAVE_LAYERS_IN_FLIGHT gathered layers wait for the writer (their host memory is bounded).
 - On CUDA both directions go through pinned host memory (the bus's speed, 6-8x pageable memory's
-  on an H200, benchmarks/RESULTS.md); a load's layer is released to the forward only once its
-  copy has run on the device.
+  on an H200, benchmarks/RESULTS.md). A save first waits, on its thread, for an event recorded on
+  the forward's stream when the layer was saved, so it never reads KV the GPU has not written yet;
+  a load's layer is released to the forward only once its copy has run on the device. Each
+  layer's copy between the arena and the pinned rows is shared among ARENA_COPY_THREADS threads.
 """
 
 from __future__ import annotations
@@ -41,7 +37,8 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from kv_connector.pool_planner import PoolLoad, PoolSave
-from mooncake.kv_layout import block_bytes, blocks_first, runs, split_runs
+from messenger.cma import in_parallel
+from mooncake.kv_layout import block_bytes, blocks_first, runs
 from store.arena import Arena
 from store.channel import PoolClient, PoolUnavailable
 
@@ -52,10 +49,6 @@ ARENA_COPY_THREADS = 4
 one thread's memcpy (9-11 GB/s on the H200 machine) is far below a GPU node's memory bandwidth,
 and on the critical path of a load. With host caches one thread copies: the engine's own
 threads compute on the same cores."""
-
-SAVE_LAYERS_IN_FLIGHT = 4
-"""Gathered layers that may wait for the arena writer: enough to keep both stages busy, while the
-host memory they hold stays a few layers' worth (one layer of an 8k prompt of Llama-3.1-8B: 33 MB)."""
 
 
 @dataclass(frozen=True)
@@ -129,11 +122,7 @@ class PoolCopier:
         self._arena_bytes = None  # the same memory as numpy (slots x block bytes), for memcpys
         self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pool-load")
         self._async_loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pool-fetch")
-        self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pool-save")  # gathers
-        self._save_writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pool-save-write")
-        self._save_slots = threading.BoundedSemaphore(SAVE_LAYERS_IN_FLIGHT)
-        self._copy_stream = None  # the saves' device-to-host stream (CUDA caches), made on first use
-        self._closed = False
+        self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pool-save")
         self._arena_copiers: ThreadPoolExecutor | None = None  # ARENA_COPY_THREADS - 1 helpers (GPU caches)
         self._step: _StepLoads | None = None
         self._layer_of: dict[str, int] = {}
@@ -169,8 +158,7 @@ class PoolCopier:
         log.info("KVCache pool: %d arena slots of %d B mapped from %s", info.slots, info.block_bytes, info.path)
 
     def shutdown(self) -> None:
-        self._closed = True  # a gather waiting for a writer slot gives up (the writer's queue is cancelled)
-        for pool in (self._loader, self._async_loader, self._saver, self._save_writer, self._arena_copiers):
+        for pool in (self._loader, self._async_loader, self._saver, self._arena_copiers):
             if pool is not None:
                 pool.shutdown(wait=False, cancel_futures=True)
         for client in (self._client, self._sync_client, self._async_client):
@@ -289,16 +277,9 @@ class PoolCopier:
                 else:
                     rows[position:position + count] = layer[slot:slot + count]
 
-        helpers = self._arena_copiers
-        parts = split_runs(runs(slots), ARENA_COPY_THREADS if helpers is not None else 1)
-        if helpers is None or len(parts) <= 1:
-            for part in parts:
-                copy(part)
-            return
-        pending = [helpers.submit(copy, part) for part in parts[1:]]
-        copy(parts[0])
-        for done in pending:
-            done.result()
+        # The messenger's even cut of copies among threads, in rows here (a run's triples advance
+        # the same way as its copies'); without helpers (host caches) all in this thread.
+        in_parallel(copy, runs(slots), pool=self._arena_copiers, threads=ARENA_COPY_THREADS, parallel_min_bytes=2)
 
     def collect_loads(self) -> tuple[set[str], set[str]]:
         """(finished, failed) asynchronous loads; failed ones are also finished, as vLLM wants."""
@@ -339,50 +320,26 @@ class PoolCopier:
             self._saver.submit(self._save_layer, save, layer_name, index, written)
 
     def _save_layer(self, save: PoolSave, name: str, index: int, written=None) -> None:
-        """The gather stage: the layer's blocks out of the paged cache, then on to the writer."""
         start = time.perf_counter()
-        rows, copied = None, None
-        while not self._save_slots.acquire(timeout=0.5):  # released by the writer
-            if self._closed:
-                return
+        ok = True
         try:
             assert self._layout is not None and self._arena is not None
             cache = self._caches[name]
+            ids = torch.tensor(save.block_ids, dtype=torch.long, device=cache.device)
             if written is not None:
-                if self._copy_stream is None:
-                    self._copy_stream = torch.cuda.Stream(cache.device)
-                with torch.cuda.stream(self._copy_stream):
-                    self._copy_stream.wait_event(written)
-                    ids = torch.tensor(save.block_ids, dtype=torch.long).pin_memory().to(cache.device, non_blocking=True)
-                    rows = torch.empty((len(save.block_ids), *cache.shape[1:]), dtype=cache.dtype, pin_memory=True)
-                    rows.copy_(cache.index_select(0, ids), non_blocking=True)
-                    copied = torch.cuda.Event()
-                    copied.record(self._copy_stream)
+                written.synchronize()
+                rows = torch.empty((len(save.block_ids), *cache.shape[1:]), dtype=cache.dtype, pin_memory=True)
+                rows.copy_(cache.index_select(0, ids), non_blocking=True)
+                torch.cuda.current_stream(cache.device).synchronize()
             else:
-                rows = cache.index_select(0, torch.tensor(save.block_ids, dtype=torch.long))
-        except Exception as exc:  # noqa: BLE001 - a failed save is a future cache miss, never wrong KV
-            log.exception("pool save of layer %s failed: %s", name, exc)
-            rows = None
-        self._save_writer.submit(self._write_layer, save, name, index, rows, copied, time.perf_counter() - start)
-
-    def _write_layer(self, save: PoolSave, name: str, index: int, rows, copied, gather_s: float) -> None:
-        """The writer stage: the gathered rows into the save's slots; after the last layer, commit."""
-        start = time.perf_counter()
-        ok = rows is not None
-        try:
-            if ok:
-                if copied is not None:
-                    copied.synchronize()
-                self._arena_rows(index, save.slots, rows.reshape(len(save.block_ids), -1).view(torch.uint8).numpy(),
-                                 into_arena=True)
+                rows = cache.index_select(0, ids)
+            self._arena_rows(index, save.slots, rows.reshape(len(save.block_ids), -1).view(torch.uint8).numpy(),
+                             into_arena=True)
         except Exception as exc:  # noqa: BLE001 - a failed save is a future cache miss, never wrong KV
             log.exception("pool save of layer %s failed: %s", name, exc)
             ok = False
-        finally:
-            del rows
-            self._save_slots.release()
         with self._lock:
-            self.stats.save_seconds += gather_s + time.perf_counter() - start
+            self.stats.save_seconds += time.perf_counter() - start
             job = self._jobs[save]
             job.layers_left -= 1
             job.ok = job.ok and ok

@@ -44,26 +44,6 @@ def runs(ids) -> list[tuple[int, int, int]]:
     return out
 
 
-def split_runs(spans: list[tuple[int, int, int]], parts: int) -> list[list[tuple[int, int, int]]]:
-    """`runs(...)` cut into at most `parts` lists of about equal rows (a long run is cut too), for
-    copies shared among threads."""
-    total = sum(count for _, _, count in spans)
-    if parts <= 1 or total <= 1:
-        return [spans] if spans else []
-    share = -(-total // parts)
-    out: list[list[tuple[int, int, int]]] = [[]]
-    room = share
-    for position, first, count in spans:
-        while count:
-            if room == 0:
-                out.append([])
-                room = share
-            take = min(count, room)
-            out[-1].append((position, first, take))
-            position, first, count, room = position + take, first + take, count - take, room - take
-    return out
-
-
 def block_bytes(view: torch.Tensor) -> int:
     """Bytes of one block of a blocks-first view."""
     return view[0].numel() * view.element_size()

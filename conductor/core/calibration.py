@@ -163,8 +163,8 @@ class Calibration:
         self.prior = prior
         self.config = config or CalibrationConfig()
         self._instances: dict[str, InstanceCalibration] = {}
-        self._pooled: tuple[float, float, float] | None = None
-        """(prefill, decode step, TTFT residual) for instances not measured yet; None: to be recomputed. Cached
+        self._pooled: dict[str, float] | None = None
+        """Scale by kind (_KINDS) for instances not measured yet; None: to be recomputed. Cached
         because the router reads every instance's scales for every request."""
 
     def instance(self, instance_id: str) -> InstanceCalibration:
@@ -180,24 +180,21 @@ class Calibration:
         else the prior's 1. Without that, an instance the scheduler has not tried keeps the
         prior's (pessimistic) price, loses every request to the ones measured faster, and is never
         measured; and when the measured ones are slow, the untried one is still tried first."""
-        if self._pooled is None:
-            self._pooled = tuple(_optimistic([getattr(c, kind) for c in self._instances.values()])
-                                 for kind in ("prefill", "decode_step", "ttft_residual"))
-        cal = self._instances.get(instance_id)
-        prefill, decode, residual = (
-            getattr(cal, kind).scale if cal is not None and getattr(cal, kind).samples else pooled
-            for kind, pooled in zip(("prefill", "decode_step", "ttft_residual"), self._pooled, strict=True))
-        return prefill * residual, decode
+        prefill = self._scale(instance_id, "prefill") * self.ttft_residual(instance_id)
+        return prefill, self._scale(instance_id, "decode_step")
 
     def ttft_residual(self, instance_id: str) -> float:
         """The TTFT residual scales(instance_id)[0] includes."""
-        cal = self._instances.get(instance_id)
-        if cal is not None and cal.ttft_residual.samples:
-            return cal.ttft_residual.scale
+        return self._scale(instance_id, "ttft_residual")
+
+    def _scale(self, instance_id: str, kind: str) -> float:
+        """One fit's scale: the instance's own once it has a sample, else the pooled one."""
+        fit = getattr(self._instances.get(instance_id), kind, None)
+        if fit is not None and fit.samples:
+            return fit.scale
         if self._pooled is None:
-            self.scales(instance_id)
-        assert self._pooled is not None
-        return self._pooled[2]
+            self._pooled = {k: _optimistic([getattr(c, k) for c in self._instances.values()]) for k in _KINDS}
+        return self._pooled[kind]
 
     def _invalidate(self) -> None:
         self._pooled = None
@@ -213,6 +210,9 @@ class Calibration:
 
     def describe(self) -> dict[str, Any]:
         return {name: cal.describe() for name, cal in self.items()}
+
+
+_KINDS = ("prefill", "decode_step", "ttft_residual")  # InstanceCalibration's fits
 
 
 def _optimistic(fits: list[ScaleFit]) -> float:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 
-
 from mooncake.net import free_port, http_server_config
 from mooncake.control import ControlEndpoint
 from mooncake.logs import configure_logging

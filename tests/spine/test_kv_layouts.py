@@ -164,7 +164,9 @@ def test_the_pool_saves_from_one_layout_and_loads_into_another(device):
 
 
 def test_split_runs_shares_a_copy_among_threads_without_losing_or_repeating_a_row():
-    from mooncake.kv_layout import runs, split_runs
+    # The pool copier cuts its runs of slots with the messenger's cut of copies (messenger/cma.py).
+    from messenger.cma import split as split_runs
+    from mooncake.kv_layout import runs
 
     for ids in ([1, 2, 3, 4, 5, 6, 7, 8, 9], [5, 9, 2, 7], [], [3], [*range(10), *range(20, 23)]):
         for parts in (1, 2, 3, 4):
