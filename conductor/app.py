@@ -128,7 +128,10 @@ def create_app(config: ConductorConfig) -> FastAPI:
         view = request.app.state.view
         draining = request.app.state.drain.active  # SIGTERM: a balancer takes this replica out
         ok = ok and not draining
-        body = {"status": "draining" if draining else "ok" if ok else "unavailable", "ready": {"prefill": len(pool.ready("prefill")),
+        # Serving, but a worker it knows is down or not ready yet (a restart, a failed health poll).
+        degraded = ok and not all(h.ready for h in pool.all())
+        status = "draining" if draining else "degraded" if degraded else "ok" if ok else "unavailable"
+        body = {"status": status, "ready": {"prefill": len(pool.ready("prefill")),
                 "decode": len(pool.ready("decode"))}, "workers": workers,
                 "registry": {"url": config.registry_url or "embedded", "instances": len(view),
                              "outage_since": view.outage_since},
@@ -184,14 +187,30 @@ async def _serve(service: CompletionService, body, endpoint: str, request: Reque
     try:
         check_model_access(request, body.model)
         prepared = await service.prepare(body, request.headers)
-    except APIError as exc:
-        service.metrics.requests.labels(endpoint=endpoint, status=str(exc.status),
+    except Exception as exc:
+        error = exc if isinstance(exc, APIError) else _internal_error(exc, "preparing")
+        service.metrics.requests.labels(endpoint=endpoint, status=str(error.status),
                                         slo_class=service.slo_policy.label(request.headers)).inc()
+        if error is exc:
+            raise
+        raise error from exc
+    try:
+        serving = service.serve(prepared, endpoint)  # counts its own answer, refusals included
+        if prepared.stream:
+            return await serving  # a streamed answer notices the client leaving by itself
+        return await _unless_client_leaves(request, serving)
+    except APIError:
         raise
-    serving = service.serve(prepared, endpoint)  # counts its own answer, refusals included
-    if prepared.stream:
-        return await serving  # a streamed answer notices the client leaving by itself
-    return await _unless_client_leaves(request, serving)
+    except Exception as exc:
+        raise _internal_error(exc, "serving") from exc
+
+
+def _internal_error(exc: Exception, doing: str) -> APIError:
+    """A bug, answered as OpenAI's error JSON (not Starlette's plain text, which also drops the
+    client's connection), with the traceback in the log."""
+    log.error("%s a request failed", doing, exc_info=exc)
+    return APIError(500, f"internal error while {doing} the request ({type(exc).__name__}: {exc}); the "
+                         f"conductor's log has the traceback", code="internal_error")
 
 
 async def _unless_client_leaves(request: Request, work: Awaitable[Response]) -> Response:

@@ -39,6 +39,7 @@ class Choice:
     stops: list[str]
     wanted: LogprobsWanted | None = None
     echo: Echo | None = None
+    min_tokens: int = 0  # no stop string may complete within the text of the first min_tokens tokens
     count: int = 0  # tokens generated
     done: bool = False
     text: str = ""  # everything emitted so far
@@ -71,12 +72,14 @@ class Choice:
             prefix = self.echo.text
             ids = self.echo.token_ids + ids
             positions = list(prompt_positions or [None] * len(self.echo.token_ids)) + positions
-        result = self._stopper.push(self._detok.push(chunk.token_ids))
-        text, finish = result.text, None
+        protected = max(0, min(len(chunk.token_ids), self.min_tokens - (self.count - len(chunk.token_ids))))
+        text = self._stopper.push(self._detok.push(chunk.token_ids[:protected]), protected=True).text if protected else ""
+        result = self._stopper.push(self._detok.push(chunk.token_ids[protected:]))
+        text, finish = text + result.text, None
         if result.stopped:
             finish = "stop"
         elif chunk.finish_reason is not None:
-            tail = self._stopper.push(self._detok.flush())
+            tail = self._stopper.push(self._detok.flush(), protected=self.count <= self.min_tokens)
             text += tail.text + ("" if tail.stopped else self._stopper.flush())
             finish = "stop" if tail.stopped else chunk.finish_reason
         return self._event(prefix + text, finish, ids, positions)

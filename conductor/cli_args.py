@@ -26,6 +26,10 @@ def add_scheduler_arguments(parser: argparse.ArgumentParser) -> None:
                    help="keep the workers' labels as fixed roles (prefill workers only prefill, decode workers "
                         "only decode); by default any worker may prefill or decode a request, its label only "
                         f"costs {defaults.ROLE_COST_S:g} s of predicted TTFT when broken (kvcache-centric only)")
+    g.add_argument("--refuse-unattainable", action="store_true",
+                   help="refuse (429, for good) a request whose own prefill takes longer than its TTFT SLO even "
+                        "on an idle cluster; by default it is served, best effort, when the worker that would "
+                        "prefill it has nothing queued, and refused with a Retry-After until then")
     g.add_argument("--remote-fetch", action="store_true",
                    help="Algorithm 1's fetch_from: a prefill worker may pull a longer prefix from another worker's "
                         "KVCache pool (priced with the measured bandwidth) instead of computing it; the workers "
@@ -98,7 +102,7 @@ def scheduler_config(args: argparse.Namespace) -> SchedulerConfig:
         policy=args.policy, admission=args.admission, block_size=args.block_size, ttft_slo_s=args.ttft_slo,
         tbt_slo_s=args.tbt_slo, kvcache_balancing_threshold=args.balancing_threshold,
         conditional_disaggregation=not args.no_conditional_disaggregation,
-        remote_fetch=args.remote_fetch,
+        remote_fetch=args.remote_fetch, best_effort_when_idle=not args.refuse_unattainable,
         # Flexible roles price every instance by TTFT, which only kvcache-centric does.
         flexible_roles=not args.no_flexible_roles and args.policy == Policy.KVCACHE_CENTRIC.value,
         # `serve` starts the workers with --chunk-size; a standalone conductor assumes their default.

@@ -39,6 +39,7 @@ def live_scheduler_config(**overrides) -> SchedulerConfig:
     knobs = dict(block_size=defaults.KV_BLOCK_SIZE, ttft_slo_s=defaults.TTFT_SLO_S, tbt_slo_s=defaults.TBT_SLO_S,
                  default_decode_s=defaults.DEFAULT_DECODE_S, flexible_roles=defaults.FLEXIBLE_ROLES,
                  role_cost_s=defaults.ROLE_COST_S, chunk_tokens=defaults.CHUNK_SIZE,
+                 best_effort_when_idle=defaults.BEST_EFFORT_WHEN_IDLE,
                  # Off unless asked (--remote-fetch): a fetch is carried out only between workers whose
                  # KVCache pools serve other nodes, which the conductor learns only once they are up.
                  remote_fetch=False)

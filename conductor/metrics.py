@@ -125,6 +125,10 @@ class ConductorMetrics:
                                 ["endpoint", "status", "slo_class"], registry=r)
         self.rejections = Counter("mooncake_rejections", "Requests refused before any work, by reason and SLO class.",
                                   ["reason", "slo_class"], registry=r)
+        self.best_effort = Counter(
+            "mooncake_best_effort_admissions", "Requests admitted best effort: their own prefill misses the TTFT "
+            "SLO even on an idle cluster, and the worker chosen to prefill them had nothing queued.",
+            ["slo_class"], registry=r)
         self.routes = Counter(
             "mooncake_routes", "Requests routed, by kind: disaggregated (prefill worker, then decode worker) "
             "colocated (prefilled on the decode worker itself) or flexible (a pair that breaks a worker's role label: "

@@ -26,7 +26,9 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class RelayStats:
-    prefill_cached_tokens: int = 0  # prompt tokens P found in its prefix cache
+    # Prompt tokens the worker that computed the prompt found in a prefix cache (its own or its
+    # KVCache pool): what usage.prompt_tokens_details.cached_tokens reports.
+    prefill_cached_tokens: int = 0
     decode_cached_tokens: int | None = None  # prompt tokens D did not compute (loaded KV)
     decode_instance: str = ""
     retried: bool = False
@@ -173,6 +175,8 @@ class Relay:
                 ):
                     if chunk.num_cached_tokens is not None and stats.decode_cached_tokens is None:
                         stats.decode_cached_tokens = chunk.num_cached_tokens
+                        if pull is None:  # this worker computed the prompt (colocated, or a recompute)
+                            stats.prefill_cached_tokens = chunk.num_cached_tokens
                     if chunk.decode_step_s is not None:
                         stats.decode_step_s, stats.decode_concurrent = chunk.decode_step_s, chunk.decode_concurrent
                     if pull is None and not stats.retried and chunk.prefill_s is not None:
@@ -191,6 +195,8 @@ class Relay:
                 if fallback is None:
                     raise
                 log.warning("%s failed before its first token (%s); retrying on %s", worker.name, exc, fallback.name)
+                if pull is None:  # the failed worker was to compute the prompt too: the fallback does
+                    stats.prefill_instance = fallback.name
                 worker, pull, stats.retried = fallback, None, True
                 stats.decode_instance = worker.name
 

@@ -4,14 +4,39 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+import msgspec
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from mooncake.defaults import MAX_LOGPROBS, MAX_SAMPLES
 
 # The structured-output kinds (mooncake/protocol.py Sampling.structured), by their request names.
 STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+def lone_surrogate_at(value: Any, path: str = "") -> str | None:
+    """The dotted path of the first string in `value` (JSON: dicts, lists, strings) that is not
+    encodable as UTF-8, or None."""
+    try:
+        msgspec.json.encode(value)  # C speed: a long prompt of token ids is mostly ints
+        return None
+    except UnicodeEncodeError:
+        pass
+    except (TypeError, ValueError):  # not JSON-shaped: the model's own validation says why
+        return None
+    if isinstance(value, str):
+        return path
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        shown = str(key).encode("utf-8", "backslashreplace").decode()  # the path goes into an error's JSON
+        key_path = f"{path}.{shown}" if path else shown
+        if isinstance(key, str) and lone_surrogate_at(key) is not None:
+            return key_path
+        found = lone_surrogate_at(item, key_path)
+        if found is not None:
+            return found
+    return None
 
 
 class StreamOptions(BaseModel):
@@ -33,6 +58,7 @@ class _SamplingFields(BaseModel):
     # change the output and are not implemented are refused instead (unsupported_option).
     # allow_inf_nan: Python's JSON parser takes Infinity and NaN, which no engine parameter may be.
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+    TOOLS_IN_PROMPT: ClassVar[bool] = False  # chat: tools with tool_choice "none" go to the chat template
 
     model: str
     temperature: float | None = Field(None, ge=0.0, le=2.0)
@@ -73,6 +99,17 @@ class _SamplingFields(BaseModel):
     functions: list[Any] | None = None
     function_call: Any = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        # JSON may spell a lone UTF-16 surrogate ("\ud800"), which no UTF-8 text holds: the
+        # tokenizer and the wire to the workers would fail on it later, as a 500.
+        where = lone_surrogate_at(data)
+        if where is not None:
+            raise ValueError(f"{where or 'the body'} holds a lone UTF-16 surrogate (\\ud800-\\udfff), which is not "
+                             f"valid Unicode text")
+        return data
+
     @field_validator("stop")
     @classmethod
     def _stop_list(cls, value: str | list[str] | None) -> list[str] | None:
@@ -105,7 +142,9 @@ class _SamplingFields(BaseModel):
             ("best_of", self.best_of not in (None, 1), "best_of is not supported; use n for several samples"),
             ("prompt_logprobs", self.prompt_logprobs is not None and self.stream,
              "prompt_logprobs are not available when stream=True"),
-            ("tools", bool(self.tools), tools),
+            # tool_choice "none": the tools only go into the prompt (the chat template's), as vLLM does.
+            ("tools", bool(self.tools) and not (self.TOOLS_IN_PROMPT and self.tool_choice == "none"),
+             tools + (" (tool_choice \"none\" is)" if self.TOOLS_IN_PROMPT else "")),
             ("functions", bool(self.functions), tools),
             ("tool_choice", self.tool_choice not in not_off, tools),
             ("function_call", self.function_call not in not_off, tools),
@@ -207,6 +246,7 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(_SamplingFields):
+    TOOLS_IN_PROMPT: ClassVar[bool] = True
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)

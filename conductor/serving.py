@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 
 from fastapi.responses import JSONResponse
+from jinja2 import TemplateError
 
 from conductor import responses
 from conductor.choices import Choice, ChoiceEvent, Echo, LogprobsWanted
@@ -152,7 +153,12 @@ class CompletionService:
                 messages = [{"role": m.role, "content": m.text()} for m in body.messages]
             except ValueError as exc:
                 raise APIError(400, str(exc), param="messages") from exc
-            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            try:
+                ids = self.tokenizer.apply_chat_template(messages, tools=body.tools or None,
+                                                         add_generation_prompt=True, tokenize=True)
+            except (TemplateError, ValueError, TypeError, KeyError) as exc:  # the model's template refused them
+                raise APIError(400, f"the model's chat template cannot render these messages: "
+                                    f"{type(exc).__name__}: {exc}", param="messages") from exc
             return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
         prompt = body.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (list, str)):
@@ -205,12 +211,17 @@ class CompletionService:
             route = life.route
             self.metrics.prompt_tokens.inc(len(req.prompt))
             self.metrics.cached_prompt_tokens.inc(stats.prefill_cached_tokens)
-            headers = {"x-mooncake-prefill": route.prefill.name, "x-mooncake-decode": route.decode.name,
+            # Where the request ran, which a worker that failed before the first token changed.
+            headers = {"x-mooncake-prefill": stats.prefill_instance or route.prefill.name,
+                       "x-mooncake-decode": stats.decode_instance or route.decode.name,
                        "x-mooncake-cached-tokens": str(stats.prefill_cached_tokens),
                        "x-mooncake-slo-class": req.slo.slo_class}
             if route.decision is not None:
                 headers["x-mooncake-predicted-ttft-ms"] = str(round(route.decision.predicted_ttft_s * 1000))
-            choices = [Choice(i, self.tokenizer, req.stops, req.logprobs, req.echo) for i in range(req.n)]
+                if route.decision.best_effort:
+                    headers["x-mooncake-best-effort"] = "true"
+            choices = [Choice(i, self.tokenizer, req.stops, req.logprobs, req.echo, req.sampling.min_tokens)
+                       for i in range(req.n)]
             prompt_positions: list = []
             events = self._events(req, life, first, first_at, choices, prompt_positions)
             if req.stream:

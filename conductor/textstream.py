@@ -60,20 +60,27 @@ class StopResult:
 class StopStringMatcher:
     """Withholds the tail that could still become a stop string, and cuts text at a match.
 
-    The stop string itself is not included in the output (OpenAI semantics).
+    The stop string itself is not included in the output (OpenAI semantics). Where several stop
+    strings match, the one that completes first wins (ties: the first listed), as if the text
+    came one character at a time, as vLLM's detokenizer decides. Text pushed as `protected` (the
+    first min_tokens tokens' text) cannot complete a match, as in vLLM: a stop string must end
+    after it.
     """
 
     def __init__(self, stops: list[str]):
         self._stops = [s for s in stops if s]
         self._hold = max((len(s) for s in self._stops), default=1) - 1
         self._pending = ""
+        self._protected = 0  # how many leading characters of _pending no match may end within
         self._stopped = False
 
-    def push(self, text: str) -> StopResult:
+    def push(self, text: str, protected: bool = False) -> StopResult:
         if self._stopped:
             return StopResult("", True)
         self._pending += text
-        cut = min((i for i in (self._pending.find(s) for s in self._stops) if i >= 0), default=-1)
+        if protected and text:  # protected text comes first, so all before it is protected too
+            self._protected = len(self._pending)
+        cut = -1 if protected else self._first_match()
         if cut >= 0:
             self._stopped = True
             out, self._pending = self._pending[:cut], ""
@@ -84,7 +91,17 @@ class StopStringMatcher:
         keep = min(self._hold, len(self._pending))
         out = self._pending[: len(self._pending) - keep]
         self._pending = self._pending[len(self._pending) - keep:]
+        self._protected = max(0, self._protected - len(out))
         return StopResult(out, False)
+
+    def _first_match(self) -> int:
+        """Where the stop string that completes first starts in _pending (-1: none)."""
+        best_end, best_start = None, -1
+        for stop in self._stops:
+            start = self._pending.find(stop, max(0, self._protected - len(stop) + 1))
+            if start >= 0 and (best_end is None or start + len(stop) < best_end):
+                best_end, best_start = start + len(stop), start
+        return best_start
 
     def flush(self) -> str:
         out, self._pending = ("" if self._stopped else self._pending), ""

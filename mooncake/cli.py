@@ -34,6 +34,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from mooncake.auth import token_from_args
     from mooncake.engine.cli import pool_arguments
     from mooncake.launcher import ClusterConfig, serve
+    from mooncake.supervisor import RestartPolicy
 
     model = _resolve_model(args.model)
     return serve(ClusterConfig(
@@ -43,6 +44,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         chunk_size=args.chunk_size, api_keys=load_api_keys(args.api_keys_file, args.api_key),
         cluster_token=token_from_args(args), scheduler=scheduler_config(args), profile=args.profile,
         slo_bounds=slo_bounds(args), pool_args=pool_arguments(args),
+        restart_policy=RestartPolicy(max_restarts=args.max_worker_restarts),
     ))
 
 
@@ -53,6 +55,8 @@ def _check_serve(args: argparse.Namespace) -> list[str]:
     errors += [e for e in check_scheduler_args(args) if e not in errors]
     if args.max_model_len < 16:
         errors.append(f"--max-model-len must be >= 16, got {args.max_model_len}")
+    if args.max_worker_restarts < 0:
+        errors.append(f"--max-worker-restarts must be >= 0, got {args.max_worker_restarts}")
     if args.prefill < 0 or args.decode < 1:
         errors.append("a cluster needs --decode >= 1 and --prefill >= 0")
     from mooncake.engine.cli import pool_errors
@@ -181,6 +185,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--kv-cache-gib", type=float, default=defaults.KV_CACHE_GIB,
                        help="KV cache per worker on CPU, GiB (on a GPU vLLM sizes it by its memory utilization)")
     serve.add_argument("--chunk-size", type=int, default=defaults.CHUNK_SIZE, help="prefill chunk (tokens per step)")
+    serve.add_argument("--max-worker-restarts", type=int, default=defaults.WORKER_MAX_RESTARTS, metavar="N",
+                       help=f"a worker that dies once the cluster is up is restarted (after a back-off), at most N "
+                            f"times within {defaults.WORKER_RESTART_WINDOW_S:g} s; 0: never")
     _add_auth_arguments(serve, generated_token=True)
     add_pool_arguments(serve)
     add_scheduler_arguments(serve)

@@ -99,6 +99,14 @@ FLEXIBLE_ROLES = True
 """Any worker may prefill or decode any request (P = D included); its label is only a cost.
 Every engine runs the KV connector as kv_both, so a fixed split would strand compute: on 2 cores
 with 1P+1D one core prefills while the other idles between tokens."""
+WORKER_MAX_RESTARTS = 5
+WORKER_RESTART_WINDOW_S = 600.0
+"""`serve` restarts a worker that dies, at most WORKER_MAX_RESTARTS times within
+WORKER_RESTART_WINDOW_S; past that it stays down (mooncake/supervisor.py)."""
+BEST_EFFORT_WHEN_IDLE = True
+"""A request whose own prefill takes longer than its TTFT SLO (a long prompt on slow hardware) is
+served, best effort, when a worker is idle, instead of refused for good: a legal request must be
+servable. `--refuse-unattainable` restores the paper's rule (conductor/core/config.py)."""
 ROLE_COST_S = 0.01 * TTFT_SLO_S
 """Seconds of predicted TTFT a candidate pays per role it plays against its label, when ranking
 (0.3 s at the 30 s TTFT SLO). A small fraction of the SLO: below the error of a single

@@ -26,7 +26,12 @@ ERROR_TYPES = {
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
     kind = ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "internal_error")
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+    return {"error": {"message": _printable(message), "type": kind, "param": _printable(param), "code": code}}
+
+
+def _printable(text: str | None) -> str | None:
+    """Text that encodes as UTF-8 (a message may quote the request, lone surrogates and all)."""
+    return None if text is None else text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def error_json(status: int, message: str, code: str | None, param: str | None = None) -> bytes:

@@ -4,7 +4,8 @@ Starts N prefill and M decode worker processes (each its own process group, so s
 also stops vLLM's engine processes), then runs the conductor in this process. Ctrl-C or SIGTERM
 stops the conductor, then every worker it started. A worker that dies while starting (its
 process exits, or its /health says "failed") ends `serve` with that worker's error: no cluster
-that can never become ready keeps answering 503.
+that can never become ready keeps answering 503. Once every worker is up, one that dies is
+restarted (mooncake/supervisor.py).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from mooncake.auth import TOKEN_ENV, generate_token
 from mooncake.defaults import Dtype, WorkerRole, engine_option_errors
 from mooncake.logs import uvicorn_log_config
 from mooncake.net import http_server_config
+from mooncake.supervisor import RestartPolicy, Supervisor, kill_group
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +56,8 @@ class ClusterConfig:
     """None: the bundled table measured in `dtype` (conductor.config.resolve_profile)."""
     slo_bounds: SLOBounds = field(default_factory=SLOBounds)
     """What a request may set itself (priority, own SLOs): the conductor's (conductor/slo.py)."""
+    restart_policy: RestartPolicy = field(default_factory=RestartPolicy)
+    """How workers that die once the cluster is up are restarted (mooncake/supervisor.py)."""
     pool_args: tuple[str, ...] = ()
     """Each worker's KVCache pool options (mooncake.engine.cli.pool_arguments; none: the defaults,
     a pool on). A --pool-ssd-dir becomes one subdirectory per worker."""
@@ -90,6 +94,7 @@ class WorkerProcess:
     role: WorkerRole
     url: str
     process: subprocess.Popen
+    command: tuple[str, ...] = ()  # how it was started, to start it again
 
 
 def startup_failure(worker: WorkerProcess, health: dict | None) -> str | None:
@@ -108,8 +113,7 @@ def startup_failure(worker: WorkerProcess, health: dict | None) -> str | None:
 def wait_until_ready(workers: list[WorkerProcess], fetch_health: Callable[[str], dict | None],
                      stop: threading.Event, interval_s: float = 1.0) -> str | None:
     """Watch starting workers until all are ready (None), one fails (its error), or `stop` is
-    set (None). A ready worker is no longer watched: later deaths are the conductor's to route
-    around, as in a multi-host cluster."""
+    set (None). A ready worker is no longer watched here: later deaths are the supervisor's."""
     starting = list(workers)
     while starting and not stop.is_set():
         still = []
@@ -156,18 +160,22 @@ class Cluster:
                    "--block-size", str(c.scheduler.block_size),
                    # The conductor in this process hosts the embedded registry.
                    "--registry", f"embedded+http://127.0.0.1:{c.port}", *worker_pool_args(c.pool_args, f"{role}-{i}")]
-            # The token goes by the environment, never the command line (which `ps` shows).
-            proc = subprocess.Popen(cmd, start_new_session=True, preexec_fn=_die_with_parent,
-                                    env={**os.environ, TOKEN_ENV: self.cluster_token})
-            self.workers.append(WorkerProcess(role, f"http://127.0.0.1:{port}", proc))
-            log.info("started %s worker on port %d (cores %s, pid %d)", role, port, cores, proc.pid)
+            worker = WorkerProcess(role, f"http://127.0.0.1:{port}", None, tuple(cmd))
+            worker.process = self.spawn(worker)
+            self.workers.append(worker)
+            log.info("started %s worker on port %d (cores %s, pid %d)", role, port, cores, worker.process.pid)
+
+    def spawn(self, worker: WorkerProcess) -> subprocess.Popen:
+        # The token goes by the environment, never the command line (which `ps` shows).
+        return subprocess.Popen(worker.command, start_new_session=True, preexec_fn=_die_with_parent,
+                                env={**os.environ, TOKEN_ENV: self.cluster_token})
 
     def urls(self, role: WorkerRole) -> tuple[str, ...]:
         return tuple(w.url for w in self.workers if w.role == role)
 
     def stop(self, grace_s: float = 10.0) -> None:
         for w in self.workers:
-            _signal_group(w.process, signal.SIGTERM)
+            kill_group(w.process, signal.SIGTERM)
         deadline = time.monotonic() + grace_s
         for w in self.workers:
             try:
@@ -175,7 +183,7 @@ class Cluster:
             except subprocess.TimeoutExpired:
                 pass
             # vLLM's engine processes live in the same group; make sure none outlives us.
-            _signal_group(w.process, signal.SIGKILL)
+            kill_group(w.process)
         self.workers.clear()
 
 
@@ -205,13 +213,6 @@ def _exit_on_sigterm(signum, frame) -> None:
     raise SystemExit(128 + signum)
 
 
-def _signal_group(proc: subprocess.Popen, sig: int) -> None:
-    try:
-        os.killpg(proc.pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
 def serve(config: ClusterConfig) -> int:
     """Run the cluster until Ctrl-C / SIGTERM (0) or until a worker dies while starting (1)."""
     import uvicorn
@@ -224,6 +225,7 @@ def serve(config: ClusterConfig) -> int:
     cluster.start()
     stop = threading.Event()
     failure: list[str] = []
+    watcher: threading.Thread | None = None
     try:
         app = create_app(ConductorConfig(
             model_path=config.model_path, served_model_name=config.served_model_name, host=config.host,
@@ -240,13 +242,20 @@ def serve(config: ClusterConfig) -> int:
             if error:
                 failure.append(error)
                 server.should_exit = True  # uvicorn polls this and shuts down; `finally` stops the rest
+                return
+            supervisor = Supervisor(cluster.workers, cluster.spawn, config.restart_policy, time.monotonic)
+            while not stop.wait(1.0):
+                supervisor.check()
 
-        threading.Thread(target=watch, name="startup-watch", daemon=True).start()
+        watcher = threading.Thread(target=watch, name="worker-watch", daemon=True)
+        watcher.start()
         log.info("conductor on http://%s:%d/v1 (workers take ~30-60 s to load; /health says when ready)",
                  config.host, config.port)
         server.run()
     finally:
         stop.set()
+        if watcher is not None:
+            watcher.join(timeout=10)  # a restart under way ends before the workers are stopped
         log.info("stopping workers")
         cluster.stop()
     if failure:

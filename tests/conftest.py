@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import secrets
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -19,7 +18,7 @@ settings.register_profile("mooncake", deadline=None)
 settings.load_profile("mooncake")
 
 from mooncake import defaults
-from tests.processes import KV_CACHE_GIB, Proc, free_port, free_port_block, start, wait_http
+from tests.processes import KV_CACHE_GIB, Proc, free_port, free_port_block, start, wait_http, wait_workers_seen
 
 # CI runs up to six vLLM workers at once on 24 GiB (about 3 GiB each); every worker's KVCache pool maps its DRAM
 # tier (shared memory) as the tests compute blocks, so the processes the tests start get a small
@@ -127,10 +126,7 @@ def disaggregated_api(spine_cluster, model_path, log_dir):
     try:
         base = f"http://127.0.0.1:{port}"
         wait_http(proc, base + "/health", 120)
-        deadline = time.monotonic() + 120  # until its health poll has seen both workers ready
-        while min(httpx.get(base + "/health").json()["ready"].values()) < 1:
-            assert time.monotonic() < deadline, "the conductor never saw both workers ready"
-            time.sleep(0.5)
+        wait_workers_seen(base)
     except BaseException:
         proc.stop()
         raise

@@ -104,3 +104,23 @@ def wait_http(proc: Proc, url: str, timeout_s: float, want: int = 200) -> None:
             pass
         time.sleep(1.0)
     raise RuntimeError(f"{proc.name} not ready at {url} after {timeout_s:.0f} s:\n{proc.log_tail()}")
+
+
+def wait_workers_seen(base: str, timeout_s: float = 120, role: str | None = None) -> None:
+    """Until the conductor at `base` has seen a ready worker in each role (or in `role` only)."""
+    deadline = time.monotonic() + timeout_s  # generous: a loaded machine polls slowly
+    while True:
+        ready = httpx.get(base + "/health", timeout=10).json()["ready"]
+        if min(ready.values() if role is None else [ready[role]]) >= 1:
+            return
+        assert time.monotonic() < deadline, f"the conductor at {base} never saw its workers ready: {ready}"
+        time.sleep(0.5)
+
+
+def group_alive(pgid: int) -> bool:
+    """Some process of process group `pgid` still lives."""
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False

@@ -114,10 +114,18 @@ class SchedulerConfig:
     priority_headroom: float = PRIORITY_HEADROOM
     """Share of a more important class's TTFT and TBT SLOs, and of each decode instance's KV
     capacity, that a less important request leaves free (admission.limits_for)."""
+    best_effort_when_idle: bool = False
+    """A request that misses its TTFT SLO even on an idle cluster (its own prefill alone takes
+    longer) is admitted, best effort, when no instance that may prefill has anything queued, and
+    refused otherwise, with a Retry-After of the shortest queue's drain: under load it would take
+    time from requests that can still meet theirs. Off: refused whatever the load (the paper's
+    rule, and the simulator's default), so such a request is never served. The live conductor
+    turns it on (mooncake.defaults.BEST_EFFORT_WHEN_IDLE)."""
     min_retry_after_s: float = 1.0
     """Floor of Retry-After (clients should not hammer)."""
     max_retry_after_s: float = 300.0
-    """Ceiling of Retry-After, also given when waiting cannot help (prompt too long)."""
+    """Ceiling of Retry-After, also given when waiting cannot help (a prompt too long for its SLO,
+    best_effort_when_idle off)."""
     seed: int = 0
     """Seed of the random policy's generator, for reproducible runs."""
 

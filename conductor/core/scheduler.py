@@ -86,9 +86,16 @@ class Scheduler:
             return Rejection(request.request_id, RejectReason.NO_INSTANCE, cfg.max_retry_after_s)
 
         ttft = pchoice.ttft_s
-        if cfg.admission is not Admission.NONE and ttft > lim.ttft_s:
+        # The part of the TTFT no wait removes (queues drain at one second per second).
+        unattainable = ttft - pchoice.queue_s > lim.ttft_s
+        # Best effort only on an idle cluster: under load it would take time from requests that can
+        # still meet their SLO.
+        best_effort = (unattainable and cfg.best_effort_when_idle
+                       and pchoice.queue_s <= 0.0 and all(est.queue_s(i) <= 0.0 for i in prefill_pool))
+        if cfg.admission is not Admission.NONE and ttft > lim.ttft_s and not best_effort:
             retry, helps = self._ttft_retry(pchoice, prefill_pool, lim)
-            return Rejection(request.request_id, RejectReason.TTFT_SLO, retry, ttft, dchoice.tbt_s, helps)
+            return Rejection(request.request_id, RejectReason.TTFT_SLO, retry, ttft, dchoice.tbt_s, helps,
+                             unattainable)
         if cfg.admission in (Admission.EARLY, Admission.PREDICTION) and dchoice.problem is not None:
             drain = decode_drain_s(decode_pool, prompt, now, t_d, est, cfg, lim)
             return Rejection(request.request_id, dchoice.problem, self._clip_retry(drain - ttft), ttft, dchoice.tbt_s,
@@ -105,6 +112,7 @@ class Scheduler:
             predicted_queue_s=pchoice.queue_s,
             predicted_prefill_s=pchoice.prefill_s,
             predicted_transfer_s=pchoice.transfer_s,
+            best_effort=best_effort and cfg.admission is not Admission.NONE,
         )
 
     def decode_admits(self, decode: InstanceState, kv_tokens: int) -> RejectReason | None:
@@ -212,10 +220,12 @@ class Scheduler:
         # Queues drain at one second per second; the non-queue part of the best choice is a
         # floor no wait can remove. If that floor alone breaks the SLO, waiting cannot help.
         floor = choice.ttft_s - choice.queue_s
+        queues = [self.estimators.queue_s(i) for i in pool]
         if floor > lim.ttft_s:
+            if self.config.best_effort_when_idle:  # served once every queue is empty
+                return self._clip_retry(max(queues, default=choice.queue_s)), True
             return self.config.max_retry_after_s, False
-        shortest = min((self.estimators.queue_s(i) for i in pool), default=choice.queue_s)
-        return self._clip_retry(min(shortest, choice.queue_s) + floor - lim.ttft_s), True
+        return self._clip_retry(min([*queues, choice.queue_s]) + floor - lim.ttft_s), True
 
     def _clip_retry(self, seconds: float) -> float:
         cfg = self.config

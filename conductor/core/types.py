@@ -181,6 +181,7 @@ class Decision:
     predicted_queue_s: float
     predicted_prefill_s: float
     predicted_transfer_s: float
+    best_effort: bool = False  # misses the TTFT SLO even idle; admitted as nothing was queued
 
     @property
     def colocated(self) -> bool:
@@ -193,7 +194,9 @@ class Rejection:
 
     retry_can_help is False when no wait would do: the request misses the SLO even on an idle
     cluster (its own prefill and transfer take longer than the TTFT SLO, or no decode instance
-    could hold it empty). retry_after_s is then the configured ceiling.
+    could hold it empty). retry_after_s is then the configured ceiling. unattainable: it misses
+    the TTFT SLO even on an idle cluster; with best_effort_when_idle a retry once the queue has
+    drained is served, best effort (retry_can_help stays True).
     """
 
     request_id: str
@@ -202,3 +205,4 @@ class Rejection:
     predicted_ttft_s: float | None = None
     predicted_tbt_s: float | None = None
     retry_can_help: bool = True
+    unattainable: bool = False

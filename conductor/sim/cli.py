@@ -106,6 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--forecast", choices=["fluid", "age"], default="fluid",
                     help="prediction's forecast of running sequences: fluid (Little's law) or age (paper's wording: "
                          "gone t_d after they start)")
+    ap.add_argument("--best-effort-when-idle", action="store_true",
+                    help="admit a request whose own prefill misses the TTFT SLO even on an idle cluster when its "
+                         "prefill instance has nothing queued (the live conductor's default) instead of refusing it")
     ap.add_argument("--oracle-lengths", action="store_true",
                     help="give the scheduler every request's true output length, so prediction forecasts decode "
                          "load per request (a perfect length predictor: an upper bound, not available live)")
@@ -155,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
                                 conditional_disaggregation=not args.no_colocate,
                                 colocate_max_new_tokens=args.colocate_max_tokens, seed=args.seed,
                                 gate_kv_headroom=args.gate_headroom, decode_forecast=args.forecast,
-                                decode_hold_s=args.decode_hold)
+                                decode_hold_s=args.decode_hold, best_effort_when_idle=args.best_effort_when_idle)
         warn_block_size(trace, args.block_size)
         if args.limit is not None:
             if args.limit <= 0:

@@ -123,7 +123,28 @@ def test_ttft_slo_rejects_with_retry_after_from_queue_drain():
 def test_retry_after_is_the_ceiling_when_waiting_cannot_help():
     s = state(prefill("p0"), decode("d0"))
     r = scheduler(admission="early", ttft_slo_s=10.0, max_retry_after_s=120.0).schedule(request(20_000), s, 0.0)
-    assert r.reason is RejectReason.TTFT_SLO and r.retry_after_s == 120.0 and not r.retry_can_help
+    assert r.reason is RejectReason.TTFT_SLO and r.retry_after_s == 120.0 and not r.retry_can_help and r.unattainable
+
+
+def test_best_effort_serves_an_unattainable_request_only_when_its_prefill_instance_is_idle():
+    # 20,000 tokens take 20 s to prefill: past a 10 s TTFT SLO whatever the load.
+    idle = state(prefill("p0"), decode("d0"))
+    d = scheduler(admission="early", ttft_slo_s=10.0, best_effort_when_idle=True).schedule(request(20_000), idle, 0.0)
+    assert isinstance(d, Decision) and d.best_effort and d.predicted_ttft_s == pytest.approx(20.0)
+    busy = state(prefill("p0", queued=4.0), prefill("p1", queued=6.0), decode("d0"))
+    r = scheduler(admission="early", ttft_slo_s=10.0, best_effort_when_idle=True).schedule(request(20_000), busy, 0.0)
+    assert isinstance(r, Rejection) and r.reason is RejectReason.TTFT_SLO
+    assert r.unattainable and r.retry_can_help and r.retry_after_s == pytest.approx(6.0)  # every queue drained
+    # One idle instance is not an idle cluster: the long prefill would delay requests that can meet theirs.
+    partly = state(prefill("p0", queued=4.0), prefill("p1"), decode("d0"))
+    r = scheduler(admission="early", ttft_slo_s=10.0, best_effort_when_idle=True).schedule(request(20_000), partly, 0.0)
+    assert isinstance(r, Rejection) and r.unattainable and r.retry_after_s == pytest.approx(4.0)  # p0 drains
+    # An attainable request is priced as before: neither best effort nor unattainable.
+    fits = scheduler(admission="early", ttft_slo_s=10.0, best_effort_when_idle=True).schedule(request(1000), idle, 0.0)
+    assert isinstance(fits, Decision) and not fits.best_effort
+    late = scheduler(admission="early", ttft_slo_s=10.0, best_effort_when_idle=True).schedule(
+        request(1000), state(prefill("p0", queued=12.0), decode("d0")), 0.0)
+    assert isinstance(late, Rejection) and not late.unattainable and late.retry_after_s == pytest.approx(3.0)
 
 
 def test_decode_choice_lowest_tbt_within_capacity():

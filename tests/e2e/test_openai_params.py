@@ -232,6 +232,20 @@ def test_structured_outputs_match_colocated(colocated_server, disaggregated_api,
     assert len(ours["choices"][0]["text"]) == 4 and ours["choices"][0]["text"][:2] in ("19", "20")
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+def test_stop_strings_wait_for_min_tokens_as_colocated(colocated_server, disaggregated_api, stream):
+    """Stop strings are the conductor's (the workers only see token limits): none may complete
+    within the first min_tokens tokens, as vLLM's detokenizer rules."""
+    args = dict(prompt="The capital of France is", max_tokens=16, temperature=0, stop=[".", ","])
+    eager, _ = completion(colocated_server, False, **args)
+    ref, _ = completion(colocated_server, False, **args, extra_body={"min_tokens": 6})
+    assert ref["choices"][0]["text"] != eager["choices"][0]["text"], "min_tokens changed nothing: nothing tested"
+    ours, headers = completion(disaggregated_api, stream, **args, extra_body={"min_tokens": 6})
+    assert_disaggregated(headers, "the min_tokens answer")
+    assert ours["choices"][0]["text"] == ref["choices"][0]["text"]
+    assert ours["choices"][0]["finish_reason"] == ref["choices"][0]["finish_reason"]
+
+
 def test_usage_on_every_chunk_when_asked(disaggregated_api):
     stream = client(disaggregated_api).completions.create(
         model=MODEL_NAME, prompt=PROMPT, max_tokens=4, temperature=0, stream=True, n=2,

@@ -155,6 +155,12 @@ def test_request_schema_sets_unknown_fields_aside_and_names_unsupported_ones():
     assert body.unknown_fields() == ["some_future_field"] and body.unsupported_option() is None
     chat = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}], tools=[{"type": "function"}])
     assert chat.unsupported_option()[0] == "tools"
+    # tool_choice "none": the tools only go into the chat template's prompt (vLLM's behaviour).
+    tools_off = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}],
+                                      tools=[{"type": "function"}], tool_choice="none")
+    assert tools_off.unsupported_option() is None
+    assert CompletionRequest(model="m", prompt="a", tools=[{"type": "function"}],
+                             tool_choice="none").unsupported_option()[0] == "tools"  # no template to take them
 
 
 def test_push_bandwidth_is_averaged_over_intervals_that_moved_enough_bytes():

@@ -159,6 +159,18 @@ def test_a_choice_echoes_cuts_at_stop_strings_and_keeps_logprobs():
     assert choice.push(GenerateChunk([5], finish_reason="length"), prompt) is None
 
 
+def test_a_stop_string_cannot_end_a_choice_within_its_min_tokens():
+    # Tokens 2, 3, 2, 3, 4 spell "cdcde": "d" completes at the 2nd token, but min_tokens=3 holds
+    # stop checks until the 4th, whose "d" then stops it (vLLM's detokenizer rule).
+    choice = Choice(0, LetterTokenizer(), ["d"], min_tokens=3)
+    first = choice.push(GenerateChunk([2, 3]), [])
+    assert first.text == "cd" and first.finish is None
+    last = choice.push(GenerateChunk([2, 3, 4]), [])
+    assert last.finish == "stop" and choice.text == "cdc" and choice.count == 5
+    eager = Choice(0, LetterTokenizer(), ["d"])
+    assert eager.push(GenerateChunk([2, 3, 2, 3]), []).finish == "stop" and eager.text == "c"
+
+
 # -- n samples ---------------------------------------------------------------------------------------
 
 class FakeWorkers:

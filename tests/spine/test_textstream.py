@@ -1,3 +1,6 @@
+from hypothesis import given
+from hypothesis import strategies as st
+
 from conductor.textstream import IncrementalDetokenizer, StopStringMatcher
 
 
@@ -54,3 +57,48 @@ def test_no_stops_passes_everything_through():
     stopper = StopStringMatcher([])
     assert stopper.push("abc").text == "abc"
     assert stopper.flush() == ""
+
+
+def test_the_stop_that_completes_first_wins_not_the_one_that_starts_first():
+    # vLLM's detokenizer checks after every token: "b" completes before "abc" does.
+    result = StopStringMatcher(["abc", "b"]).push("xabc")
+    assert result.stopped and result.text == "xa"
+
+
+def test_protected_text_cannot_complete_a_stop_but_a_match_may_start_inside_it():
+    stopper = StopStringMatcher(["."])
+    first = stopper.push("Paris.", protected=True)  # min_tokens not reached yet
+    second = stopper.push(" It is.")
+    assert not first.stopped and second.stopped and first.text + second.text == "Paris. It is"
+    straddling = StopStringMatcher(["is a"])
+    first = straddling.push("this", protected=True)
+    second = straddling.push(" a b")
+    assert second.stopped and first.text + second.text == "th"  # "is a" ends after the protected text
+
+
+def _reference(text: str, stops: list[str], protected: int) -> tuple[str, bool]:
+    """vLLM's rule, one character at a time: the first position past `protected` at which a
+    stop string ends (ties: the first listed) cuts the text before that stop string."""
+    for end in range(protected + 1, len(text) + 1):
+        for stop in stops:
+            if stop and text[:end].endswith(stop):
+                return text[:end - len(stop)], True
+    return text, False
+
+
+
+@given(text=st.text("abc.", max_size=30), stops=st.lists(st.text("abc.", min_size=1, max_size=3), max_size=4),
+       protected=st.integers(0, 30), cuts=st.lists(st.integers(0, 30), max_size=6))
+def test_the_matcher_agrees_with_vllms_rule_however_the_text_arrives(text, stops, protected, cuts):
+    protected = min(protected, len(text))
+    bounds = sorted({0, protected, len(text), *(min(c, len(text)) for c in cuts)})
+    stopper, out, stopped = StopStringMatcher(stops), "", False
+    for start, end in zip(bounds, bounds[1:]):
+        result = stopper.push(text[start:end], protected=end <= protected)
+        out += result.text
+        if result.stopped:
+            stopped = True
+            break
+    if not stopped:
+        out += stopper.flush()
+    assert (out, stopped) == _reference(text, stops, protected)

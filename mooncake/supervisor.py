@@ -1,0 +1,106 @@
+"""`mooncake serve`'s keeper of its workers once the cluster is up.
+
+On one machine `serve` is the workers' process manager, as systemd or Kubernetes is on many: a
+worker that dies (a crash, the OOM killer, a kill by hand) is noticed within a poll, its engine
+processes are killed with it (vLLM's EngineCore and workers live in the worker's process group
+and would otherwise linger, holding gigabytes), and it is started again with the same command
+after a back-off. A worker that keeps dying is given up on after `max_restarts` within
+`window_s`, and the cluster goes on with the others (the conductor routes around it and its
+/health says "degraded"). Pure but for the processes: the clock and the spawning are passed in.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from mooncake import defaults
+
+log = logging.getLogger(__name__)
+
+
+class Supervised(Protocol):
+    role: str
+    url: str
+    process: subprocess.Popen
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    max_restarts: int = defaults.WORKER_MAX_RESTARTS
+    """Restarts allowed within window_s; one more death and the worker stays down."""
+    window_s: float = defaults.WORKER_RESTART_WINDOW_S
+    first_delay_s: float = 1.0
+    """Back-off before the first restart, doubled for each restart within window_s."""
+    max_delay_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.max_restarts < 0 or self.window_s <= 0 or not 0 <= self.first_delay_s <= self.max_delay_s:
+            raise ValueError(f"need max_restarts >= 0, window_s > 0 and 0 <= first_delay_s <= max_delay_s: {self}")
+
+
+class Supervisor:
+    def __init__(self, workers: list[Supervised], spawn: Callable[[Supervised], subprocess.Popen],
+                 policy: RestartPolicy, clock: Callable[[], float]):
+        self._workers = workers
+        self._spawn = spawn
+        self._policy = policy
+        self._clock = clock
+        self._restarted: dict[str, list[float]] = {}  # worker url -> when it was restarted
+        self._due: dict[str, float] = {}  # worker url -> when its restart is due
+        self.given_up: set[str] = set()
+
+    def check(self) -> None:
+        """One poll: notice deaths, start what is due."""
+        now = self._clock()
+        for w in self._workers:
+            if w.url in self.given_up or w.process.poll() is None:
+                continue
+            if w.url in self._due:
+                if now >= self._due[w.url]:
+                    self._restart(w, now)
+                continue
+            kill_group(w.process)  # its engine processes outlive it otherwise
+            recent = [t for t in self._restarted.get(w.url, []) if now - t < self._policy.window_s]
+            self._restarted[w.url] = recent
+            code = w.process.returncode
+            if len(recent) >= self._policy.max_restarts:
+                self.given_up.add(w.url)
+                log.error("%s worker %s (pid %d) exited with code %s, its %s death within %.0f s: not restarting "
+                          "it; the cluster goes on without it", w.role, w.url, w.process.pid, code,
+                          _ordinal(len(recent) + 1), self._policy.window_s)
+                continue
+            delay = min(self._policy.max_delay_s, self._policy.first_delay_s * 2 ** len(recent))
+            self._due[w.url] = now + delay
+            log.error("%s worker %s (pid %d) exited with code %s; restarting it in %.0f s (restart %d of %d within "
+                      "%.0f s); its log is above", w.role, w.url, w.process.pid, code, delay, len(recent) + 1,
+                      self._policy.max_restarts, self._policy.window_s)
+
+    def _restart(self, w: Supervised, now: float) -> None:
+        del self._due[w.url]
+        self._restarted[w.url].append(now)
+        try:
+            w.process = self._spawn(w)
+        except OSError as exc:  # counted as a death: the next poll schedules another try
+            log.error("could not restart %s worker %s: %s", w.role, w.url, exc)
+            return
+        log.warning("restarted %s worker %s (pid %d); /health says when it is ready again", w.role, w.url,
+                    w.process.pid)
+
+
+def kill_group(process: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
+    """Signal the process group `process` leads (it was started with start_new_session), which
+    outlives its leader while any member lives."""
+    try:
+        os.killpg(process.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _ordinal(n: int) -> str:
+    return f"{n}{'th' if 10 <= n % 100 <= 20 else {1: 'st', 2: 'nd', 3: 'rd'}.get(n % 10, 'th')}"

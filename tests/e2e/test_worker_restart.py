@@ -1,0 +1,58 @@
+"""`mooncake serve` restarts a worker that dies once the cluster is up, and the cluster uses it
+again: the conductor routes to it, and KV is pushed into the new process (mooncake/supervisor.py).
+
+It kills the decode worker of the shared cluster, so it waits until that worker is back and
+serving disaggregated requests before it ends: tests after it find the cluster as it was."""
+
+import signal
+import time
+
+import httpx
+import psutil
+import pytest
+
+from tests.conftest import MODEL_NAME
+from tests.processes import group_alive, wait_workers_seen
+
+pytestmark = pytest.mark.vllm
+
+
+def worker_process(serve_pid: int, port: str) -> psutil.Process:
+    for child in psutil.Process(serve_pid).children():
+        args = child.cmdline()
+        if any(a == "--port" and b == port for a, b in zip(args, args[1:])):
+            return child
+    raise AssertionError(f"no worker process on port {port} under serve (pid {serve_pid})")
+
+
+def test_a_killed_worker_is_restarted_its_engine_processes_reaped_and_served_again(spine_cluster, disaggregated_api):
+    decode_url = spine_cluster.worker_urls["decode"]
+    victim = worker_process(spine_cluster.proc.process.pid, decode_url.rsplit(":", 1)[1])
+    engines = victim.children(recursive=True)
+    assert engines, "the decode worker runs no engine process: nothing to reap"
+    victim.send_signal(signal.SIGKILL)  # the worker alone, as the OOM killer would: its engines stay
+    deadline = time.monotonic() + 60
+    while group_alive(victim.pid) or any(e.is_running() and e.status() != psutil.STATUS_ZOMBIE for e in engines):
+        assert time.monotonic() < deadline, "the dead worker's engine processes were left running"
+        time.sleep(0.5)
+    seen = set()
+    deadline = time.monotonic() + 300
+    while True:  # the conductor sees it down, then back
+        health = httpx.get(spine_cluster.base_url + "/health", timeout=10).json()
+        seen.add(health["status"])
+        if "degraded" in seen and health["status"] == "ok":
+            break
+        assert time.monotonic() < deadline, f"the decode worker never came back: {health['workers']}"
+        time.sleep(1)
+    assert spine_cluster.proc.alive()
+    assert "restarting it in" in spine_cluster.proc.log_tail(2000)
+    restarted = worker_process(spine_cluster.proc.process.pid, decode_url.rsplit(":", 1)[1])
+    assert restarted.pid != victim.pid
+    # The fixed-roles conductor pushes a prompt's KV into the new decode process.
+    wait_workers_seen(disaggregated_api.removesuffix("/v1"))
+    prompt = "After the restart, the capital of France is " + " ".join(f"fact-{i}" for i in range(200))
+    resp = httpx.post(disaggregated_api + "/completions", timeout=300, json={
+        "model": MODEL_NAME, "prompt": prompt, "max_tokens": 4, "temperature": 0})
+    assert resp.status_code == 200, resp.text
+    assert resp.headers["x-mooncake-prefill"] != resp.headers["x-mooncake-decode"]
+    assert int(resp.headers["x-mooncake-decode-cached-tokens"]) == resp.json()["usage"]["prompt_tokens"]

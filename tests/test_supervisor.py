@@ -1,0 +1,140 @@
+"""`serve` restarts a worker that dies once the cluster is up, kills the engine processes it
+left behind, backs off, and gives up on one that keeps dying (mooncake/supervisor.py).
+
+The workers are real processes (Python one-liners in their own process groups, as `serve`
+starts them), the clock is the test's."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+import pytest
+
+from mooncake.supervisor import RestartPolicy, Supervisor
+from tests.processes import group_alive
+
+# A worker that starts a child in its own process group (as vLLM's EngineCore is), then dies.
+DIES_LEAVING_A_CHILD = ("import subprocess, sys, time; "
+                        "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']); "
+                        "time.sleep(0.3); sys.exit(3)")
+LIVES = "import time; time.sleep(120)"
+
+
+@dataclass
+class Worker:
+    role: str
+    url: str
+    process: subprocess.Popen
+    code: str
+
+
+@pytest.fixture
+def procs():
+    started: list[subprocess.Popen] = []
+
+    def spawn(worker: Worker) -> subprocess.Popen:
+        proc = subprocess.Popen([sys.executable, "-c", worker.code], start_new_session=True)
+        started.append(proc)
+        return proc
+
+    yield spawn
+    for proc in started:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(timeout=30)
+
+
+def wait_exit(proc: subprocess.Popen) -> None:
+    proc.wait(timeout=30)
+
+
+def test_a_dead_worker_is_restarted_after_its_back_off_and_its_engine_processes_are_killed(procs):
+    now = [100.0]
+    worker = Worker("decode", "http://w1", None, DIES_LEAVING_A_CHILD)
+    worker.process = procs(worker)
+    keeper = Supervisor([worker], procs, RestartPolicy(max_restarts=3, window_s=60, first_delay_s=2),
+                        lambda: now[0])
+    first = worker.process
+    wait_exit(first)
+    assert group_alive(first.pid)  # the child it started outlives it
+    keeper.check()
+    deadline = time.monotonic() + 10
+    while group_alive(first.pid):  # SIGKILLed with its group
+        assert time.monotonic() < deadline, "the dead worker's engine process was left running"
+        time.sleep(0.05)
+    assert worker.process is first  # not yet: the back-off runs
+    now[0] += 1.9
+    keeper.check()
+    assert worker.process is first
+    now[0] += 0.2
+    worker.code = LIVES
+    keeper.check()
+    assert worker.process is not first and worker.process.poll() is None
+    keeper.check()
+    assert not keeper.given_up
+
+
+def test_the_back_off_doubles_and_a_worker_that_keeps_dying_is_given_up(procs):
+    now = [0.0]
+    worker = Worker("prefill", "http://w2", None, "import sys; sys.exit(1)")
+    worker.process = procs(worker)
+    keeper = Supervisor([worker], procs, RestartPolicy(max_restarts=2, window_s=100, first_delay_s=1),
+                        lambda: now[0])
+    delays = []
+    for _ in range(2):
+        dead = worker.process
+        wait_exit(dead)
+        keeper.check()  # noticed: its restart is scheduled
+        started = now[0]
+        while worker.process is dead:
+            now[0] += 0.5
+            keeper.check()
+        delays.append(now[0] - started)
+    assert delays == [1.0, 2.0]
+    wait_exit(worker.process)
+    keeper.check()
+    assert keeper.given_up == {"http://w2"}
+    last = worker.process
+    now[0] += 1000
+    keeper.check()
+    assert worker.process is last  # stays down
+
+
+def test_restarts_older_than_the_window_are_forgiven(procs):
+    now = [0.0]
+    worker = Worker("decode", "http://w3", None, "import sys; sys.exit(1)")
+    worker.process = procs(worker)
+    keeper = Supervisor([worker], procs, RestartPolicy(max_restarts=1, window_s=10, first_delay_s=0),
+                        lambda: now[0])
+    wait_exit(worker.process)
+    keeper.check()
+    keeper.check()  # restarted once: the limit
+    wait_exit(worker.process)
+    now[0] += 11  # out of the window: its next death is restarted again
+    dead = worker.process
+    keeper.check()
+    keeper.check()
+    assert worker.process is not dead and not keeper.given_up
+
+
+def test_a_live_worker_is_left_alone(procs):
+    worker = Worker("decode", "http://w4", None, LIVES)
+    worker.process = procs(worker)
+    first = worker.process
+    keeper = Supervisor([worker], procs, RestartPolicy(), lambda: 0.0)
+    keeper.check()
+    assert worker.process is first and first.poll() is None
+
+
+def test_the_policy_refuses_nonsense():
+    with pytest.raises(ValueError):
+        RestartPolicy(max_restarts=-1)
+    with pytest.raises(ValueError):
+        RestartPolicy(first_delay_s=60, max_delay_s=30)
