@@ -59,9 +59,33 @@ def _check_serve(args: argparse.Namespace) -> list[str]:
         errors.append(f"--max-worker-restarts must be >= 0, got {args.max_worker_restarts}")
     if args.prefill < 0 or args.decode < 1:
         errors.append("a cluster needs --decode >= 1 and --prefill >= 0")
+    else:
+        errors += _port_errors(args)
+    if args.model is not None and not (Path(args.model) / "config.json").is_file():
+        errors.append(f"--model {args.model}: not a model folder (no config.json there)")
     from mooncake.engine.cli import pool_errors
 
     return errors + pool_errors(args) + _auth_errors(args)
+
+
+def _port_errors(args: argparse.Namespace) -> list[str]:
+    """The conductor's and the workers' ports: real ones (0 would make the OS pick one that
+    nobody else learns), apart, and free now, so a clash is told before any engine loads."""
+    from mooncake.net import port_in_use
+
+    workers = range(args.worker_port, args.worker_port + args.prefill + args.decode)
+    if not 1 <= args.port <= 65535:
+        return [f"--port must be in 1..65535, got {args.port}"]
+    if not (1 <= workers.start and workers.stop - 1 <= 65535):
+        return [f"--worker-port {args.worker_port}: the workers' ports {workers.start}..{workers.stop - 1} must lie "
+                f"in 1..65535"]
+    if args.port in workers:
+        return [f"--port {args.port} is one of the workers' ports ({workers.start}..{workers.stop - 1}, from "
+                f"--worker-port): give another"]
+    busy = [f"{port} ({'conductor' if port == args.port else 'worker'})"
+            for host, port in [(args.host, args.port), *(("127.0.0.1", p) for p in workers)] if port_in_use(host, port)]
+    return [f"port(s) already in use: {', '.join(busy)}; stop what holds them or pick others (--port, "
+            f"--worker-port)"] if busy else []
 
 
 def _check_conductor(args: argparse.Namespace) -> list[str]:

@@ -77,6 +77,7 @@ POOL_SSD_BYTES = 16 << 30
 POOL_SSD_DIR: str | None = None
 """Directory of the SSD tier; None = DRAM only. (The launcher may give each worker its own.)"""
 POOL_POLICY = "lru"
+POOL_POLICIES = ("lru", "fifo")  # store/policy.py POLICIES has one class per name (a test checks)
 """Eviction policy of both tiers (store/policy.py names the others)."""
 POOL_PIN_LEASE_S = 30.0
 """A block pinned for a remote reader that never releases it is unpinned after this."""

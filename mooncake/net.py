@@ -15,6 +15,23 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
+def port_in_use(host: str, port: int) -> bool:
+    """Something listens on (host, port) now, or the address cannot be bound (as uvicorn would
+    bind it: SO_REUSEADDR on, so a port left in TIME_WAIT counts as free)."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror:
+        return False  # a bad host is the server's own error to report
+    family, _, _, _, address = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(address)
+        except OSError:
+            return True
+    return False
+
+
 def http_server_config(app, host: str, port: int, **kwargs: Any):
     """uvicorn's config for one of our HTTP servers (conductor, workers): idle connections are
     kept open HTTP_KEEP_ALIVE_S, longer than the clients' pools keep them (defaults.py says why)."""

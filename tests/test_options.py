@@ -39,6 +39,13 @@ def parse(*argv: str):
     (["decode", "--block-size", "16"], "multiple of 32"),
     (["decode", "--max-model-len", "8"], "--max-model-len"),
     (["conductor", "--block-size", "100"], "multiple of 32"),
+    (["serve", "--port", "0"], "--port must be in 1..65535"),
+    (["serve", "--worker-port", "65535"], "must lie in 1..65535"),
+    (["serve", "--port", "8101", "--worker-port", "8100"], "one of the workers' ports"),
+    (["serve", "--model", "/nonexistent"], "not a model folder"),
+    (["serve", "--pool-policy", "mru"], "invalid choice"),
+    (["serve", "--pool-ssd-dir", "/proc/ssd"], "kernel file system"),
+    (["prefill", "--pool-ssd-dir", __file__], "is not a directory"),
 ])
 def test_cli_refuses_what_the_engine_cannot_take(argv, needle, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -54,8 +61,31 @@ def test_cli_refuses_what_the_engine_cannot_take(argv, needle, capsys):
 def test_default_and_valid_options_pass_the_check(argv, monkeypatch):
     # A multi-host process needs the cluster token (tests/spine/test_auth.py: refused without it).
     monkeypatch.setenv("MOONCAKE_CLUSTER_TOKEN", "t" * 32)
+    monkeypatch.setattr("mooncake.net.port_in_use", lambda host, port: False)  # whatever else runs here
     args = parse(*argv)
     assert args.check(args) == []
+
+
+def test_serve_refuses_a_port_in_use_before_starting_anything(capsys):
+    import socket
+
+    from mooncake.net import free_port
+
+    port = free_port()
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", port))
+        holder.listen()
+        with pytest.raises(SystemExit) as exit_info:
+            main(["serve", "--worker-port", str(port)])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "already in use" in err and f"{port} (worker)" in err
+
+
+def test_the_pool_policies_named_on_the_command_line_are_the_pools():
+    from store.policy import POLICIES
+
+    assert set(defaults.POOL_POLICIES) == set(POLICIES) and defaults.POOL_POLICY in POLICIES
 
 
 def test_serve_with_too_small_a_kv_cache_exits_at_once_without_starting_anything():

@@ -15,6 +15,7 @@ import argparse
 import asyncio
 import dataclasses
 import math
+import os
 import sys
 
 from mooncake import defaults
@@ -121,7 +122,22 @@ def check(args: argparse.Namespace) -> list[str]:
         errors.append("--time-scale, --ttft-slo and --tbt-slo must be > 0, --max-retry-wait >= 0")
     if not 0 < args.attainment_target <= 1:
         errors.append("--attainment-target must be in (0, 1]")
+    if not args.request_timeout > 0:
+        errors.append(f"--request-timeout must be > 0 seconds, got {args.request_timeout:g}")
+    # Checked now, not after a sweep of many minutes whose records would then be lost.
+    if args.out and (os.path.isdir(args.out) or not _writable_dir(os.path.dirname(os.path.abspath(args.out)))):
+        errors.append(f"--out {args.out}: cannot write a file there (a directory, or its folder is missing or "
+                      f"not writable)")
+    if args.plot and not (_writable_dir(args.plot) if os.path.exists(args.plot)
+                          else _writable_dir(os.path.dirname(os.path.abspath(args.plot)))):
+        errors.append(f"--plot {args.plot}: cannot write plots there (not a writable folder, nor one that can "
+                      f"be made)")
     return errors
+
+
+def _writable_dir(path: str) -> bool:
+    return (os.path.isdir(path) and os.access(path, os.W_OK | os.X_OK)
+            and not os.path.abspath(path).startswith(("/proc", "/sys")))
 
 
 def build_specs(args: argparse.Namespace) -> list[workload.RequestSpec]:

@@ -62,8 +62,8 @@ def add_pool_arguments(parser: argparse.ArgumentParser) -> None:
                         help="directory of the pool's SSD tier (kept across restarts; default: DRAM only)")
     parser.add_argument("--pool-ssd-gib", type=float, default=defaults.POOL_SSD_BYTES / 2**30,
                         help="most GiB of blocks the SSD tier keeps")
-    parser.add_argument("--pool-policy", default=defaults.POOL_POLICY,
-                        help="eviction policy of both tiers (lru, fifo)")
+    parser.add_argument("--pool-policy", default=defaults.POOL_POLICY, choices=defaults.POOL_POLICIES,
+                        help="eviction policy of both tiers")
     parser.add_argument("--no-pool", action="store_true", help="run without the KVCache pool")
 
 
@@ -72,7 +72,31 @@ def pool_errors(args: argparse.Namespace) -> list[str]:
     if args.pool_dram_gib < 0 or args.pool_ssd_gib < 0:
         errors.append(f"--pool-dram-gib and --pool-ssd-gib must be >= 0, got {args.pool_dram_gib:g} "
                       f"and {args.pool_ssd_gib:g}")
+    directory = args.pool_ssd_dir
+    if directory and not args.no_pool:
+        problem = _unusable_directory(directory)
+        if problem:
+            errors.append(f"--pool-ssd-dir {directory}: {problem}")
     return errors
+
+
+def _unusable_directory(path: str) -> str | None:
+    """Why the SSD tier could not keep files under `path` (None: it can, creating it if need be).
+    A full disk later is the pool's to survive (DRAM only, with a warning); a wrong path now is
+    the operator's to fix."""
+    existing = path
+    while not os.path.exists(existing):
+        parent = os.path.dirname(os.path.abspath(existing))
+        if parent == existing:
+            break
+        existing = parent
+    if not os.path.isdir(existing):
+        return f"{existing} is not a directory"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"{existing} is not writable by this user"
+    if existing.startswith(("/proc", "/sys")):
+        return f"{existing} is a kernel file system, not a disk"
+    return None
 
 
 def check_worker_args(args: argparse.Namespace) -> list[str]:

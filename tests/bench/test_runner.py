@@ -144,3 +144,15 @@ def test_a_down_endpoint_or_unknown_model_stops_the_run_with_a_clear_message(ser
     assert not (tmp_path / "r.json").exists()
     assert main(["--url", url, "--model", "other", "--num-requests", "1"]) == 1
     assert "does not serve model 'other'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, needle", [
+    (["--out", "/nonexistent-dir/r.json"], "--out"), (["--out", "."], "--out"),
+    (["--plot", __file__], "--plot"), (["--request-timeout", "0"], "--request-timeout")])
+def test_where_the_results_go_is_checked_before_any_request(flags, needle, capsys):
+    """Not after a sweep of many minutes, whose records would then be lost."""
+    dead = f"http://127.0.0.1:{free_port()}/v1"  # never reached: the check comes first
+    with pytest.raises(SystemExit) as info:
+        main(["--url", dead, "--num-requests", "1", *flags])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and needle in err and "cannot reach" not in err
