@@ -36,6 +36,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from mooncake.launcher import ClusterConfig, serve
     from mooncake.supervisor import RestartPolicy
 
+    busy = _busy_ports(args)
+    if busy:
+        print(f"mooncake serve: error: {busy}", file=sys.stderr)
+        return 2
     model = _resolve_model(args.model)
     return serve(ClusterConfig(
         model_path=model, served_model_name=args.served_model_name or Path(model).name, host=args.host,
@@ -68,12 +72,14 @@ def _check_serve(args: argparse.Namespace) -> list[str]:
     return errors + pool_errors(args) + _auth_errors(args)
 
 
+def _worker_ports(args: argparse.Namespace) -> range:
+    return range(args.worker_port, args.worker_port + args.prefill + args.decode)
+
+
 def _port_errors(args: argparse.Namespace) -> list[str]:
     """The conductor's and the workers' ports: real ones (0 would make the OS pick one that
-    nobody else learns), apart, and free now, so a clash is told before any engine loads."""
-    from mooncake.net import port_in_use
-
-    workers = range(args.worker_port, args.worker_port + args.prefill + args.decode)
+    nobody else learns) and apart."""
+    workers = _worker_ports(args)
     if not 1 <= args.port <= 65535:
         return [f"--port must be in 1..65535, got {args.port}"]
     if not (1 <= workers.start and workers.stop - 1 <= 65535):
@@ -82,10 +88,20 @@ def _port_errors(args: argparse.Namespace) -> list[str]:
     if args.port in workers:
         return [f"--port {args.port} is one of the workers' ports ({workers.start}..{workers.stop - 1}, from "
                 f"--worker-port): give another"]
+    return []
+
+
+def _busy_ports(args: argparse.Namespace) -> str | None:
+    """Why serve cannot start now (ports another process holds), told before any engine loads;
+    None when they are free. Run when starting, not in the option check: it depends on the
+    machine at that moment, not on the options."""
+    from mooncake.net import port_in_use
+
     busy = [f"{port} ({'conductor' if port == args.port else 'worker'})"
-            for host, port in [(args.host, args.port), *(("127.0.0.1", p) for p in workers)] if port_in_use(host, port)]
-    return [f"port(s) already in use: {', '.join(busy)}; stop what holds them or pick others (--port, "
-            f"--worker-port)"] if busy else []
+            for host, port in [(args.host, args.port), *(("127.0.0.1", p) for p in _worker_ports(args))]
+            if port_in_use(host, port)]
+    return (f"port(s) already in use: {', '.join(busy)}; stop what holds them or pick others (--port, "
+            f"--worker-port)") if busy else None
 
 
 def _check_conductor(args: argparse.Namespace) -> list[str]:
