@@ -117,10 +117,11 @@ class SchedulerConfig:
     best_effort_when_idle: bool = False
     """A request that misses its TTFT SLO even on an idle cluster (its own prefill alone takes
     longer) is admitted, best effort, when no instance that may prefill has anything queued, and
-    refused otherwise, with a Retry-After of the shortest queue's drain: under load it would take
+    refused otherwise, with a Retry-After of the longest queue's drain: under load it would take
     time from requests that can still meet theirs. Off: refused whatever the load (the paper's
-    rule, and the simulator's default), so such a request is never served. The live conductor
-    turns it on (mooncake.defaults.BEST_EFFORT_WHEN_IDLE)."""
+    rule, and the simulator's default), so such a request is never served. A request that set its
+    own TTFT SLO tighter than ttft_slo_s is always refused: it said a late answer is no use. The
+    live conductor turns it on (mooncake.defaults.BEST_EFFORT_WHEN_IDLE)."""
     min_retry_after_s: float = 1.0
     """Floor of Retry-After (clients should not hammer)."""
     max_retry_after_s: float = 300.0

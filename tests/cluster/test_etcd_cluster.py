@@ -211,7 +211,7 @@ def test_conductor_keeps_serving_through_an_etcd_restart(cluster):
 
 def test_request_no_instance_can_serve_within_slo_gets_429(cluster):
     port = free_port()
-    strict = cluster.start_conductor("--ttft-slo", "0.05", port=port)
+    strict = cluster.start_conductor("--ttft-slo", "0.05", "--refuse-unattainable", port=port)
     try:
         wait_http(strict, f"http://127.0.0.1:{port}/health", 120)
         alive = {name for name, proc in cluster.workers.items() if proc.alive()}

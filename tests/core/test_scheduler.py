@@ -1,5 +1,7 @@
 """Each rule of Algorithm 1, the threshold, the SLO gates and conditional disaggregation."""
 
+from dataclasses import replace
+
 import pytest
 from core_helpers import BS, EST, decode, prefill, request, scheduler, state
 
@@ -139,6 +141,10 @@ def test_best_effort_serves_an_unattainable_request_only_when_its_prefill_instan
     partly = state(prefill("p0", queued=4.0), prefill("p1"), decode("d0"))
     r = scheduler(admission="early", ttft_slo_s=10.0, best_effort_when_idle=True).schedule(request(20_000), partly, 0.0)
     assert isinstance(r, Rejection) and r.unattainable and r.retry_after_s == pytest.approx(4.0)  # p0 drains
+    # One that asked for a tighter TTFT than the server's is refused: late is no use to it.
+    tight = scheduler(admission="early", ttft_slo_s=10.0, best_effort_when_idle=True).schedule(
+        replace(request(20_000), ttft_slo_s=5.0), idle, 0.0)
+    assert isinstance(tight, Rejection) and tight.unattainable
     # An attainable request is priced as before: neither best effort nor unattainable.
     fits = scheduler(admission="early", ttft_slo_s=10.0, best_effort_when_idle=True).schedule(request(1000), idle, 0.0)
     assert isinstance(fits, Decision) and not fits.best_effort
