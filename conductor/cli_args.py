@@ -28,8 +28,9 @@ def add_scheduler_arguments(parser: argparse.ArgumentParser) -> None:
                         f"costs {defaults.ROLE_COST_S:g} s of predicted TTFT when broken (kvcache-centric only)")
     g.add_argument("--refuse-unattainable", action="store_true",
                    help="refuse (429, for good) a request whose own prefill takes longer than its TTFT SLO even "
-                        "on an idle cluster; by default it is served, best effort, when the worker that would "
-                        "prefill it has nothing queued, and refused with a Retry-After until then")
+                        "on an idle cluster; by default it is served, best effort, when no worker that may prefill "
+                        "has anything queued, and refused with a Retry-After until then (unless it set its own, "
+                        "tighter TTFT SLO)")
     g.add_argument("--remote-fetch", action="store_true",
                    help="Algorithm 1's fetch_from: a prefill worker may pull a longer prefix from another worker's "
                         "KVCache pool (priced with the measured bandwidth) instead of computing it; the workers "

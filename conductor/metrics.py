@@ -127,7 +127,7 @@ class ConductorMetrics:
                                   ["reason", "slo_class"], registry=r)
         self.best_effort = Counter(
             "mooncake_best_effort_admissions", "Requests admitted best effort: their own prefill misses the TTFT "
-            "SLO even on an idle cluster, and the worker chosen to prefill them had nothing queued.",
+            "SLO even on an idle cluster, and no worker that may prefill had anything queued.",
             ["slo_class"], registry=r)
         self.routes = Counter(
             "mooncake_routes", "Requests routed, by kind: disaggregated (prefill worker, then decode worker) "

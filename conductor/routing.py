@@ -139,9 +139,9 @@ class Router:
                            headers={"Retry-After": str(max(1, math.ceil(result.retry_after_s)))})
         if result.best_effort:
             self.metrics.best_effort.labels(slo_class=slo.slo_class).inc()
-            log.info("admitted %s best effort: its predicted TTFT %.2f s misses the SLO (%.2f s) even idle, and %s "
-                     "has nothing queued", request_id, result.predicted_ttft_s, limits_for(request, self.scheduler.config).ttft_s,
-                     result.prefill_instance)
+            log.info("admitted %s best effort on %s: its predicted TTFT %.2f s misses the SLO (%.2f s) even idle, "
+                     "and no worker has prefill queued", request_id, result.prefill_instance, result.predicted_ttft_s,
+                     limits_for(request, self.scheduler.config).ttft_s)
         route = Route(handles[result.prefill_instance], handles[result.decode_instance], request_id, result,
                       blocks=hashes, decode_held_blocks=self.index.match(hashes).get(result.decode_instance, 0),
                       fetch=fetch_params(result, handles))
@@ -248,7 +248,7 @@ def _rejection_message(r: Rejection, limits: Limits, slo: RequestSLO) -> str:
                 f"(shorten the prompt or max_tokens)")
     if r.unattainable:
         return (f"{text}; this request misses the SLO even on an idle cluster, so it is served best effort "
-                f"once a worker has nothing queued: retry after {math.ceil(r.retry_after_s)} s")
+                f"once no worker has prefill queued: retry after {math.ceil(r.retry_after_s)} s")
     return f"{text}; retry after {math.ceil(r.retry_after_s)} s"
 
 

@@ -88,9 +88,9 @@ class Scheduler:
         ttft = pchoice.ttft_s
         # The part of the TTFT no wait removes (queues drain at one second per second).
         unattainable = ttft - pchoice.queue_s > lim.ttft_s
-        # Best effort only on an idle cluster: under load it would take time from requests that can
-        # still meet their SLO.
-        # A request that asked for a TTFT tighter than the server's said a late answer is of no use.
+        # Best effort only on an idle cluster (under load it would take time from requests that can
+        # still meet their SLO), and not for a request that asked for a TTFT tighter than the
+        # server's: it said a late answer is of no use.
         asked_tighter = request.ttft_slo_s is not None and request.ttft_slo_s < cfg.ttft_slo_s
         best_effort = (unattainable and cfg.best_effort_when_idle and not asked_tighter
                        and pchoice.queue_s <= 0.0 and all(est.queue_s(i) <= 0.0 for i in prefill_pool))

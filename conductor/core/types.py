@@ -181,7 +181,7 @@ class Decision:
     predicted_queue_s: float
     predicted_prefill_s: float
     predicted_transfer_s: float
-    best_effort: bool = False  # misses the TTFT SLO even idle; admitted as nothing was queued
+    best_effort: bool = False  # misses the TTFT SLO even idle; admitted as no prefill was queued
 
     @property
     def colocated(self) -> bool:
@@ -195,7 +195,7 @@ class Rejection:
     retry_can_help is False when no wait would do: the request misses the SLO even on an idle
     cluster (its own prefill and transfer take longer than the TTFT SLO, or no decode instance
     could hold it empty). retry_after_s is then the configured ceiling. unattainable: it misses
-    the TTFT SLO even on an idle cluster; with best_effort_when_idle a retry once the queue has
+    the TTFT SLO even on an idle cluster; with best_effort_when_idle a retry once every queue has
     drained is served, best effort (retry_can_help stays True).
     """
 

@@ -107,8 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="prediction's forecast of running sequences: fluid (Little's law) or age (paper's wording: "
                          "gone t_d after they start)")
     ap.add_argument("--best-effort-when-idle", action="store_true",
-                    help="admit a request whose own prefill misses the TTFT SLO even on an idle cluster when its "
-                         "prefill instance has nothing queued (the live conductor's default) instead of refusing it")
+                    help="admit a request whose own prefill misses the TTFT SLO even on an idle cluster when no "
+                         "instance that may prefill has anything queued (the live conductor's default) instead of "
+                         "refusing it")
     ap.add_argument("--oracle-lengths", action="store_true",
                     help="give the scheduler every request's true output length, so prediction forecasts decode "
                          "load per request (a perfect length predictor: an upper bound, not available live)")

@@ -19,6 +19,7 @@ import os
 import sys
 
 from mooncake import defaults
+from mooncake.paths import unusable_directory
 from mooncake.bench import report, workload
 from mooncake.bench.runner import ClientOptions, EndpointError, make_client, preflight, run_schedule
 from mooncake.bench.stats import RequestRecord, slo_capacity, summarize
@@ -125,19 +126,16 @@ def check(args: argparse.Namespace) -> list[str]:
     if not args.request_timeout > 0:
         errors.append(f"--request-timeout must be > 0 seconds, got {args.request_timeout:g}")
     # Checked now, not after a sweep of many minutes whose records would then be lost.
-    if args.out and (os.path.isdir(args.out) or not _writable_dir(os.path.dirname(os.path.abspath(args.out)))):
-        errors.append(f"--out {args.out}: cannot write a file there (a directory, or its folder is missing or "
-                      f"not writable)")
-    if args.plot and not (_writable_dir(args.plot) if os.path.exists(args.plot)
-                          else _writable_dir(os.path.dirname(os.path.abspath(args.plot)))):
-        errors.append(f"--plot {args.plot}: cannot write plots there (not a writable folder, nor one that can "
-                      f"be made)")
+    if args.out:
+        problem = ("it is a directory" if os.path.isdir(args.out)
+                   else unusable_directory(os.path.dirname(os.path.abspath(args.out)), create=False))
+        if problem:
+            errors.append(f"--out {args.out}: cannot write the results there: {problem}")
+    if args.plot:
+        problem = unusable_directory(args.plot)
+        if problem:
+            errors.append(f"--plot {args.plot}: cannot write plots there: {problem}")
     return errors
-
-
-def _writable_dir(path: str) -> bool:
-    return (os.path.isdir(path) and os.access(path, os.W_OK | os.X_OK)
-            and not os.path.abspath(path).startswith(("/proc", "/sys")))
 
 
 def build_specs(args: argparse.Namespace) -> list[workload.RequestSpec]:

@@ -8,6 +8,7 @@ import os
 from mooncake import defaults
 from mooncake.auth import add_token_arguments, token_errors, token_from_args
 from mooncake.defaults import Dtype, WorkerRole, engine_option_errors
+from mooncake.paths import unusable_directory
 from mooncake.engine.config import WorkerConfig
 from mooncake.registry.config import EtcdCredentials
 
@@ -74,29 +75,10 @@ def pool_errors(args: argparse.Namespace) -> list[str]:
                       f"and {args.pool_ssd_gib:g}")
     directory = args.pool_ssd_dir
     if directory and not args.no_pool:
-        problem = _unusable_directory(directory)
+        problem = unusable_directory(directory)
         if problem:
             errors.append(f"--pool-ssd-dir {directory}: {problem}")
     return errors
-
-
-def _unusable_directory(path: str) -> str | None:
-    """Why the SSD tier could not keep files under `path` (None: it can, creating it if need be).
-    A full disk later is the pool's to survive (DRAM only, with a warning); a wrong path now is
-    the operator's to fix."""
-    existing = path
-    while not os.path.exists(existing):
-        parent = os.path.dirname(os.path.abspath(existing))
-        if parent == existing:
-            break
-        existing = parent
-    if not os.path.isdir(existing):
-        return f"{existing} is not a directory"
-    if not os.access(existing, os.W_OK | os.X_OK):
-        return f"{existing} is not writable by this user"
-    if existing.startswith(("/proc", "/sys")):
-        return f"{existing} is a kernel file system, not a disk"
-    return None
 
 
 def check_worker_args(args: argparse.Namespace) -> list[str]:
