@@ -5,13 +5,18 @@ routed. So the snapshot the scheduler sees is built from this ledger: prefill wo
 each prefill instance (predicted seconds), sequences decoding on each decode instance, and
 sequences on their way to it (prefill not finished yet). Pure, with an explicit clock.
 
-An instance works off its prefill queue at one second per second: the queued seconds a new
-request waits behind are the predicted seconds of the jobs routed there, less the time the
-instance has spent on them since (`backlog_s`, drained by `_drain(now)`). Counting a running
-job's whole prediction until its first token instead overstates the wait by up to one prefill,
-which on a CPU is seconds and turned into spurious TTFT refusals near the SLO. A job that ends
-early takes its unspent seconds with it (the backlog never exceeds the jobs still queued); one
-that runs long leaves the backlog at 0 until it ends, and calibration corrects the scale.
+An instance works off its prefill queue in order, one job at a time: the queued seconds a new
+request waits behind are the predicted seconds of the jobs routed there, less the time spent on
+the one at the head since it got there (`head_spent_s`, advanced by `_advance(now)`). Counting a
+running job's whole prediction until its first token instead overstates the wait by up to one
+prefill, which on a CPU is seconds and turned into spurious TTFT refusals near the SLO. A job
+that ends early takes its unspent seconds with it. A job that runs past its prediction counts 0
+until it ends, and the jobs behind it count whole: the time it overran was not spent on them.
+Draining the whole backlog at one second per second instead let each overrun eat into the jobs
+queued behind, so under a standing queue the wait was priced ever shorter than it was (measured
+TTFT 1.3-4x the predicted at 2 req/s, the 2026-11-26 trace run in docs/SCHEDULER.md). vLLM may
+start the next prompt in the head's last step (chunked prefill); that part, at most one chunk,
+is counted as still to do: a small overstatement where the other way erred without bound.
 """
 
 from __future__ import annotations
@@ -24,41 +29,55 @@ from conductor.core.types import DecodeSeq, InstanceState, Role
 
 @dataclass
 class Ledger:
-    prefill_jobs: dict[str, float] = field(default_factory=dict)  # request -> predicted prefill s
+    prefill_jobs: dict[str, float] = field(default_factory=dict)  # request -> predicted prefill s, in order
     incoming: dict[str, DecodeSeq] = field(default_factory=dict)  # assigned, prefill not done
     running: dict[str, DecodeSeq] = field(default_factory=dict)  # decoding here now
-    backlog_s: float = 0.0  # predicted prefill seconds still to do here, as of `as_of`
+    head_spent_s: float = 0.0  # seconds spent on the first of prefill_jobs, as of `as_of`
     as_of: float = 0.0
 
-    def _drain(self, now: float) -> None:
+    def _advance(self, now: float) -> None:
         if self.prefill_jobs and now > self.as_of:
-            self.backlog_s = max(0.0, self.backlog_s - (now - self.as_of))
+            self.head_spent_s += now - self.as_of
         self.as_of = max(self.as_of, now)
 
+    @property
+    def backlog_s(self) -> float:
+        """Predicted prefill seconds still to do here, as of `as_of`."""
+        if not self.prefill_jobs:
+            return 0.0
+        head, *rest = self.prefill_jobs.values()
+        return max(head - self.head_spent_s, 0.0) + sum(rest)
+
     def _drop_job(self, request_id: str) -> None:
-        if self.prefill_jobs.pop(request_id, None) is not None:
-            self.backlog_s = min(self.backlog_s, sum(self.prefill_jobs.values()))
+        if request_id in self.prefill_jobs:
+            if request_id == next(iter(self.prefill_jobs)):
+                self.head_spent_s = 0.0  # the next job reaches the head now
+            del self.prefill_jobs[request_id]
 
     def assign(self, request_id: str, prefill: "Ledger", predicted_prefill_s: float, arrival_s: float,
                kv_tokens: int, tbt_slo_s: float | None = None, max_tokens: int | None = None) -> None:
         """Record a decision: prefill work on `prefill` (may be self), a sequence coming here.
         tbt_slo_s: the request's own TBT SLO, which later requests joining this batch must keep.
         max_tokens: the most it will generate (the forecast's cap on how long it stays)."""
-        prefill._drain(arrival_s)
+        prefill._advance(arrival_s)
+        if not prefill.prefill_jobs:
+            prefill.head_spent_s = 0.0  # it starts now, on an idle instance
         prefill.prefill_jobs[request_id] = predicted_prefill_s
-        prefill.backlog_s += predicted_prefill_s
         self.incoming[request_id] = DecodeSeq(arrival_s + predicted_prefill_s, kv_tokens, tbt_slo_s=tbt_slo_s,
                                               max_tokens=max_tokens)
 
     def prefill_done(self, request_id: str, prefill: "Ledger", now: float) -> None:
-        prefill._drain(now)
+        prefill._advance(now)
         prefill._drop_job(request_id)
         seq = self.incoming.pop(request_id, None)
         if seq is not None:
             self.running[request_id] = DecodeSeq(now, seq.kv_tokens, tbt_slo_s=seq.tbt_slo_s,
                                                  max_tokens=seq.max_tokens)
 
-    def finished(self, request_id: str, prefill: "Ledger") -> None:
+    def finished(self, request_id: str, prefill: "Ledger", now: float | None = None) -> None:
+        """The request left (ended, failed or gone) at `now` (None: as of the last event)."""
+        if now is not None:
+            prefill._advance(now)
         prefill._drop_job(request_id)
         self.incoming.pop(request_id, None)
         self.running.pop(request_id, None)
@@ -72,7 +91,7 @@ class Ledger:
         """scales: the instance's calibrated (prefill, decode-step) speed (Calibration.scales).
         now: drain the prefill backlog to this time first (None: as of the last event)."""
         if now is not None:
-            self._drain(now)
+            self._advance(now)
         return InstanceState(
             instance_id=instance_id, role=role, queued_prefill_s=self.backlog_s,
             running=tuple(self.running.values()), incoming=tuple(self.incoming.values()),

@@ -124,7 +124,7 @@ class Router:
         hashes = tuple(hash_prompt_blocks(prompt, self.scheduler.config.block_size))
         state = ClusterState(instances=tuple(self._instance(h, now) for h in handles.values()), index=self.index,
                              mean_decode_s=self.mean_decode_s, pending=self.pending)
-        request = Request(request_id, len(prompt), hashes, now, slo.priority, slo.ttft_s, slo.tbt_s)
+        request = Request(request_id, len(prompt), hashes, now, slo.priority, slo.ttft_s, slo.tbt_s, max_tokens)
         result = self.scheduler.schedule(request, state, now)
         if isinstance(result, Rejection):
             # With no prefill worker the core prefills on a decode worker (a colocated cluster),
@@ -173,12 +173,12 @@ class Router:
         self.pending.discard(route.prefill.name, route.blocks)
         route.blocks = ()
 
-    def finished(self, route: Route, decode_seconds: float | None) -> None:
+    def finished(self, route: Route, decode_seconds: float | None, now: float | None = None) -> None:
         if route.released:
             return
         route.released = True
         self._prefill_ended(route)
-        route.decode.ledger.finished(route.request_id, route.prefill.ledger)
+        route.decode.ledger.finished(route.request_id, route.prefill.ledger, now)
         if decode_seconds is not None and decode_seconds > 0:
             # Exponential average: prediction-based admission needs the typical decode length.
             m = self.mean_decode_s

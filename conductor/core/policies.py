@@ -19,7 +19,7 @@ import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
-from conductor.core.admission import batch_tbt_slo_s
+from conductor.core.admission import prefill_keeps_batch_tbt
 from conductor.core.config import Policy, SchedulerConfig
 from conductor.core.estimators import Estimators
 from conductor.core.types import InstanceState, Role
@@ -144,10 +144,10 @@ def chunked_prefill_s(inst: InstanceState, prompt: int, cached: int, est: Estima
     """(seconds to its first token, longest step) of prefilling prompt[cached:] on `inst` as
     vLLM runs it beside a running batch: steps of cfg.chunk_tokens new tokens, each one also
     stepping the batch, so each step is a gap between the running requests' tokens. Without
-    a running batch, the whole prefill and no gap (nobody waits between tokens there)."""
-    if not inst.running:
+    a running or incoming batch, the whole prefill and no gap (nobody waits between tokens there)."""
+    if not inst.running and not inst.incoming:
         return est.prefill_s(prompt, cached, inst.prefill_scale), 0.0
-    decode = est.tbt_s(inst.batch_size, inst.kv_tokens, inst.decode_scale)
+    decode = est.tbt_s(inst.batch_size, inst.kv_tokens, inst.decode_scale) if inst.running else 0.0
     total = longest = 0.0
     done = cached
     while done < prompt:
@@ -175,9 +175,9 @@ def flexible_prefill(prompt: int, pool: Sequence[InstanceState], matches: Prefix
         price = priced.get(local_blocks)
         if price is None:
             price = priced[local_blocks] = _price(prompt, local_blocks, holder, best_blocks, best_tokens, est, cfg)
-        if inst.running:
+        if inst.running or inst.incoming:
             prefill, longest = chunked_prefill_s(inst, prompt, price.cached_tokens, est, cfg)
-            if longest > batch_tbt_slo_s(inst, cfg):
+            if not prefill_keeps_batch_tbt(inst, prefill, longest, est, cfg):
                 continue
         else:
             prefill = price.prefill_s * inst.prefill_scale

@@ -31,7 +31,7 @@ import math
 import random
 
 from conductor.core.admission import DecodeChoice, Horizon, Limits, LoadView, batch_tbt_slo_s, choose_decode, \
-    choose_decode_flexible, decode_admits, decode_drain_s, limits_for, rank_and_gate, views_for
+    choose_decode_flexible, decode_admits, decode_drain_s, limits_for, prefill_keeps_batch_tbt, rank_and_gate, views_for
 from conductor.core.config import Admission, Policy, SchedulerConfig
 from conductor.core.estimators import Estimators
 from conductor.core.policies import PrefillChoice, PrefixMatches, choose_prefill, chunked_prefill_s, flexible_prefill, \
@@ -205,8 +205,8 @@ class Scheduler:
                 cost = cfg.role_cost_s if prompt - cached > budget else 0.0
             queue = est.queue_s(inst)
             d = rank_and_gate(inst, prompt, views, self._horizon(now, queue + prefill, t_d), est, cfg, lim)
-            if longest > batch_tbt_slo_s(inst, cfg):
-                # A chunk step would break the running batch's TBT: kept as a misfit so that,
+            if not prefill_keeps_batch_tbt(inst, prefill, longest, est, cfg):
+                # It would break the batch's TBT (running or coming): kept as a misfit so that,
                 # if nothing else fits, admission refuses it for the TBT SLO, as in fixed roles.
                 d = DecodeChoice(inst.instance_id, longest, RejectReason.TBT_SLO)
             offer(PrefillChoice(inst.instance_id, cached, None, 0, queue, prefill, 0.0), d, cost)

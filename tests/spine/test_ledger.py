@@ -1,4 +1,4 @@
-"""The ledger's prefill backlog drains at one second per second (conductor/ledger.py)."""
+"""The ledger's prefill backlog: jobs in order, the head drained by the time spent on it (conductor/ledger.py)."""
 
 from conductor.core.types import Role
 from conductor.ledger import Ledger
@@ -14,7 +14,33 @@ def test_a_running_job_counts_only_its_remaining_seconds():
     d.assign("b", p, 2.0, 0.0, 10)
     assert queued(p, 0.0) == 5.0
     assert queued(p, 1.0) == 4.0  # one second of `a` is done
-    assert queued(p, 10.0) == 0.0  # never negative
+    assert queued(p, 3.0) == 2.0
+
+
+def test_a_job_that_runs_long_does_not_eat_into_the_jobs_behind_it():
+    p, d = Ledger(), Ledger()
+    d.assign("a", p, 3.0, 0.0, 10)
+    d.assign("b", p, 2.0, 0.0, 10)
+    assert queued(p, 10.0) == 2.0  # `a` overran by 7 s: none of that was `b`'s
+    d.prefill_done("a", p, now=10.0)
+    assert queued(p, 10.0) == 2.0 and queued(p, 11.5) == 0.5  # `b` started when `a` ended
+    assert queued(p, 30.0) == 0.0  # never negative
+
+
+def test_a_job_behind_the_head_that_ends_first_leaves_the_head_as_it_was():
+    p, d = Ledger(), Ledger()
+    d.assign("a", p, 3.0, 0.0, 10)
+    d.assign("b", p, 2.0, 0.0, 10)
+    d.prefill_done("b", p, now=1.0)  # computed beside `a` in its steps
+    assert queued(p, 1.0) == 2.0 and queued(p, 2.0) == 1.0
+
+
+def test_a_head_that_fails_hands_the_instance_to_the_next_job_when_it_leaves():
+    p, d = Ledger(), Ledger()
+    d.assign("a", p, 3.0, 0.0, 10)
+    d.assign("b", p, 2.0, 0.0, 10)
+    d.finished("a", p, now=5.0)
+    assert queued(p, 5.0) == 2.0 and queued(p, 6.0) == 1.0
 
 
 def test_a_job_that_ends_early_takes_its_unspent_seconds_with_it():
