@@ -13,8 +13,8 @@ prefill, which on a CPU is seconds and turned into spurious TTFT refusals near t
 that ends early takes its unspent seconds with it. A job that runs past its prediction counts 0
 until it ends, and the jobs behind it count whole: the time it overran was not spent on them.
 Draining the whole backlog at one second per second instead let each overrun eat into the jobs
-queued behind, so under a standing queue the wait was priced ever shorter than it was (measured
-TTFT 1.3-4x the predicted at 2 req/s, the 2026-11-26 trace run in docs/SCHEDULER.md). vLLM may
+queued behind, so under a standing queue the wait was priced ever shorter than it was
+(benchmarks/RESULTS.md, "Sequences on their way"). vLLM may
 start the next prompt in the head's last step (chunked prefill); that part, at most one chunk,
 is counted as still to do: a small overstatement where the other way erred without bound.
 """

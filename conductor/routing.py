@@ -124,7 +124,7 @@ class Router:
         hashes = tuple(hash_prompt_blocks(prompt, self.scheduler.config.block_size))
         state = ClusterState(instances=tuple(self._instance(h, now) for h in handles.values()), index=self.index,
                              mean_decode_s=self.mean_decode_s, pending=self.pending)
-        request = Request(request_id, len(prompt), hashes, now, slo.priority, slo.ttft_s, slo.tbt_s, max_tokens)
+        request = Request(request_id, len(prompt), hashes, now, slo.priority, slo.ttft_s, slo.tbt_s)
         result = self.scheduler.schedule(request, state, now)
         if isinstance(result, Rejection):
             # With no prefill worker the core prefills on a decode worker (a colocated cluster),

@@ -49,8 +49,6 @@ class Limits:
     ttft_s: float
     tbt_s: float
     kv_headroom: float
-    output_tokens: int | None = None
-    """The request's max_tokens: the tokens its mean TBT is taken over (None: unknown)."""
 
 
 def limits_for(request: Request, cfg: SchedulerConfig) -> Limits:
@@ -69,51 +67,50 @@ def limits_for(request: Request, cfg: SchedulerConfig) -> Limits:
     if request.priority > 0:
         above.append((cfg.ttft_slo_s, cfg.tbt_slo_s))
     if not above:
-        return Limits(ttft, tbt, cfg.gate_kv_headroom, request.max_tokens)
+        return Limits(ttft, tbt, cfg.gate_kv_headroom)
     keep = 1.0 - cfg.priority_headroom
     return Limits(min(ttft, keep * min(t for t, _ in above)), min(tbt, keep * min(t for _, t in above)),
-                  1.0 - (1.0 - cfg.gate_kv_headroom) * keep, request.max_tokens)
+                  1.0 - (1.0 - cfg.gate_kv_headroom) * keep)
 
 
 def stall_keeps_tbt(step_s: float, longest_s: float, stall_s: float, tokens: int | None, tbt_slo_s: float) -> bool:
-    """Whether a decoding sequence keeps its TBT SLO, a mean over its tokens, while its instance
-    also computes `stall_s` seconds of prefill, in steps of at most `longest_s` (a chunk and a
-    decode step), beside decode steps of `step_s`.
+    """Whether a sequence that decodes on an instance while it computes `stall_s` seconds of
+    prefill (in steps of at most `longest_s`: a chunk and a decode step) keeps its TBT SLO, a
+    mean over its `tokens`, at decode steps of `step_s`.
 
     vLLM runs a prefill chunk inside the decode step of every sequence in the batch, so each
-    such step is one gap between that sequence's tokens. If no step exceeds the SLO, no gap
-    does. Otherwise the sequence must absorb the prefill over its tokens: step_s + stall_s /
-    (tokens - 1) within the SLO; a sequence of unknown length cannot be judged so and is
-    refused the stall. (Neither rule held before: prefill queued on a decode worker stalled
-    the sequences coming to it for up to 15 s between two tokens, docs/SCHEDULER.md.)"""
+    such step is one gap between the request's tokens. If no step exceeds the SLO, no gap does.
+    Otherwise the request must absorb the prefill over its tokens: step_s + stall_s /
+    (tokens - 1) within the SLO; one of unknown length cannot be judged so, and is refused."""
     if longest_s <= tbt_slo_s:
         return True
     return tokens is not None and step_s + stall_s / max(tokens - 1, 1) <= tbt_slo_s
 
 
-def queued_step_s(inst: InstanceState, step_s: float, est: Estimators, cfg: SchedulerConfig) -> float:
-    """The longest step of the prefill already queued on `inst` (0 if none): a chunk, or the
-    whole queue if shorter, plus a decode step."""
-    if inst.queued_prefill_s <= 0:
-        return 0.0
-    return min(inst.queued_prefill_s, est.prefill_s(cfg.chunk_tokens, 0, inst.prefill_scale)) + step_s
-
-
-def prefill_keeps_batch_tbt(inst: InstanceState, added_s: float, longest_s: float, est: Estimators,
+def prefill_keeps_batch_tbt(inst: InstanceState, ends_s: float, longest_s: float, est: Estimators,
                             cfg: SchedulerConfig) -> bool:
-    """Whether `added_s` more prefill on `inst` (in steps of at most `longest_s`) keeps every
-    sequence decoding there, or coming there, within its TBT SLO (stall_keeps_tbt). Each may
-    see all of the instance's prefill work, the queued and the new, while it decodes."""
-    seqs = (*inst.running, *inst.incoming)
-    if not seqs:
+    """Whether a prefill on `inst` in steps of at most `longest_s`, done at `ends_s`, keeps the
+    TBT SLO of every sequence it would sit between the tokens of.
+
+    A running sequence: per step, no step beyond its SLO (as before). Judged as a mean over its
+    max_tokens instead, prefill went beside busy batches, where on the 2-core box the first
+    token came up to 2x later than priced (benchmarks/RESULTS.md, "Sequences on their way").
+    A sequence coming there before the prefill ends (`incoming`, start_s = predicted arrival):
+    the part of the prefill after it arrives is a stall it must absorb (stall_keeps_tbt, a mean
+    over its max_tokens). Before, these were not protected at all, and sequences of a few tokens
+    waited up to 15 s between two of them behind a prompt colocated on their decode worker."""
+    for seq in inst.running:
+        if longest_s > (cfg.tbt_slo_s if seq.tbt_slo_s is None else seq.tbt_slo_s):
+            return False
+    coming = [s for s in inst.incoming if s.start_s < ends_s]
+    if not coming:
         return True
-    step = est.tbt_s(len(seqs), inst.kv_tokens + inst.incoming_kv_tokens, inst.decode_scale)
-    longest = max(longest_s, queued_step_s(inst, step, est, cfg))
-    stall = inst.queued_prefill_s + added_s
-    for seq in seqs:
-        slo = cfg.tbt_slo_s if seq.tbt_slo_s is None else seq.tbt_slo_s
+    step = est.tbt_s(len(inst.running) + len(coming), inst.kv_tokens + sum(s.kv_tokens for s in coming),
+                     inst.decode_scale)
+    for seq in coming:
         tokens = seq.remaining_tokens if seq.remaining_tokens is not None else seq.max_tokens
-        if not stall_keeps_tbt(step, longest, stall, tokens, slo):
+        slo = cfg.tbt_slo_s if seq.tbt_slo_s is None else seq.tbt_slo_s
+        if not stall_keeps_tbt(step, longest_s, ends_s - seq.start_s, tokens, slo):
             return False
     return True
 
@@ -239,11 +236,6 @@ def _judge(inst: InstanceState, kv_need: int, view: LoadView, h: Horizon, est: E
     if kv + kv_need > inst.kv_capacity_tokens * (1.0 - headroom):
         return tbt, RejectReason.NO_CAPACITY
     if tbt > lim.tbt_s or tbt > batch_tbt_slo_s(inst, cfg):
-        return tbt, RejectReason.TBT_SLO
-    # Prefill queued there that is still running when this request's KV arrives stalls it.
-    overlap = inst.queued_prefill_s - max(h.t_star - h.now, 0.0)
-    if overlap > 0 and not stall_keeps_tbt(tbt, queued_step_s(inst, tbt, est, cfg), overlap, lim.output_tokens,
-                                           lim.tbt_s):
         return tbt, RejectReason.TBT_SLO
     return tbt, None
 

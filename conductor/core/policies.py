@@ -160,12 +160,13 @@ def chunked_prefill_s(inst: InstanceState, prompt: int, cached: int, est: Estima
 
 
 def flexible_prefill(prompt: int, pool: Sequence[InstanceState], matches: PrefixMatches, est: Estimators,
-                     cfg: SchedulerConfig) -> tuple[PrefillChoice, float] | None:
+                     cfg: SchedulerConfig, now: float = 0.0) -> tuple[PrefillChoice, float] | None:
     """Flexible roles: Algorithm 1 over every instance, whatever its label, for a prefill whose
     KV goes to another instance. A decode-labelled instance pays cfg.role_cost_s; one with a
-    running batch prefills in chunks (chunked_prefill_s) and is a candidate only if each chunk
-    step keeps that batch within its TBT SLO (batch_tbt_slo_s). Returns (choice, its role cost), the lowest
-    TTFT + role cost, or None when no instance may take it."""
+    running or incoming batch prefills in chunks (chunked_prefill_s) and is a candidate only if
+    each chunk step keeps that batch within its TBT SLO (prefill_keeps_batch_tbt; `now` dates
+    the incoming sequences' arrivals). Returns (choice, its role cost), the lowest TTFT + role
+    cost, or None when no instance may take it."""
     holder, best_blocks = best_holder(matches.stored, pool)
     best_tokens = prefix_tokens(best_blocks, prompt, cfg.block_size)
     priced: dict[int, PrefillChoice] = {}
@@ -177,7 +178,7 @@ def flexible_prefill(prompt: int, pool: Sequence[InstanceState], matches: Prefix
             price = priced[local_blocks] = _price(prompt, local_blocks, holder, best_blocks, best_tokens, est, cfg)
         if inst.running or inst.incoming:
             prefill, longest = chunked_prefill_s(inst, prompt, price.cached_tokens, est, cfg)
-            if not prefill_keeps_batch_tbt(inst, prefill, longest, est, cfg):
+            if not prefill_keeps_batch_tbt(inst, now + est.queue_s(inst) + prefill, longest, est, cfg):
                 continue
         else:
             prefill = price.prefill_s * inst.prefill_scale

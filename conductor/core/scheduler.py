@@ -188,7 +188,7 @@ class Scheduler:
             p = choose_prefill(Policy.KVCACHE_CENTRIC, prompt, state.prefill, state.instances, matches, est, cfg,
                                self._rng)
             offer(p, choose_decode(state.decode, prompt, views, self._horizon(now, p.ttft_s, t_d), est, cfg, lim), 0.0)
-        flex = flexible_prefill(prompt, state.instances, matches, est, cfg)
+        flex = flexible_prefill(prompt, state.instances, matches, est, cfg, now)
         if flex is not None:
             p, pcost = flex
             d = choose_decode_flexible(state.instances, prompt, views, self._horizon(now, p.ttft_s, t_d), est, cfg,
@@ -205,7 +205,7 @@ class Scheduler:
                 cost = cfg.role_cost_s if prompt - cached > budget else 0.0
             queue = est.queue_s(inst)
             d = rank_and_gate(inst, prompt, views, self._horizon(now, queue + prefill, t_d), est, cfg, lim)
-            if not prefill_keeps_batch_tbt(inst, prefill, longest, est, cfg):
+            if not prefill_keeps_batch_tbt(inst, now + queue + prefill, longest, est, cfg):
                 # It would break the batch's TBT (running or coming): kept as a misfit so that,
                 # if nothing else fits, admission refuses it for the TBT SLO, as in fixed roles.
                 d = DecodeChoice(inst.instance_id, longest, RejectReason.TBT_SLO)

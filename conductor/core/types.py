@@ -46,8 +46,6 @@ class Request:
     priority: lower is more important (vLLM's convention); a request keeps headroom free for
       the operator's SLO classes more important than it (SchedulerConfig.slo_classes).
     ttft_slo_s, tbt_slo_s: this request's own SLOs; None, the config's.
-    max_tokens: the most tokens it will generate (None: unknown). Its TBT SLO is a mean over
-      them, so a prefill step that stalls its decode once counts 1/max_tokens of that stall.
     """
 
     request_id: str
@@ -57,7 +55,6 @@ class Request:
     priority: int = 0
     ttft_slo_s: float | None = None
     tbt_slo_s: float | None = None
-    max_tokens: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from conductor.core import DecodeSeq, Decision, InstanceState, Rejection, RejectReason, Request, Role, SchedulerConfig
+from conductor.core import DecodeSeq, Decision, InstanceState, Rejection, RejectReason, Role, SchedulerConfig
 
 from tests.core.core_helpers import decode, prefill, request, scheduler, state
 
@@ -77,42 +77,33 @@ def test_flexible_roles_need_kvcache_centric():
         SchedulerConfig(flexible_roles=True, policy="random")
 
 
-def coming(iid: str, n: int, max_tokens: int | None = None, queued: float = 0.0) -> InstanceState:
-    """A decode-labelled instance with nothing decoding yet but `n` sequences on their way."""
-    seqs = tuple(DecodeSeq(5.0, 100, max_tokens=max_tokens) for _ in range(n))
-    return InstanceState(iid, Role.DECODE, queued_prefill_s=queued, incoming=seqs)
+def coming(iid: str, arrives_s: float, max_tokens: int | None = None) -> InstanceState:
+    """A decode-labelled instance with nothing decoding yet but a sequence on its way."""
+    return InstanceState(iid, Role.DECODE, incoming=(DecodeSeq(arrives_s, 100, max_tokens=max_tokens),))
 
 
-def test_a_prefill_step_that_would_stall_sequences_coming_to_an_instance_is_not_put_there():
-    # d0 decodes nothing yet, but a sequence is on its way: a 500-token prompt there (one step
-    # of 0.5 s) would sit between two of its tokens, past the 0.1 s TBT SLO. Before, only a
+def test_a_prefill_step_that_would_stall_a_sequence_coming_to_an_instance_is_not_put_there():
+    # d0 decodes nothing yet, but a sequence arrives at 0.2 s: a 500-token prompt there (one
+    # step of 0.5 s) would sit between two of its tokens, past the 0.1 s TBT SLO. Before, only a
     # running batch was protected, and the live cluster stalled such sequences for seconds.
-    st = state(prefill("p0", queued=20.0), coming("d0", 1))
-    d = flex(admission="early").schedule(request(500), st, now=0.0)
+    d = flex(admission="early").schedule(request(500), state(prefill("p0", queued=20.0), coming("d0", 0.2)), now=0.0)
     assert isinstance(d, Decision) and d.prefill_instance == "p0"
 
 
-def test_a_long_sequence_absorbs_a_stall_within_its_mean_tbt():
-    # 2000 tokens to come: a 0.5 s stall adds 0.25 ms to its mean gap; a 20-token one would
-    # see its mean gap grow by 26 ms over the 0.011 s step, and so does not allow it.
-    long_ = flex(admission="early").schedule(request(500), state(prefill("p0", queued=20.0), coming("d0", 1, 2000)),
-                                             now=0.0)
-    assert isinstance(long_, Decision) and long_.prefill_instance == "d0"
-    short = flex(admission="early", tbt_slo_s=0.02).schedule(
-        request(500), state(prefill("p0", queued=20.0), coming("d0", 1, 20)), now=0.0)
-    assert isinstance(short, Decision) and short.prefill_instance == "p0"
+def test_a_sequence_that_arrives_after_the_prompt_is_done_does_not_stop_it():
+    d = flex(admission="early").schedule(request(500), state(prefill("p0", queued=20.0), coming("d0", 5.0)), now=0.0)
+    assert isinstance(d, Decision) and d.prefill_instance == "d0"
+    # Arrival times are absolute: at 100 s, one arriving at 100.2 s is stalled.
+    late = flex(admission="early").schedule(request(500), state(prefill("p0", queued=20.0), coming("d0", 100.2)),
+                                            now=100.0)
+    assert late.prefill_instance == "p0"
 
 
-def test_a_request_is_not_decoded_where_queued_prefill_would_stall_it():
-    # d0 has 3 s of prefill queued (its own colocated work); a request prefilled on p0 in 0.1 s
-    # would reach d0 while that runs, and wait 0.5 s steps between its tokens.
-    st = state(prefill("p0"), decode("d0", queued=3.0), decode("d1"))
-    d = scheduler(admission="early", tbt_slo_s=0.1).schedule(request(100), st, now=0.0)
-    assert isinstance(d, Decision) and d.decode_instance == "d1"
-    alone = state(prefill("p0"), decode("d0", queued=3.0))
-    r = scheduler(admission="early", tbt_slo_s=0.1).schedule(request(100), alone, now=0.0)
-    assert isinstance(r, Rejection) and r.reason is RejectReason.TBT_SLO
-    # One that will generate 1000 tokens spreads the 2.9 s over them: 3 ms more per token.
-    many = Request("r", 100, tuple(range(10)), max_tokens=1000)
-    ok = scheduler(admission="early", tbt_slo_s=0.1).schedule(many, alone, now=0.0)
-    assert isinstance(ok, Decision) and ok.decode_instance == "d0"
+def test_a_coming_sequence_long_enough_absorbs_the_stall_within_its_mean_tbt():
+    # It arrives at 0.2 s and sits through the prompt's last 0.3 s (one 0.5 s step, past the
+    # 0.1 s SLO). Its mean gap at 0.011 s steps: over 2000 tokens 0.011 s; over 5 tokens
+    # 0.011 + 0.3 / 4 = 0.086 s, within the SLO; over 3 tokens 0.011 + 0.3 / 2 = 0.161 s, not.
+    st = lambda n: state(prefill("p0", queued=20.0), coming("d0", 0.2, n))  # noqa: E731
+    assert flex(admission="early").schedule(request(500), st(2000), now=0.0).prefill_instance == "d0"
+    assert flex(admission="early").schedule(request(500), st(5), now=0.0).prefill_instance == "d0"
+    assert flex(admission="early").schedule(request(500), st(3), now=0.0).prefill_instance == "p0"
