@@ -62,9 +62,10 @@ class Ledger:
         prefill._advance(arrival_s)
         if not prefill.prefill_jobs:
             prefill.head_spent_s = 0.0  # it starts now, on an idle instance
+        ahead = prefill.backlog_s  # in order: its prefill ends after the queue ahead of it
         prefill.prefill_jobs[request_id] = predicted_prefill_s
-        self.incoming[request_id] = DecodeSeq(arrival_s + predicted_prefill_s, kv_tokens, tbt_slo_s=tbt_slo_s,
-                                              max_tokens=max_tokens)
+        self.incoming[request_id] = DecodeSeq(arrival_s + ahead + predicted_prefill_s, kv_tokens,
+                                              tbt_slo_s=tbt_slo_s, max_tokens=max_tokens)
 
     def prefill_done(self, request_id: str, prefill: "Ledger", now: float) -> None:
         prefill._advance(now)

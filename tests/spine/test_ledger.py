@@ -67,3 +67,11 @@ def test_reading_the_state_is_idempotent_in_time():
     d.assign("a", p, 4.0, 0.0, 10)
     assert queued(p, 2.0) == queued(p, 2.0) == 2.0
     assert queued(p, 1.0) == 2.0  # an older clock reading does not refill it
+
+
+def test_a_sequence_is_expected_at_its_decode_worker_after_the_queue_ahead_of_its_prefill():
+    p, d = Ledger(), Ledger()
+    d.assign("a", p, 3.0, 0.0, 10)
+    d.assign("b", p, 2.0, 1.0, 10)  # 2 s of `a` left ahead of it
+    arrivals = {s.start_s for s in d.state("d", Role.DECODE, 1000, 1e9).incoming}
+    assert arrivals == {3.0, 5.0}
