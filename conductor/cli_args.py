@@ -72,10 +72,8 @@ def add_scheduler_arguments(parser: argparse.ArgumentParser) -> None:
 
 def check_scheduler_args(args: argparse.Namespace) -> list[str]:
     """Options SchedulerConfig would refuse, as sentences, before anything starts."""
-    if args.block_size <= 0 or args.block_size % defaults.BLOCK_SIZE_MULTIPLE:
-        # Every worker would be refused: theirs is a multiple of 32 on vLLM-CPU.
-        return [f"--block-size must be a positive multiple of {defaults.BLOCK_SIZE_MULTIPLE} (the workers' "
-                f"KV block size on vLLM-CPU), got {args.block_size}"]
+    if (error := defaults.block_size_error(args.block_size)) is not None:
+        return [error]  # every worker would be refused: theirs is a multiple of 32 on vLLM-CPU
     try:
         scheduler_config(args)
         slo_bounds(args)

@@ -154,6 +154,14 @@ MIN_KV_CACHE_GIB = 1 / 64
 """Smaller KV caches (16 MiB) cannot hold even one long prompt of the default model."""
 
 
+def block_size_error(block_size: int) -> str | None:
+    """Why vLLM-CPU's attention kernel cannot take this KV block size (None: it can)."""
+    if block_size <= 0 or block_size % BLOCK_SIZE_MULTIPLE:
+        return (f"--block-size must be a positive multiple of {BLOCK_SIZE_MULTIPLE} "
+                f"(vLLM-CPU's attention kernel), got {block_size}")
+    return None
+
+
 def engine_option_errors(kv_cache_gib: float, block_size: int, chunk_size: int) -> list[str]:
     """What vLLM-CPU would refuse (or crash on) among these options, as sentences for a user.
 
@@ -162,9 +170,8 @@ def engine_option_errors(kv_cache_gib: float, block_size: int, chunk_size: int) 
     errors = []
     if not kv_cache_gib >= MIN_KV_CACHE_GIB:
         errors.append(f"--kv-cache-gib must be >= {MIN_KV_CACHE_GIB:g} GiB, got {kv_cache_gib:g}")
-    if block_size <= 0 or block_size % BLOCK_SIZE_MULTIPLE:
-        errors.append(f"--block-size must be a positive multiple of {BLOCK_SIZE_MULTIPLE} "
-                      f"(vLLM-CPU's attention kernel), got {block_size}")
+    if (error := block_size_error(block_size)) is not None:
+        errors.append(error)
     if chunk_size < ENGINE_MAX_NUM_SEQS:
         errors.append(f"--chunk-size must be >= {ENGINE_MAX_NUM_SEQS} (vLLM needs at least one token "
                       f"per batched sequence, max_num_seqs={ENGINE_MAX_NUM_SEQS}), got {chunk_size}")

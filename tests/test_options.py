@@ -53,6 +53,8 @@ def test_cli_refuses_what_the_engine_cannot_take(argv, needle, capsys):
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert needle in err and "Traceback" not in err
+    error_line = next(line for line in err.splitlines() if ": error: " in line)
+    assert error_line.count(needle) == 1  # said once, though the engine and the scheduler both check it
 
 
 @pytest.mark.parametrize("argv", [["serve"], ["prefill"], ["decode"], ["conductor"],
