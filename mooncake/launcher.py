@@ -28,7 +28,7 @@ from mooncake.auth import TOKEN_ENV, generate_token
 from mooncake.defaults import Dtype, WorkerRole, engine_option_errors
 from mooncake.logs import uvicorn_log_config
 from mooncake.net import http_server_config
-from mooncake.supervisor import RestartPolicy, Supervisor, kill_group
+from mooncake.supervisor import RestartPolicy, Supervisor, group_running, kill_group
 
 log = logging.getLogger(__name__)
 
@@ -182,7 +182,12 @@ class Cluster:
                 w.process.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 pass
-            # vLLM's engine processes live in the same group; make sure none outlives us.
+            # vLLM's engine processes live in the same group, and got the SIGTERM too: the rest of
+            # the grace lets them shut down, which removes their shared memory (a /dev/shm/psm_*
+            # file of 160 MiB, sparse, was left behind at each stop when they were killed at once).
+            # Then make sure none outlives us.
+            while group_running(w.process.pid) and time.monotonic() < deadline:
+                time.sleep(0.1)
             kill_group(w.process)
         self.workers.clear()
 

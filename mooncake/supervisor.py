@@ -93,6 +93,23 @@ class Supervisor:
                     w.process.pid)
 
 
+def group_running(pgid: int, proc: str = "/proc") -> bool:
+    """Some process of group `pgid` still runs (a zombie waiting for its reaper does not count:
+    it holds nothing). Linux: read from /proc, where field 5 of a process's stat is its group."""
+    for entry in os.scandir(proc):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"{entry.path}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue  # it ended while we looked
+        fields = stat[stat.rfind(b")") + 2:].split()  # the name may hold spaces and ")"
+        if len(fields) > 2 and fields[2] == str(pgid).encode() and fields[0] != b"Z":
+            return True
+    return False
+
+
 def kill_group(process: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
     """Signal the process group `process` leads (it was started with start_new_session), which
     outlives its leader while any member lives."""

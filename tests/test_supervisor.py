@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from mooncake.supervisor import RestartPolicy, Supervisor
+from mooncake.supervisor import RestartPolicy, Supervisor, group_running
 from tests.processes import group_alive
 
 # A worker that starts a child in its own process group (as vLLM's EngineCore is), then dies.
@@ -138,3 +138,54 @@ def test_the_policy_refuses_nonsense():
         RestartPolicy(max_restarts=-1)
     with pytest.raises(ValueError):
         RestartPolicy(first_delay_s=60, max_delay_s=30)
+
+
+def test_a_group_runs_while_a_member_runs_and_not_once_only_zombies_are_left(tmp_path):
+    # A fake /proc: process 10 of group 7 is a zombie (it holds nothing), 11 of group 8 runs,
+    # with ") " in its name, which the parse must not split on.
+    for pid, stat in ((10, "10 (engine) Z 1 7 7 0"), (11, "11 (a) b) S 1 8 8 0"), (12, "12 (x) S 1 9 9 0")):
+        (tmp_path / str(pid)).mkdir()
+        (tmp_path / str(pid) / "stat").write_text(stat)
+    (tmp_path / "self").mkdir()
+    assert not group_running(7, str(tmp_path))
+    assert group_running(8, str(tmp_path))
+    assert not group_running(99, str(tmp_path))
+
+
+def test_a_real_group_runs_until_its_last_member_ends():
+    child = subprocess.Popen([sys.executable, "-c", LIVES], start_new_session=True)
+    try:
+        assert group_running(child.pid)
+    finally:
+        child.kill()
+        child.wait()
+    assert not group_running(child.pid)
+
+
+# A worker whose child (as vLLM's EngineCore) takes a second to shut down on SIGTERM, writing
+# `done` when it has; the worker itself exits at once on SIGTERM.
+SLOW_CHILD = ("import pathlib, signal, sys, time\n"
+              "def bye(*_):\n"
+              "    time.sleep(1.0); pathlib.Path(sys.argv[1]).write_text('done'); sys.exit(0)\n"
+              "signal.signal(signal.SIGTERM, bye)\n"
+              "pathlib.Path(sys.argv[1] + '.ready').touch()\n"
+              "time.sleep(120)\n")
+LEADER = ("import subprocess, sys, time\n"
+          "subprocess.Popen([sys.executable, '-c', sys.argv[1], sys.argv[2]])\n"
+          "time.sleep(120)\n")
+
+
+def test_stopping_the_cluster_lets_the_engine_processes_shut_down_before_killing_them(tmp_path):
+    from mooncake.launcher import Cluster, WorkerProcess
+
+    done = tmp_path / "child-done"
+    leader = subprocess.Popen([sys.executable, "-c", LEADER, SLOW_CHILD, str(done)], start_new_session=True)
+    cluster = Cluster(config=None, cluster_token="t")  # stop() needs only the workers
+    cluster.workers = [WorkerProcess("decode", "http://127.0.0.1:1", leader)]
+    deadline = time.monotonic() + 30
+    while not (tmp_path / "child-done.ready").exists():
+        assert time.monotonic() < deadline, "the child never started"
+        time.sleep(0.05)
+    cluster.stop(grace_s=10.0)
+    assert done.read_text() == "done"  # it finished its shutdown: not SIGKILLed when its leader exited
+    assert not group_running(leader.pid)
