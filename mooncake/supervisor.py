@@ -96,6 +96,7 @@ class Supervisor:
 def group_running(pgid: int, proc: str = "/proc") -> bool:
     """Some process of group `pgid` still runs (a zombie waiting for its reaper does not count:
     it holds nothing). Linux: read from /proc, where field 5 of a process's stat is its group."""
+    group = str(pgid).encode()
     for entry in os.scandir(proc):
         if not entry.name.isdigit():
             continue
@@ -105,7 +106,7 @@ def group_running(pgid: int, proc: str = "/proc") -> bool:
         except OSError:
             continue  # it ended while we looked
         fields = stat[stat.rfind(b")") + 2:].split()  # the name may hold spaces and ")"
-        if len(fields) > 2 and fields[2] == str(pgid).encode() and fields[0] != b"Z":
+        if len(fields) > 2 and fields[2] == group and fields[0] != b"Z":
             return True
     return False
 

@@ -115,12 +115,3 @@ def wait_workers_seen(base: str, timeout_s: float = 120, role: str | None = None
             return
         assert time.monotonic() < deadline, f"the conductor at {base} never saw its workers ready: {ready}"
         time.sleep(0.5)
-
-
-def group_alive(pgid: int) -> bool:
-    """Some process of process group `pgid` still lives."""
-    try:
-        os.killpg(pgid, 0)
-        return True
-    except ProcessLookupError:
-        return False

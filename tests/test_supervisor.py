@@ -16,7 +16,6 @@ from dataclasses import dataclass
 import pytest
 
 from mooncake.supervisor import RestartPolicy, Supervisor, group_running
-from tests.processes import group_alive
 
 # A worker that starts a child in its own process group (as vLLM's EngineCore is), then dies.
 DIES_LEAVING_A_CHILD = ("import subprocess, sys, time; "
@@ -63,10 +62,10 @@ def test_a_dead_worker_is_restarted_after_its_back_off_and_its_engine_processes_
                         lambda: now[0])
     first = worker.process
     wait_exit(first)
-    assert group_alive(first.pid)  # the child it started outlives it
+    assert group_running(first.pid)  # the child it started outlives it
     keeper.check()
     deadline = time.monotonic() + 10
-    while group_alive(first.pid):  # SIGKILLed with its group
+    while group_running(first.pid):  # SIGKILLed with its group
         assert time.monotonic() < deadline, "the dead worker's engine process was left running"
         time.sleep(0.05)
     assert worker.process is first  # not yet: the back-off runs

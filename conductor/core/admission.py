@@ -73,6 +73,11 @@ def limits_for(request: Request, cfg: SchedulerConfig) -> Limits:
                   1.0 - (1.0 - cfg.gate_kv_headroom) * keep)
 
 
+def seq_tbt_slo_s(seq: DecodeSeq, cfg: SchedulerConfig) -> float:
+    """The TBT SLO a decoding sequence is held to: its request's own, else the config's."""
+    return cfg.tbt_slo_s if seq.tbt_slo_s is None else seq.tbt_slo_s
+
+
 def stall_keeps_tbt(step_s: float, longest_s: float, stall_s: float, tokens: int | None, tbt_slo_s: float) -> bool:
     """Whether a sequence that decodes on an instance while it computes `stall_s` seconds of
     prefill (in steps of at most `longest_s`: a chunk and a decode step) keeps its TBT SLO, a
@@ -100,7 +105,7 @@ def prefill_keeps_batch_tbt(inst: InstanceState, ends_s: float, longest_s: float
     over its max_tokens). Before, these were not protected at all, and sequences of a few tokens
     waited up to 15 s between two of them behind a prompt colocated on their decode worker."""
     for seq in inst.running:
-        if longest_s > (cfg.tbt_slo_s if seq.tbt_slo_s is None else seq.tbt_slo_s):
+        if longest_s > seq_tbt_slo_s(seq, cfg):
             return False
     coming = [s for s in inst.incoming if s.start_s < ends_s]
     if not coming:
@@ -109,8 +114,7 @@ def prefill_keeps_batch_tbt(inst: InstanceState, ends_s: float, longest_s: float
                      inst.decode_scale)
     for seq in coming:
         tokens = seq.remaining_tokens if seq.remaining_tokens is not None else seq.max_tokens
-        slo = cfg.tbt_slo_s if seq.tbt_slo_s is None else seq.tbt_slo_s
-        if not stall_keeps_tbt(step, longest_s, ends_s - seq.start_s, tokens, slo):
+        if not stall_keeps_tbt(step, longest_s, ends_s - seq.start_s, tokens, seq_tbt_slo_s(seq, cfg)):
             return False
     return True
 
@@ -326,8 +330,7 @@ def decode_drain_s(pool: Sequence[InstanceState], kv_need: int, now: float, t_d:
         # tightest[k]: the tightest TBT SLO among the sequences left once the first k have ended.
         tightest = [math.inf] * (len(seqs) + 1)
         for k in range(len(seqs) - 1, -1, -1):
-            own = seqs[k].tbt_slo_s
-            tightest[k] = min(cfg.tbt_slo_s if own is None else own, tightest[k + 1])
+            tightest[k] = min(seq_tbt_slo_s(seqs[k], cfg), tightest[k + 1])
         batch, kv = len(seqs), sum(s.kv_tokens for s in seqs)
         for k, s in enumerate([None, *seqs]):
             if s is not None:

@@ -160,7 +160,7 @@ def chunked_prefill_s(inst: InstanceState, prompt: int, cached: int, est: Estima
 
 
 def flexible_prefill(prompt: int, pool: Sequence[InstanceState], matches: PrefixMatches, est: Estimators,
-                     cfg: SchedulerConfig, now: float = 0.0) -> tuple[PrefillChoice, float] | None:
+                     cfg: SchedulerConfig, now: float) -> tuple[PrefillChoice, float] | None:
     """Flexible roles: Algorithm 1 over every instance, whatever its label, for a prefill whose
     KV goes to another instance. A decode-labelled instance pays cfg.role_cost_s; one with a
     running or incoming batch prefills in chunks (chunked_prefill_s) and is a candidate only if

@@ -19,11 +19,11 @@ import os
 import sys
 
 from mooncake import defaults
-from mooncake.paths import unusable_directory
 from mooncake.bench import report, workload
 from mooncake.bench.runner import ClientOptions, EndpointError, make_client, preflight, run_schedule
 from mooncake.bench.stats import RequestRecord, slo_capacity, summarize
 from mooncake.cli_help import DefaultsHelpFormatter
+from mooncake.paths import unusable_directory
 from mooncake.trace import TraceError, load_trace
 
 WARMUP_SALT = 1_000_000  # run i uses salt i: warm-up prompts share no tokens with any measured run

@@ -8,8 +8,8 @@ import os
 from mooncake import defaults
 from mooncake.auth import add_token_arguments, token_errors, token_from_args
 from mooncake.defaults import Dtype, WorkerRole, engine_option_errors
-from mooncake.paths import unusable_directory
 from mooncake.engine.config import WorkerConfig
+from mooncake.paths import unusable_directory
 from mooncake.registry.config import EtcdCredentials
 
 

@@ -11,8 +11,9 @@ import httpx
 import psutil
 import pytest
 
+from mooncake.supervisor import group_running
 from tests.conftest import MODEL_NAME
-from tests.processes import group_alive, wait_workers_seen
+from tests.processes import wait_workers_seen
 
 pytestmark = pytest.mark.vllm
 
@@ -32,7 +33,7 @@ def test_a_killed_worker_is_restarted_its_engine_processes_reaped_and_served_aga
     assert engines, "the decode worker runs no engine process: nothing to reap"
     victim.send_signal(signal.SIGKILL)  # the worker alone, as the OOM killer would: its engines stay
     deadline = time.monotonic() + 60
-    while group_alive(victim.pid) or any(e.is_running() and e.status() != psutil.STATUS_ZOMBIE for e in engines):
+    while group_running(victim.pid) or any(e.is_running() and e.status() != psutil.STATUS_ZOMBIE for e in engines):
         assert time.monotonic() < deadline, "the dead worker's engine processes were left running"
         time.sleep(0.5)
     seen = set()
