@@ -6,7 +6,9 @@ Python socket ping-pong between two processes on the same machine, in the same r
 A call is how the pool fetches a small block from another node's pool and how a prefill reserves
 room on a decode worker: its round trip bounds a single remote get (issue #14). The socket
 ping-pong (request out, reply of the same size back, both sides blocking on recv) is what any
-Python request/reply pays on this machine, so the ratio is the messenger's own overhead.
+Python request/reply pays on this machine, so the ratio is the messenger's own overhead. Rows:
+a call on its lane (the default, messenger/call_lane.py), and a call through each transport's
+link (`EngineConfig(call_lanes=False)`, how every call went before the lanes).
 """
 
 from __future__ import annotations
@@ -30,13 +32,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _callee(conn, transports: tuple[str, ...]) -> None:
+def _callee(conn, transports: tuple[str, ...], lanes: bool) -> None:
     """The answering engine: replies with the number of bytes the request asks for."""
     import msgspec
 
     from messenger.engine import EngineConfig, TransferEngine
 
-    engine = TransferEngine("callee", EngineConfig(transports=transports))
+    engine = TransferEngine("callee", EngineConfig(transports=transports, call_lanes=lanes))
     replies: dict[int, bytes] = {}
 
     def on_call(peer: str, request: bytes) -> bytes:
@@ -49,7 +51,7 @@ def _callee(conn, transports: tuple[str, ...]) -> None:
     engine.close()
 
 
-def engine_round_trips(transport: str, reply_bytes: int, calls: int) -> list[float]:
+def engine_round_trips(transport: str, reply_bytes: int, calls: int, lanes: bool) -> list[float]:
     import msgspec
 
     from messenger.api import PeerInfo
@@ -57,9 +59,10 @@ def engine_round_trips(transport: str, reply_bytes: int, calls: int) -> list[flo
 
     transports = (transport,) if transport == "tcp" else (transport, "tcp")
     here, there = multiprocessing.get_context("spawn").Pipe()
-    callee = multiprocessing.get_context("spawn").Process(target=_callee, args=(there, transports), daemon=True)
+    callee = multiprocessing.get_context("spawn").Process(target=_callee, args=(there, transports, lanes),
+                                                        daemon=True)
     callee.start()
-    engine = TransferEngine("caller", EngineConfig(transports=transports))
+    engine = TransferEngine("caller", EngineConfig(transports=transports, call_lanes=lanes))
     try:
         engine.start()
         if not here.poll(60):
@@ -141,8 +144,9 @@ def main(argv=None) -> None:
         base = socket_round_trips(size, args.calls)
         base_p50 = statistics.median(base) * 1e6
         rows = [("Python socket ping-pong (floor)", base)]
-        rows += [(f"messenger call, {t}", engine_round_trips(t, size, args.calls))
-                 for t in args.transports.split(",") if t]
+        transports = [t for t in args.transports.split(",") if t]
+        rows.append(("messenger call, on its lane", engine_round_trips(transports[0], size, args.calls, True)))
+        rows += [(f"messenger call, through {t}", engine_round_trips(t, size, args.calls, False)) for t in transports]
         for what, times in rows:
             p50 = statistics.median(times) * 1e6
             print(f"| {size:,} B | {what} | {p50:.0f} | {us(times, 90):.0f} | {us(times, 99):.0f} "

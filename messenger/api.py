@@ -81,13 +81,16 @@ class PeerInfo:
     `host_id` identifies the machine (same host -> shm is possible); `transports` maps a
     transport's name to its address descriptor (tcp: "host:port", shm: a segment namespace,
     rdma: device/gid/qp info, nixl: agent metadata, all as strings); `regions` lists what a
-    peer may write into or read from.
+    peer may write into or read from; `call_address` is where its calls are answered.
     """
 
     name: str
     host_id: str
     transports: dict[str, str]
     regions: tuple[RegionInfo, ...] = ()
+    call_address: str = ""
+    """Where its call lanes listen ("host:port", messenger/call_lane.py); empty: calls go
+    through the transport chosen for it."""
 
     def region(self, name: str) -> RegionInfo | None:
         return next((r for r in self.regions if r.name == name), None)
@@ -117,8 +120,26 @@ class Region:
 # message rode on landed and verified; otherwise it says what failed, and the message is still
 # delivered so the receiver can fail its own work at once instead of waiting for a timeout.
 NotifyHandler = Callable[[str, bytes, "str | None"], None]
-# on_call(peer_name, request) -> reply: a small RPC for rendezvous (e.g. "where do I write?").
-CallHandler = Callable[[str, bytes], bytes]
+
+
+@dataclass
+class CallReply:
+    """What an on_call handler may return instead of bytes: a small `body`, then bulk bytes
+    sent from the handler's own buffers (`attachment`, a list of buffers, not copied on a call
+    lane); `done` runs once they are sent or the sending failed (e.g. to unpin them). The
+    caller gets body and attachment as one, or with `call(..., into=...)` the attachment lands
+    straight in the buffers it names."""
+
+    body: bytes
+    attachment: list = field(default_factory=list)
+    done: Callable[[], None] | None = None
+
+
+# on_call(peer_name, request) -> reply: a small RPC for rendezvous (e.g. "where do I write?"),
+# or a block's bytes (CallReply).
+CallHandler = Callable[[str, bytes], "bytes | CallReply"]
+# call(..., into=): (reply body, attachment bytes) -> buffers summing to that many bytes.
+AttachmentSink = Callable[[bytes, int], list]
 
 
 class Batch:

@@ -21,11 +21,14 @@ transport (messenger/api.py's Transport moves bytes and messages only):
   side that serves a read has no engine hook in the contract (the pool checks its blocks itself).
 - Messages: the engine wraps every payload in a one-byte envelope (a batch's notification or
   none; a call request with the caller's PeerInfo so the callee can answer; a call reply).
+- Calls: on the peer's call lane (messenger/call_lane.py) when it publishes one, else as
+  messages through its transport.
 - Timeouts: a watchdog (messenger/watchdog.py) fails every batch and call that is not complete `timeout_s` after it was
   submitted, whatever the transport does (a dead or silent peer).
 
 on_notify and on_call run on the engine's and transports' threads: keep on_notify short (it holds
-the stream it arrived on); on_call runs on a small pool of its own.
+the stream it arrived on); on_call runs on the call's lane thread (messenger/call_lane.py: one per
+calling thread and peer), or on a small pool of its own for calls that came through a transport.
 """
 
 from __future__ import annotations
@@ -43,8 +46,11 @@ from dataclasses import dataclass, field
 import msgspec
 import numpy as np
 
-from messenger.api import (Batch, CallHandler, ChecksumError, Direction, NoTransport, NotifyHandler,
-                           OutgoingMessage, PeerInfo, Region, Slice, TransferError, Transport)
+from messenger.api import (AttachmentSink, Batch, CallHandler, CallReply, ChecksumError, Direction, NoTransport,
+                           NotifyHandler, OutgoingMessage, PeerInfo, Region, Slice, TransferError, Transport)
+from messenger.call_lane import FAILED as LANE_FAILED
+from messenger.call_lane import OK as LANE_OK
+from messenger.call_lane import LaneClient, LaneServer, LaneUnreachable
 from messenger.integrity import CHECKSUM_ERROR_PREFIX, SliceHasher
 from messenger.stats import TransportStats
 from messenger.watchdog import Watchdog
@@ -60,9 +66,10 @@ _TRANSPORT_CLASSES = {
 }
 
 # Envelope kinds (first byte of every payload the engine hands a transport).
-_NOTIFY, _SILENT, _CALL, _REPLY, _REPLY_ERROR = 1, 2, 3, 4, 5
+_NOTIFY, _SILENT, _CALL, _REPLY, _REPLY_ERROR, _REPLY_ATTACHED = 1, 2, 3, 4, 5, 6
 _CALL_HEAD = struct.Struct("!BQI")  # kind, call id, length of the caller's PeerInfo JSON
 _REPLY_HEAD = struct.Struct("!BQ")
+_BODY_LEN = struct.Struct("!Q")  # a _REPLY_ATTACHED: the body's length, then body and attachment
 _CALLERS_KEPT = 64  # distinct caller descriptions remembered (a caller's changes when it registers memory)
 
 
@@ -86,13 +93,18 @@ class EngineConfig:
     """Shared key every connection proves (messenger/handshake.py); None: no handshake."""
     hash_threads: int = 2
     """Threads hashing slices (xxh3 releases the GIL, so they overlap the sockets)."""
+    call_lanes: bool = True
+    """Calls on connections of their own (messenger/call_lane.py, a round trip with no thread
+    hand-off); False: through the transport chosen for the peer."""
+    call_port: int = 0
+    """Where the call lanes listen, on `host` (0: a free one)."""
 
     def __post_init__(self) -> None:
         unknown = [t for t in self.transports if t not in _TRANSPORT_CLASSES]
         if unknown or not self.transports:
             raise ValueError(f"EngineConfig.transports: unknown {unknown}; choose from {sorted(_TRANSPORT_CLASSES)}")
-        if not 0 <= self.port < 65536:
-            raise ValueError(f"EngineConfig.port {self.port} is not a port")
+        if not 0 <= self.port < 65536 or not 0 <= self.call_port < 65536:
+            raise ValueError(f"EngineConfig.port {self.port} / call_port {self.call_port}: not a port")
         if self.tcp_streams < 1 or self.hash_threads < 1:
             raise ValueError("EngineConfig.tcp_streams and hash_threads must be >= 1")
         if self.timeout_s <= 0:
@@ -158,6 +170,9 @@ class TransferEngine:
         self._call_ids = itertools.count(1)
         self._hasher = SliceHasher(config.hash_threads, name)
         self._callers = ThreadPoolExecutor(4, thread_name_prefix=f"messenger-call-{name}")
+        self._lane_server: LaneServer | None = None
+        self._lane_client = LaneClient(config.auth_key) if config.call_lanes else None
+        self._call_address = ""
         self._watchdog = Watchdog()
         self._host_id = _host_id()
         self._started = False
@@ -219,13 +234,20 @@ class TransferEngine:
             self._stats[name] = TransportStats()
         if not self._transports:
             raise NoTransport(f"no messenger transport can run here: {reasons}")
+        if self.config.call_lanes:
+            self._lane_server = LaneServer(self.config.host, self.config.call_port, self.config.auth_key,
+                                           self.config.timeout_s, self._answer_lane, self.name)
+            address = self._lane_server.start()
+            with self._info_lock:
+                self._call_address = address
+                self._info_version += 1
         log.info("messenger %s: transports %s (skipped: %s)", self.name, list(self._transports), reasons)
         self._started = True
         return self.info()
 
     def info(self) -> PeerInfo:
         return PeerInfo(self.name, self._host_id, dict(self._addresses),
-                        tuple(r.info() for r in self._regions.all()))
+                        tuple(r.info() for r in self._regions.all()), self._call_address)
 
     def add_peer(self, peer: PeerInfo) -> str:
         """Remember `peer` (replacing what was known of it) and pick the transport to reach it."""
@@ -265,6 +287,10 @@ class TransferEngine:
         for future in list(self._calls.values()):
             if not future.done():
                 future.set_exception(TransferError(f"engine {self.name!r} closed"))
+        if self._lane_server is not None:
+            self._lane_server.close()
+        if self._lane_client is not None:
+            self._lane_client.close()
         self._watchdog.close()
         self._hasher.close()
         self._callers.shutdown(wait=False, cancel_futures=True)
@@ -349,30 +375,58 @@ class TransferEngine:
 
     # --- calls ---------------------------------------------------------------------------------
 
-    def call(self, peer: str, request: bytes, timeout_s: float | None = None) -> bytes:
-        """Send `request` to `peer`'s on_call and return its reply (TransferError on failure or
-        after timeout_s, the engine's by default)."""
+    def call(self, peer: str, request: bytes, timeout_s: float | None = None,
+             into: AttachmentSink | None = None) -> bytes | bytearray:
+        """Send `request` to `peer`'s on_call and return its reply, bytes-like (TransferError on
+        failure or after timeout_s, the engine's by default). On the peer's call lane when it has
+        one, else through the transport chosen for it. A CallReply's attachment follows the body
+        in what is returned, unless `into(body, nbytes)` names buffers for it (on a lane it is
+        received straight into them)."""
         target = self._peer(peer)
+        timeout = timeout_s if timeout_s is not None else self.config.timeout_s
+        if self._lane_client is not None and target.info.call_address:
+            try:
+                return self._lane_client.call(peer, target.info.call_address, self._caller_json(), request,
+                                              timeout, into)
+            except LaneUnreachable as exc:  # its lanes cannot be reached from here: its transport may be
+                log.debug("%s; calling through %s", exc, target.transport.name)
         call_id = next(self._call_ids)
         reply: Future = Future()
         self._calls[call_id] = reply
-        version, caller = self._info_json  # a call carries the caller's PeerInfo: the callee answers by it
-        if version != self._info_version:
-            version = self._info_version  # read first: a change during the encoding re-encodes next time
-            caller = msgspec.json.encode(self.info())
-            self._info_json = (version, caller)
+        _, caller = self._caller_json()  # a call carries the caller's PeerInfo: the callee answers by it
         payload = _CALL_HEAD.pack(_CALL, call_id, len(caller)) + caller + request
-        timeout = timeout_s if timeout_s is not None else self.config.timeout_s
         sent = Batch(len(payload), 0)
         sent.add_done_callback(lambda b: b.error is not None and not reply.done() and _fail(reply, b.error))
         try:
             self._launch(target, sent, f"call to {peer}",
                          lambda inner: target.transport.send_message(target.info, payload, inner))
-            return reply.result(timeout)
+            body, attachment = reply.result(timeout)
         except TimeoutError:
             raise TransferError(f"call to {peer} got no reply within {timeout} s") from None
         finally:
             self._calls.pop(call_id, None)
+        if not attachment:
+            return body
+        if into is None:
+            return body + attachment
+        views = [memoryview(v).cast("B") for v in into(body, len(attachment))]
+        if sum(v.nbytes for v in views) != len(attachment):
+            raise TransferError(f"call to {peer}: the buffers for the reply's {len(attachment)} B "
+                                f"hold {sum(v.nbytes for v in views)} B")
+        offset = 0
+        for view in views:
+            view[:] = attachment[offset:offset + view.nbytes]
+            offset += view.nbytes
+        return body
+
+    def _caller_json(self) -> tuple[int, bytes]:
+        """(version, this engine's PeerInfo as JSON), encoded once per change."""
+        version, caller = self._info_json
+        if version != self._info_version:
+            version = self._info_version  # read first: a change during the encoding re-encodes next time
+            caller = msgspec.json.encode(self.info())
+            self._info_json = (version, caller)
+        return version, caller
 
     # --- inbound (the transports call these) ---------------------------------------------------
 
@@ -401,39 +455,67 @@ class TransferEngine:
         if kind == _CALL:
             _, call_id, info_len = _CALL_HEAD.unpack_from(payload)
             start = _CALL_HEAD.size
-            raw = bytes(payload[start:start + info_len])
-            caller = self._callers_seen.get(raw)
-            if caller is None:
-                if len(self._callers_seen) >= _CALLERS_KEPT:
-                    self._callers_seen.clear()
-                caller = self._callers_seen[raw] = msgspec.json.decode(raw, type=PeerInfo)
+            caller = self._caller(bytes(payload[start:start + info_len]))
             request = bytes(payload[start + info_len:])
             self._callers.submit(self._answer, caller, call_id, request)
-        elif kind in (_REPLY, _REPLY_ERROR):
+        elif kind in (_REPLY, _REPLY_ERROR, _REPLY_ATTACHED):
             _, call_id = _REPLY_HEAD.unpack_from(payload)
             future = self._calls.get(call_id)
-            body = bytes(payload[_REPLY_HEAD.size:])
+            body, attachment = bytes(payload[_REPLY_HEAD.size:]), b""
+            if kind == _REPLY_ATTACHED:
+                (length,) = _BODY_LEN.unpack_from(body)
+                body, attachment = body[_BODY_LEN.size:_BODY_LEN.size + length], body[_BODY_LEN.size + length:]
             if future is not None and not future.done():
-                if kind == _REPLY:
-                    future.set_result(body)
+                if kind != _REPLY_ERROR:
+                    future.set_result((body, attachment))
                 else:
                     _fail(future, TransferError(f"{peer} failed the call: {body.decode(errors='replace')}"))
         else:
             log.warning("dropped a message of unknown kind %d from %s", kind, peer)
 
-    def _answer(self, caller: PeerInfo, call_id: int, request: bytes) -> None:
+    def _caller(self, raw: bytes) -> PeerInfo:
+        caller = self._callers_seen.get(raw)
+        if caller is None:
+            if len(self._callers_seen) >= _CALLERS_KEPT:
+                self._callers_seen.clear()
+            caller = self._callers_seen[raw] = msgspec.json.decode(raw, type=PeerInfo)
+        return caller
+
+    def _run_call(self, caller: PeerInfo, request: bytes) -> tuple[int, CallReply]:
+        """on_call's answer to `caller`, (_REPLY, its reply) or (_REPLY_ERROR, the error's text);
+        the caller becomes a known peer first, so the handler (and later calls) can reach it."""
+        known = self._peers.get(caller.name)
+        if known is None or (known.info is not caller and known.info != caller):
+            try:
+                self.add_peer(caller)
+            except Exception as exc:  # noqa: BLE001 - it can still be answered where it called from
+                log.debug("caller %s cannot be reached from here: %s", caller.name, exc)
         try:
             if self._on_call is None:
                 raise TransferError(f"engine {self.name!r} takes no calls")
-            kind, body = _REPLY, self._on_call(caller.name, request)
+            reply = self._on_call(caller.name, request)
+            return _REPLY, reply if isinstance(reply, CallReply) else CallReply(reply)
         except Exception as exc:  # the caller gets the error instead of a timeout
-            kind, body = _REPLY_ERROR, f"{type(exc).__name__}: {exc}".encode()
+            return _REPLY_ERROR, CallReply(f"{type(exc).__name__}: {exc}".encode())
+
+    def _answer_lane(self, raw_caller: bytes, request: bytes) -> tuple[int, CallReply]:
+        kind, reply = self._run_call(self._caller(raw_caller), request)
+        return (LANE_OK if kind == _REPLY else LANE_FAILED), reply
+
+    def _answer(self, caller: PeerInfo, call_id: int, request: bytes) -> None:
+        kind, reply = self._run_call(caller, request)
+        try:  # through a transport the attachment is copied into the message: done at once
+            if reply.attachment:
+                kind = _REPLY_ATTACHED
+                body = _BODY_LEN.pack(len(reply.body)) + bytes(reply.body) + b"".join(reply.attachment)
+            else:
+                body = reply.body
+        finally:
+            if reply.done is not None:
+                reply.done()
         if self._closed:
             return
-        known = self._peers.get(caller.name)
         try:
-            if known is None or (known.info is not caller and known.info != caller):
-                self.add_peer(caller)
             target = self._peer(caller.name)
             done = Batch(0, 0)
             self._watchdog.watch(done, self.config.timeout_s, f"reply to {caller.name}")

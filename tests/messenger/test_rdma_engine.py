@@ -20,7 +20,7 @@ def pair(monkeypatch):
     real = rdma_module.RdmaTransport
     monkeypatch.setattr(rdma_module, "RdmaTransport",
                         lambda config: real(config, small, open_port=lambda c: FakePort(fabric, c)))
-    p = engine_checks.EnginePair(EngineConfig(transports=("rdma",), timeout_s=5), "rdma")
+    p = engine_checks.EnginePair(EngineConfig(transports=("rdma",), timeout_s=5, call_lanes=False), "rdma")
     yield p
     p.close()
 

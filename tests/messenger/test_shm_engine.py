@@ -28,7 +28,7 @@ def peer():
 @pytest.fixture
 def engine(peer):
     mem = np.zeros(SIZE, np.uint8)
-    local = TransferEngine("local", EngineConfig(transports=("shm", "tcp")))
+    local = TransferEngine("local", EngineConfig(transports=("shm", "tcp"), call_lanes=False))
     local.register("mem", mem)
     info = local.start(on_call=lambda peer_name, request: b"local:" + request)
     assert local.add_peer(peer.info) == "shm"  # same host: shm, though tcp runs too

@@ -178,3 +178,44 @@ def test_blocks_on_the_peers_ssd_are_promoted_and_sent_in_several_calls(tmp_path
     finally:
         local.close()
         holder.close()
+
+
+def _holder(block_bytes: int, keys: list[int]) -> PoolService:
+    holder = PoolService(PoolConfig(dram_bytes=8 * block_bytes, ssd_dir=None), engine_config=ENGINE).start()
+    holder.configure(block_bytes, LAYOUT)
+    for key in keys:
+        for k, slot in holder.reserve([key]):
+            holder.arena.slot(slot)[:] = block_data(k, block_bytes)
+        holder.commit([key])
+    return holder
+
+
+def test_a_block_corrupted_at_the_holder_is_dropped_not_served():
+    """The bytes ride the call's reply straight into reserved slots; the checksum the holder's
+    index holds is checked before anything is committed here."""
+    block_bytes, keys = 32 << 10, [21, 22, 23]
+    holder = _holder(block_bytes, keys)
+    local = local_pool(block_bytes, 8)
+    try:
+        got = holder.read([22])
+        holder.arena.slot(got[0][1])[100] ^= 0xFF  # flipped after its checksum was taken
+        holder.release([22])
+        assert local.fetch_remote(holder.peer_info(), keys) == 1  # 21 only: 22 failed, so the run ends
+        assert local.lookup(keys) == ["dram"]
+        assert local.stats()["counters"]["remote_corrupt"] >= 1 and verify(local, keys[:1])
+        assert holder.pool.pins(21) == holder.pool.pins(22) == holder.pool.pins(23) == 0  # released once sent
+    finally:
+        local.close()
+        holder.close()
+
+
+def test_an_inline_fetch_larger_than_the_free_room_here_keeps_what_fits():
+    block_bytes, keys = 32 << 10, [31, 32, 33, 34]
+    holder = _holder(block_bytes, keys)
+    local = local_pool(block_bytes, 2)  # room for two
+    try:  # and no second call evicting them for the other two
+        assert local.fetch_remote(holder.peer_info(), keys) == 2
+        assert local.lookup(keys) == ["dram", "dram"] and verify(local, keys[:2])
+    finally:
+        local.close()
+        holder.close()

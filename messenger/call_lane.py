@@ -1,0 +1,301 @@
+"""Call lanes: each calling thread keeps a plain blocking TCP connection per peer for its calls,
+and the peer serves each lane on a thread of its own.
+
+Why not the transports' links: there a call crossed four thread hand-offs (the request queued to
+the link's sender, the callee's receiver handing it to a call pool, the reply's sender, the
+caller's wake-up), and on two cores each cost tens of microseconds: an empty call took 213 us
+(p50) where a Python socket ping-pong takes 18-32 us (RESULTS.md, "A call's round trip"). On a
+lane a call is that ping-pong: the caller writes the request and reads the reply on the same
+socket, and the callee's lane thread reads it, runs the handler and writes the reply, with no
+hand-off on either side. A single remote get of a small pool block is one call (store/remote.py),
+so its speed is this round trip.
+
+Frames (all integers big-endian):
+
+    request: "MCCL" | caller description length u32 (0: unchanged on this lane) | request length u64,
+             then the caller's PeerInfo JSON (when sent) and the request
+    reply:   "MCCR" | status u8 (0 ok, 1 the handler failed: the body is its error) | body length u64
+             | attachment length u64, then the body and the attachment (messenger/api.py's
+             CallReply: sent from the handler's buffers, received into the caller's)
+
+A lane carries one call at a time, so nothing is multiplexed and a reply is the one the caller
+waits for. A lane that timed out or broke is closed (it may still carry a late reply); a lane that
+fails before any byte of the reply on its first use after an idle spell is redialled once,
+because an idle connection may have been dropped by the peer's restart or a middlebox. The
+handshake (messenger/handshake.py) runs on every lane when the engine has an auth key.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import struct
+import threading
+import time
+from collections.abc import Callable
+from contextlib import contextmanager
+
+from messenger.api import AttachmentSink, CallReply, TransferError
+from messenger.handshake import client_handshake, server_handshake
+from messenger.wire import MAX_PAYLOAD_BYTES, WireError, recv_exactly, recv_into_views, send_views
+
+log = logging.getLogger(__name__)
+
+_REQUEST = struct.Struct("!4sIQ")
+_REPLY = struct.Struct("!4sBQQ")
+REQUEST_MAGIC, REPLY_MAGIC = b"MCCL", b"MCCR"
+OK, FAILED = 0, 1
+MAX_INFO_BYTES = 16 << 20
+MAX_LANES = 512  # lanes one engine serves at once; more are refused (a runaway or hostile client)
+# A lane that cannot be opened (a firewall that drops, a peer whose lanes are off) costs at most
+# this once, then calls to that address go through the transport for a while.
+CONNECT_TIMEOUT_S, UNREACHABLE_FOR_S = 3.0, 60.0
+
+# The engine's handler: (the caller's latest PeerInfo JSON, the request) -> (status, CallReply).
+Answer = Callable[[bytes, bytes], tuple[int, CallReply]]
+
+
+class LaneUnreachable(TransferError):
+    """No lane could be opened to the peer (refused, unroutable): the call may go another way."""
+
+
+def _tune(sock: socket.socket) -> None:
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # a call is a small frame: never delay it
+
+
+class LaneServer:
+    """Listens for lanes and answers their calls, one thread per lane."""
+
+    def __init__(self, host: str, port: int, auth_key: bytes | None, handshake_timeout_s: float,
+                 answer: Answer, name: str) -> None:
+        self._host, self._port, self._auth_key = host, port, auth_key
+        self._handshake_timeout_s = handshake_timeout_s
+        self._answer, self._name = answer, name
+        self._listener: socket.socket | None = None
+        self._lanes: set[socket.socket] = set()
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+
+    def start(self) -> str:
+        """Listen; returns the address to publish ("host:port")."""
+        self._listener = socket.create_server((self._host, self._port), backlog=128)
+        host, port = self._listener.getsockname()[:2]
+        if host in ("0.0.0.0", "::", ""):
+            host = socket.gethostbyname(socket.gethostname())
+        threading.Thread(target=self._accept_loop, name=f"messenger-lanes-{self._name}", daemon=True).start()
+        return f"{host}:{port}"
+
+    def close(self) -> None:
+        self._closed.set()
+        if self._listener is not None:
+            self._listener.close()
+        with self._lock:
+            lanes, self._lanes = list(self._lanes), set()
+        for lane in lanes:
+            _shut(lane)
+
+    def _accept_loop(self) -> None:
+        while not self._closed.is_set():
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return
+            with self._lock:
+                full = len(self._lanes) >= MAX_LANES
+                if not full:
+                    self._lanes.add(conn)
+            if full:
+                log.warning("messenger %s: refused a call lane, %d already open", self._name, MAX_LANES)
+                conn.close()
+                continue
+            threading.Thread(target=self._serve, args=(conn,), name=f"messenger-lane-{self._name}",
+                             daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        caller = b""
+        head = bytearray(_REQUEST.size)
+        try:
+            _tune(conn)
+            if self._auth_key is not None:
+                conn.settimeout(self._handshake_timeout_s)
+                server_handshake(conn, self._auth_key)
+                conn.settimeout(None)
+            while not self._closed.is_set():
+                try:
+                    recv_into_views(conn, [memoryview(head)])
+                except WireError:
+                    return  # the caller closed its lane between calls: the normal end
+                magic, info_len, request_len = _REQUEST.unpack(head)
+                if magic != REQUEST_MAGIC or info_len > MAX_INFO_BYTES or request_len > MAX_PAYLOAD_BYTES:
+                    log.warning("messenger %s: dropped a call lane that sent a foreign frame", self._name)
+                    return
+                if info_len:
+                    caller = bytes(recv_exactly(conn, info_len))
+                request = bytes(recv_exactly(conn, request_len)) if request_len else b""
+                try:
+                    status, reply = self._answer(caller, request)
+                except Exception as exc:  # noqa: BLE001 - an undecodable caller: answer, never hang
+                    status, reply = FAILED, CallReply(f"{type(exc).__name__}: {exc}".encode())
+                try:
+                    attached = [memoryview(v).cast("B") for v in reply.attachment]
+                    reply_head = _REPLY.pack(REPLY_MAGIC, status, len(reply.body), sum(v.nbytes for v in attached))
+                    send_views(conn, [reply_head, reply.body, *attached])
+                finally:
+                    if reply.done is not None:
+                        reply.done()
+        except OSError as exc:  # a reset, a failed handshake, or this side closing
+            if not self._closed.is_set():
+                log.debug("messenger %s: call lane ended: %s", self._name, exc)
+        finally:
+            with self._lock:
+                self._lanes.discard(conn)
+            conn.close()
+
+
+class _Lane:
+    __slots__ = ("sock", "info_version", "used")
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock, self.info_version, self.used = sock, -1, False
+
+
+class LaneClient:
+    """The calling side: one lane per (calling thread, peer address), opened on first use."""
+
+    def __init__(self, auth_key: bytes | None) -> None:
+        self._auth_key = auth_key
+        self._local = threading.local()
+        self._all: dict[socket.socket, threading.Thread] = {}  # every open lane and the thread it serves
+        self._lock = threading.Lock()
+        self._closed = False
+        self._unreachable: dict[str, float] = {}  # address -> until when calls skip it (monotonic)
+
+    def call(self, peer: str, address: str, caller: tuple[int, bytes], request: bytes,
+             timeout_s: float, into: AttachmentSink | None = None) -> bytes | bytearray:
+        """One call on this thread's lane to `address`; returns the reply's body (followed by its
+        attachment unless `into` took it). `caller` is (version, this engine's PeerInfo JSON):
+        sent when the lane has not seen that version. Raises LaneUnreachable when no lane opens,
+        TransferError when the call fails or times out; whatever `into` raises, after the lane
+        is closed."""
+        lanes: dict[str, _Lane] = self._local.__dict__.setdefault("lanes", {})
+        lane = lanes.get(address)
+        if lane is None and self._unreachable.get(address, 0.0) > time.monotonic():
+            raise LaneUnreachable(f"call to {peer}: its lanes at {address} were unreachable moments ago")
+        for attempt in (0, 1):
+            if lane is None:
+                lane = lanes[address] = self._open(peer, address, timeout_s)
+            reused = lane.used
+            try:
+                status, body = self._exchange(peer, lane, caller, request, timeout_s, into)
+            except _Stale:
+                self._drop(lanes, address, lane)
+                lane = None
+                if not reused or attempt:
+                    raise TransferError(f"call to {peer}: the connection closed before a reply") from None
+                continue
+            except BaseException:
+                self._drop(lanes, address, lane)
+                raise
+            if status != OK:  # the handler's error, answered in order: the lane stays good
+                raise TransferError(f"{peer} failed the call: {body.decode(errors='replace')}")
+            return body
+        raise AssertionError("unreachable")
+
+    def close(self) -> None:
+        self._closed = True
+        with self._lock:
+            lanes, self._all = list(self._all), {}
+        for sock in lanes:
+            _shut(sock)
+
+    def _open(self, peer: str, address: str, timeout_s: float) -> _Lane:
+        if self._closed:
+            raise TransferError("the engine is closed")
+        host, _, port = address.rpartition(":")
+        try:
+            sock = socket.create_connection((host, int(port)), timeout=min(timeout_s, CONNECT_TIMEOUT_S))
+        except OSError as exc:
+            self._unreachable[address] = time.monotonic() + UNREACHABLE_FOR_S
+            raise LaneUnreachable(f"call to {peer}: no lane to {address}: {exc}") from None
+        try:
+            _tune(sock)
+            if self._auth_key is not None:
+                client_handshake(sock, self._auth_key)
+        except OSError as exc:
+            sock.close()
+            raise TransferError(f"call to {peer}: {exc}") from None
+        with self._lock:  # the lanes of threads that ended are closed here: nothing else would
+            ended = [s for s, owner in self._all.items() if not owner.is_alive()]
+            for s in ended:
+                del self._all[s]
+            self._all[sock] = threading.current_thread()
+        for s in ended:
+            s.close()
+        return _Lane(sock)
+
+    def _drop(self, lanes: dict[str, _Lane], address: str, lane: _Lane) -> None:
+        if lanes.get(address) is lane:
+            del lanes[address]
+        with self._lock:
+            self._all.pop(lane.sock, None)
+        lane.sock.close()
+
+    def _exchange(self, peer: str, lane: _Lane, caller: tuple[int, bytes], request: bytes,
+                  timeout_s: float, into: AttachmentSink | None) -> tuple[int, bytes | bytearray]:
+        sock = lane.sock
+        sock.settimeout(timeout_s)
+        version, info = caller
+        if lane.info_version == version:
+            info = b""
+        try:
+            send_views(sock, [_REQUEST.pack(REQUEST_MAGIC, len(info), len(request)), info, request])
+            head = sock.recv(_REPLY.size)
+        except TimeoutError:
+            raise TransferError(f"call to {peer} got no reply within {timeout_s} s") from None
+        except (BrokenPipeError, ConnectionResetError):
+            raise _Stale() from None
+        except OSError as exc:
+            raise TransferError(f"call to {peer}: {exc}") from None
+        if not head:
+            raise _Stale()
+        lane.used, lane.info_version = True, version
+        with _reading(peer, timeout_s):
+            if len(head) < _REPLY.size:
+                head += recv_exactly(sock, _REPLY.size - len(head))
+            magic, status, length, attached = _REPLY.unpack(head)
+            if magic != REPLY_MAGIC or length > MAX_PAYLOAD_BYTES or attached > MAX_PAYLOAD_BYTES:
+                raise WireError("the reply is not a call reply")
+            body = recv_exactly(sock, length) if length else bytearray()  # not copied once more
+            if attached and into is None:
+                body += recv_exactly(sock, attached)
+        if attached and into is not None:
+            views = [memoryview(v).cast("B") for v in into(body, attached)]  # its errors are the caller's
+            if sum(v.nbytes for v in views) != attached:
+                raise TransferError(f"call to {peer}: the buffers for the reply's {attached} B "
+                                    f"hold {sum(v.nbytes for v in views)} B")
+            with _reading(peer, timeout_s):
+                recv_into_views(sock, views)
+        return status, body
+
+
+@contextmanager
+def _reading(peer: str, timeout_s: float):
+    """A failure while reading a reply, as the caller's TransferError."""
+    try:
+        yield
+    except TimeoutError:
+        raise TransferError(f"call to {peer} got no reply within {timeout_s} s") from None
+    except OSError as exc:
+        raise TransferError(f"call to {peer}: the connection broke mid-reply: {exc}") from None
+
+
+class _Stale(Exception):
+    """The lane broke before any byte of the reply: the request may be sent again on a new one."""
+
+
+def _shut(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    sock.close()

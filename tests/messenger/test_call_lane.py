@@ -1,0 +1,143 @@
+"""Call lanes (messenger/call_lane.py) through two real engines: calls ride their own connection,
+attachments land in the caller's buffers, and a lane that cannot be used gives way or an error."""
+
+from __future__ import annotations
+
+import socket
+import threading
+
+import numpy as np
+import pytest
+
+from messenger.api import CallReply, PeerInfo, TransferError
+from messenger.engine import EngineConfig, TransferEngine
+from tests.messenger.engine_pair import make_pair
+
+KEY = b"k" * 32
+
+
+def _close(p) -> None:
+    p.sender.close()
+    p.receiver.close()
+
+
+def test_a_call_rides_its_lane_not_the_transport():
+    threads = []
+    p = make_pair(on_call=lambda peer, request: threads.append(threading.current_thread().name) or b"ok")
+    try:
+        before = p.sender.stats()["tcp"]["sent_bytes"]
+        assert p.sender.call("receiver", b"x") == b"ok"
+        assert p.sender.call("receiver", b"y") == b"ok"
+        assert p.sender.stats()["tcp"]["sent_bytes"] == before  # nothing went through the tcp transport
+        assert threads[0].startswith("messenger-lane-") and threads[0] == threads[1]  # one lane, kept
+        assert p.receiver.info().call_address and p.receiver.info().call_address != p.receiver.info().transports["tcp"]
+    finally:
+        _close(p)
+
+
+@pytest.mark.parametrize("lanes", [True, False], ids=["lane", "through-tcp"])
+def test_an_attachment_lands_in_the_callers_buffers_and_is_released_once(lanes):
+    blocks = np.random.default_rng(3).integers(0, 256, (3, 1000), dtype=np.uint8)
+    released = []
+
+    def on_call(peer, request):
+        return CallReply(b"head:" + request, [blocks[0], blocks[1][:500], blocks[2]], lambda: released.append(1))
+
+    p = make_pair(EngineConfig(transports=("tcp",), call_lanes=lanes), on_call=on_call)
+    try:
+        landing = np.zeros(2500, dtype=np.uint8)
+        seen = []
+
+        def into(body, nbytes):
+            seen.append((bytes(body), nbytes))
+            return [landing[:1200], landing[1200:]]
+
+        assert p.sender.call("receiver", b"q", into=into) == b"head:q"
+        assert seen == [(b"head:q", 2500)]
+        assert np.array_equal(landing, np.concatenate([blocks[0], blocks[1][:500], blocks[2]]))
+        flat = p.sender.call("receiver", b"r")  # no sink: the attachment follows the body
+        assert bytes(flat) == b"head:r" + landing.tobytes()
+        assert released == [1, 1]
+    finally:
+        _close(p)
+
+
+def test_a_sink_that_refuses_or_misfits_fails_the_call_and_the_next_call_works():
+    p = make_pair(on_call=lambda peer, request: CallReply(b"h", [b"x" * 100]))
+    try:
+        def refuse(body, nbytes):
+            raise ValueError("no room")
+
+        with pytest.raises(ValueError, match="no room"):
+            p.sender.call("receiver", b"a", into=refuse)
+        with pytest.raises(TransferError, match="hold 50 B"):
+            p.sender.call("receiver", b"b", into=lambda body, n: [bytearray(50)])
+        assert bytes(p.sender.call("receiver", b"c")) == b"h" + b"x" * 100
+    finally:
+        _close(p)
+
+
+def test_a_lane_the_callee_dropped_is_redialled():
+    p = make_pair(on_call=lambda peer, request: b"got " + request)
+    try:
+        assert p.sender.call("receiver", b"1") == b"got 1"
+        server = p.receiver._lane_server
+        with server._lock:
+            lanes = list(server._lanes)
+        for lane in lanes:  # as a restart or a middlebox would
+            lane.shutdown(socket.SHUT_RDWR)
+        assert p.sender.call("receiver", b"2") == b"got 2"
+    finally:
+        _close(p)
+
+
+def test_a_peer_without_lanes_or_whose_lane_is_unreachable_is_called_through_its_transport():
+    p = make_pair(on_call=lambda peer, request: threading.current_thread().name.encode())
+    try:
+        info = p.receiver.info()
+        for call_address in ("", _closed_port()):
+            p.sender.add_peer(PeerInfo(info.name, info.host_id, info.transports, info.regions, call_address))
+            assert p.sender.call("receiver", b"?").startswith(b"messenger-call-")  # the engine's call pool
+    finally:
+        _close(p)
+
+
+def test_lanes_prove_the_shared_key():
+    p = make_pair(EngineConfig(transports=("tcp",), auth_key=KEY, timeout_s=3), on_call=lambda peer, r: b"ok " + r)
+    stranger = TransferEngine("stranger", EngineConfig(transports=("tcp",), auth_key=b"s" * 32, timeout_s=3))
+    try:
+        assert p.sender.call("receiver", b"me") == b"ok me"
+        stranger.start()
+        stranger.add_peer(p.receiver.info())
+        with pytest.raises(TransferError):
+            stranger.call("receiver", b"me too")
+    finally:
+        stranger.close()
+        _close(p)
+
+
+def test_the_lanes_of_threads_that_ended_are_closed():
+    p = make_pair(on_call=lambda peer, request: b"ok")
+    try:
+        all_called = threading.Barrier(5)
+
+        def call_then_wait():
+            p.sender.call("receiver", b"x")
+            all_called.wait(10)  # none ends before all opened theirs
+
+        workers = [threading.Thread(target=call_then_wait) for _ in range(5)]
+        for t in workers:
+            t.start()
+        for t in workers:
+            t.join(10)
+        assert len(p.sender._lane_client._all) == 5
+        p.sender.call("receiver", b"x")  # this thread opens its own: the ended threads' go
+        assert len(p.sender._lane_client._all) == 1
+    finally:
+        _close(p)
+
+
+def _closed_port() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"
