@@ -11,9 +11,12 @@ What is measured, per block size (ops/s and GB/s, wall time around the calls onl
   block into its slot, xxh3-64 of it, commit (sent without waiting, as the connector's saver
   does; one lookup after the loop waits for them all). get = read (pinned), copy out of the
   slot, verify its checksum, release (no answer awaited). batch get = 16 keys per call.
-- ours, remote: this process runs a second pool and fetches the first pool's blocks through
-  the messenger (tcp on loopback): get = fetch_remote of one key, batch get = of 16 keys; each
-  block is verified against its checksum before it is committed here.
+- ours, remote: this process runs a second pool and fetches the first pool's blocks: get =
+  fetch_remote of one key, batch get = of 16 keys; each block is verified against its checksum
+  before it is committed here. Three ways: through the messenger over tcp on loopback (what
+  reaches another machine), through the messenger with the engine's choice for a same-host
+  peer (shm), and out of the peer's arena mapped here (store/peer_arena.py, what a pool does
+  with a same-host peer by default).
 - Mooncake Store (mooncake-transfer-engine-non-cuda, tcp, its master and HTTP metadata server
   started here on loopback): local = one client putting into and getting from its own segment
   (put_from, get_into, batch_get_into of 16, registered buffers); remote = a holder process
@@ -52,9 +55,12 @@ LAYOUT = "store-bench"
 SERVE_MARK = "STORE-BENCH "
 REPO = Path(__file__).resolve().parents[1]
 GOALS = {64 * KIB: 2.0, 4 * MIB: 1.5}  # remote get, ours / Mooncake Store
-# Our remote gets run twice: over tcp (what reaches another machine, and what Mooncake Store
-# uses here), and with the engine's own choice for this peer (shm: same host).
-REMOTE_TRANSPORTS = (("", ("tcp",)), ("_auto", defaults.KV_TRANSPORTS))  # as a node runs them
+# Our remote gets run three times: over tcp (what reaches another machine, and what Mooncake
+# Store uses here), with the messenger's own choice for this peer (shm: same host), and out of
+# the peer's arena (a pool's default for a same-host peer). (figure suffix, transports, mapped)
+REMOTE_MODES = (("", ("tcp",), False), ("_auto", defaults.KV_TRANSPORTS, False),
+                ("_arena", defaults.KV_TRANSPORTS, True))
+REMOTE_SUFFIXES = tuple(suffix for suffix, _, _ in REMOTE_MODES)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -158,15 +164,17 @@ def ours(block_bytes: int, count: int) -> dict:
             raise SystemExit(f"local get returned wrong bytes {dst[:, :4]} {src[:, :4]}")
 
         peer = msgspec.json.decode(hello["peer"], type=PeerInfo)
-        for label, transports in REMOTE_TRANSPORTS:
+        for label, transports, mapped in REMOTE_MODES:
             engine_config = EngineConfig(transports=transports, checksums=False)
-            getter = PoolService(PoolConfig(dram_bytes=(count + BATCH) * block_bytes, ssd_dir=None),
-                                 engine_config=engine_config).start()
+            getter = PoolService(PoolConfig(dram_bytes=(count + BATCH) * block_bytes, ssd_dir=None,
+                                            map_same_host_peers=mapped), engine_config=engine_config).start()
             getter.configure(block_bytes, LAYOUT)
             chosen = getter.remote.engine.add_peer(peer)
             for first in range(0, count, BATCH):  # warm-up: connections open, arena pages are touched
                 getter.fetch_remote(peer, keys[first:first + BATCH])
             getter.remove(keys)
+            if mapped:  # say so if the peer's arena could not be mapped after all
+                chosen = "its arena" if getter.remote._peer_arenas._mapped else f"{chosen} (arena refused)"
 
             def get_remote(batch: int) -> dict:
                 n = count - count % batch
@@ -363,7 +371,17 @@ ROWS = [("put", "put (local)"), ("get", "get (local)"), ("batch_get", f"batch ge
         ("remote_put", "put (remote)"), ("remote_get", "get (remote, tcp)"),
         ("remote_batch_get", f"batch get x{BATCH} (remote, tcp)"),
         ("remote_get_auto", "get (remote, same host: engine's choice)"),
-        ("remote_batch_get_auto", f"batch get x{BATCH} (remote, same host: engine's choice)")]
+        ("remote_batch_get_auto", f"batch get x{BATCH} (remote, same host: engine's choice)"),
+        ("remote_get_arena", "get (remote, same host: engine's choice)"),
+        ("remote_batch_get_arena", f"batch get x{BATCH} (remote, same host: engine's choice)")]
+
+
+def _theirs_key(key: str) -> str:
+    """Our remote rows all compare with Mooncake Store's one remote row."""
+    for suffix in REMOTE_SUFFIXES:
+        if suffix and key.endswith(suffix):
+            return key.removesuffix(suffix)
+    return key
 
 
 def human(n: int) -> str:
@@ -379,7 +397,7 @@ def report(results: dict) -> str:
         lines.append("|---|---:|---:|---:|---:|---:|")
         for key, label in ROWS:
             mine = ours_f.get(key)
-            theirs = (peer_f or {}).get(key.removesuffix("_auto"))
+            theirs = (peer_f or {}).get(_theirs_key(key))
             if mine and "transport" in mine:
                 label = label.replace("engine's choice", mine["transport"])
             cells = [f"{mine['ops_per_s']:,.0f}", f"{mine['gb_per_s']:.2f}"] if mine else ["n/a", "n/a"]
@@ -388,9 +406,11 @@ def report(results: dict) -> str:
             lines.append(f"| {label} | " + " | ".join(cells) + f" | {ratio} |")
         goal = GOALS.get(int(block_bytes))
         if peer_f and goal:
-            for key in ("remote_get", "remote_batch_get", "remote_get_auto", "remote_batch_get_auto"):
-                r = ours_f[key]["ops_per_s"] / peer_f[key.removesuffix("_auto")]["ops_per_s"]
-                lines.append(f"\nGoal {key.removesuffix('_auto').replace('_', ' ')} >= {goal}x Mooncake Store, ours "
+            for key in (f"remote_{what}{suffix}" for suffix in REMOTE_SUFFIXES for what in ("get", "batch_get")):
+                if key not in ours_f:
+                    continue
+                r = ours_f[key]["ops_per_s"] / peer_f[_theirs_key(key)]["ops_per_s"]
+                lines.append(f"\nGoal {_theirs_key(key).replace('_', ' ')} >= {goal}x Mooncake Store, ours "
                              f"over {ours_f[key]['transport']}: {r:.2f}x ({'met' if r >= goal else 'NOT met'})")
     for block_bytes, ssd in results.get("ssd", {}).items():
         if "vllm_read" in ssd:

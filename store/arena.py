@@ -40,15 +40,16 @@ class ArenaInfo:
 
 
 class Arena:
-    """A mapping of the arena file. `array` is the whole arena as uint8 (writable);
-    `slot(i)` is slot i's view. The creator unlinks the file on close()."""
+    """A mapping of the arena file. `array` is the whole arena as uint8 (writable unless mapped
+    read-only); `slot(i)` is slot i's view. The creator unlinks the file on close()."""
 
-    def __init__(self, info: ArenaInfo, owner: bool):
+    def __init__(self, info: ArenaInfo, owner: bool, readonly: bool = False):
         self.info = info
         self._owner = owner
-        fd = os.open(info.path, os.O_RDWR)
+        fd = os.open(info.path, os.O_RDONLY if readonly else os.O_RDWR)
         try:
-            self._mmap = mmap.mmap(fd, info.slots * info.block_bytes)
+            self._mmap = mmap.mmap(fd, info.slots * info.block_bytes,
+                                   access=mmap.ACCESS_READ if readonly else mmap.ACCESS_WRITE)
         finally:
             os.close(fd)
         self.array = np.frombuffer(self._mmap, dtype=np.uint8)
@@ -71,12 +72,13 @@ class Arena:
         return cls(ArenaInfo(path, block_bytes, slots), owner=True)
 
     @classmethod
-    def attach(cls, info: ArenaInfo) -> "Arena":
-        """Map an arena another process created (vLLM's worker maps the shell's)."""
+    def attach(cls, info: ArenaInfo, readonly: bool = False) -> "Arena":
+        """Map an arena another process created (vLLM's worker maps the shell's; a pool maps a
+        same-host peer's read-only, store/peer_arena.py)."""
         size = os.stat(info.path).st_size
         if size != info.slots * info.block_bytes:
             raise ValueError(f"arena {info.path} is {size} B, expected {info.slots} x {info.block_bytes} B")
-        return cls(info, owner=False)
+        return cls(info, owner=False, readonly=readonly)
 
     @property
     def block_bytes(self) -> int:

@@ -17,6 +17,9 @@ class PoolConfig:
     policy:     eviction policy of both tiers, a name from store/policy.py ("lru", "fifo").
     block_bytes: bytes of one block, all layers. 0 = not known yet: the pool service takes it
                 from the first connector that attaches (the engine's KV layout decides it).
+    pin_lease_s: how long a peer's pins on blocks here last if it never releases them.
+    map_same_host_peers: copy a same-host peer's blocks straight out of its arena
+                (store/peer_arena.py); False: over the messenger, as from another host.
     """
 
     dram_bytes: int = defaults.POOL_DRAM_BYTES
@@ -25,6 +28,7 @@ class PoolConfig:
     policy: str = defaults.POOL_POLICY
     block_bytes: int = 0
     pin_lease_s: float = defaults.POOL_PIN_LEASE_S
+    map_same_host_peers: bool = True
 
     def __post_init__(self) -> None:
         from store.policy import POLICIES  # the names live next to the policies

@@ -2,6 +2,9 @@
 
 The arena is a registered region of this node's TransferEngine. A fetch of k blocks from a
 peer is one `call`:
+- a peer on this host whose arena file this side can map (store/peer_arena.py): the call pins
+  the blocks there and answers their slots; this side copies them out of the peer's arena,
+  mapped read-only, and the pins go back with the next call;
 - small (k x block_bytes up to INLINE_BYTES): the reply carries the bytes after a small
   header, sent from the peer's arena and received straight into slots reserved here (a call
   lane's attachment, messenger/call_lane.py): one round trip, no copy in Python;
@@ -35,6 +38,7 @@ import msgspec
 from messenger.api import CallReply, PeerInfo, Slice, TransferError
 from mooncake import defaults
 from store import channel
+from store.peer_arena import NotMappable, PeerArenas, PendingReleases, describe
 from store.pool import checksum
 
 if TYPE_CHECKING:
@@ -73,13 +77,17 @@ class RemotePool:
         self._introduced: set[str] = set()  # peers that have our PeerInfo (they push to us)
         self._known: set[str] = set()  # peers whose PeerInfo we have (we push to them)
         self._unpinner = ThreadPoolExecutor(1, thread_name_prefix="pool-unpin")
+        self._peer_arenas = PeerArenas()
+        self._releases = PendingReleases(lambda peer, leases: self._unpinner.submit(self._unpin, peer, leases))
 
     def info(self) -> "PeerInfo":
         return self._info
 
     def close(self) -> None:
+        self._releases.close()
         self._unpinner.shutdown(wait=False)
         self.engine.close()
+        self._peer_arenas.close()
 
     # --- fetching from a peer --------------------------------------------------------------
     def fetch(self, peer: "PeerInfo", keys: Sequence[int]) -> int:
@@ -93,15 +101,20 @@ class RemotePool:
             return held
         if peer.name not in self._peers:
             self._peers[peer.name] = self.engine.add_peer(peer)
+        same_host = service.config.map_same_host_peers and peer.host_id == self._info.host_id
         while held < len(keys):
             want = list(keys[held:])
-            if len(want) * service.config.block_bytes <= INLINE_BYTES:
-                room = self._fetch_inline(peer.name, want)
-            else:
-                try:
-                    room = self._fetch_by_push(peer.name, want)
-                except NoWayBack:
-                    room = self._fetch_by_read(peer.name, want)
+            room = None
+            if same_host and not self._peer_arenas.refused(peer.name):
+                room = self._fetch_mapped(peer.name, want)
+            if room is None:
+                if len(want) * service.config.block_bytes <= INLINE_BYTES:
+                    room = self._fetch_inline(peer.name, want)
+                else:
+                    try:
+                        room = self._fetch_by_push(peer.name, want)
+                    except NoWayBack:
+                        room = self._fetch_by_read(peer.name, want)
             now = len(service.lookup(keys))
             progress, held = now > held, now
             if not (progress and room):
@@ -185,7 +198,35 @@ class RemotePool:
             self._commit_verified(slots, digests)
             return len(slots) == len(got)
         finally:
-            self._unpinner.submit(self._unpin, peer, lease)
+            self._unpinner.submit(self._unpin, peer, [lease])
+
+    def _fetch_mapped(self, peer: str, keys: list[int]) -> bool | None:
+        """A same-host peer's blocks copied out of its arena (store/peer_arena.py) after one
+        call that pins them; None when its arena cannot be mapped from here (nothing fetched)."""
+        request = {"op": "pin", "keys": channel.pack_keys(keys), "arena": True}
+        done = self._releases.take(peer)
+        if done:
+            request["unpin"] = done
+        reply = _checked(peer, self.engine.call(peer, channel.encode(request)))
+        try:
+            theirs = self._peer_arenas.get(peer, reply["arena"])
+        except NotMappable:
+            self._releases.add(peer, reply["lease"])
+            return None
+        slots: list[tuple[int, int]] = []
+        try:
+            got = channel.unpack_keys(reply["keys"])
+            remote = dict(zip(got, reply["slots"]))
+            slots = self._service.reserve(got)
+            for key, slot in slots:
+                self._service.arena.slot(slot)[:] = theirs.slot(remote[key])
+        except BaseException:
+            self._service.abort([k for k, _ in slots])
+            raise
+        finally:
+            self._releases.add(peer, reply["lease"])
+        self._commit_verified(slots, dict(zip(got, reply["checksums"])))
+        return len(slots) == len(got)
 
     def _quarantine(self, keys: list[int]) -> None:
         """Slots a failed transfer may still write into (a peer that answers late) stay reserved,
@@ -195,11 +236,11 @@ class RemotePool:
             timer.daemon = True
             timer.start()
 
-    def _unpin(self, peer: str, lease: int) -> None:
+    def _unpin(self, peer: str, leases: list[int]) -> None:
         try:
-            self.engine.call(peer, channel.encode({"op": "unpin", "lease": lease}))
+            self.engine.call(peer, channel.encode({"op": "unpin", "leases": leases}))
         except Exception as exc:  # noqa: BLE001 - the peer's lease runs out anyway
-            log.debug("unpinning lease %d on %s failed: %s", lease, peer, exc)
+            log.debug("unpinning leases %s on %s failed: %s", leases, peer, exc)
 
     def _commit_verified(self, slots: list[tuple[int, int]], digests: dict[int, int]) -> None:
         good, bad = [], []
@@ -259,20 +300,27 @@ class RemotePool:
             service.counters["remote_served_blocks"] += len(got)
             return {"keys": channel.pack_keys([k for k, _, _ in got]), "checksums": [c for _, _, c in got]}
         if op == "pin":
+            self._release_leases(message.get("unpin", ()))  # a same-host reader's previous pins
             got = service.read(channel.unpack_keys(message["keys"]))
             with self._lock:
                 lease = self._next_lease
                 self._next_lease += 1
                 self._leases[lease] = ([k for k, _, _ in got], service._clock() + service.config.pin_lease_s)
             service.counters["remote_served_blocks"] += len(got)
-            return {"keys": channel.pack_keys([k for k, _, _ in got]), "slots": [s for _, s, _ in got],
-                    "checksums": [c for _, _, c in got], "lease": lease}
+            reply = {"keys": channel.pack_keys([k for k, _, _ in got]), "slots": [s for _, s, _ in got],
+                     "checksums": [c for _, _, c in got], "lease": lease}
+            if message.get("arena"):
+                reply["arena"] = describe(service.arena)
+            return reply
         if op == "unpin":
-            with self._lock:
-                keys, _ = self._leases.pop(int(message["lease"]), ([], 0.0))
-            service.release(keys)
+            self._release_leases(message["leases"])
             return {}
         raise ValueError(f"unknown remote pool op {op!r}")
+
+    def _release_leases(self, leases) -> None:
+        with self._lock:
+            keys = [k for lease in leases for k in self._leases.pop(int(lease), ([], 0.0))[0]]
+        self._service.release(keys)
 
     def _expire_leases(self) -> None:
         now = self._service._clock()

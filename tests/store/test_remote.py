@@ -36,9 +36,11 @@ def stop_peer(proc) -> None:
         proc.wait()
 
 
-def local_pool(block_bytes: int, blocks: int, **kwargs) -> PoolService:
+def local_pool(block_bytes: int, blocks: int, mapped: bool = False, **kwargs) -> PoolService:
+    """A pool fetching over the messenger, or (`mapped`) out of a same-host peer's arena."""
     kwargs.setdefault("engine_config", ENGINE)
-    service = PoolService(PoolConfig(dram_bytes=blocks * block_bytes, ssd_dir=None), **kwargs).start()
+    config = PoolConfig(dram_bytes=blocks * block_bytes, ssd_dir=None, map_same_host_peers=mapped)
+    service = PoolService(config, **kwargs).start()
     service.configure(block_bytes, LAYOUT)
     return service
 
@@ -53,11 +55,12 @@ def verify(service: PoolService, keys) -> bool:
         service.release([k for k, _, _ in got])
 
 
-@pytest.mark.parametrize("block_bytes", [32 << 10, 1 << 20], ids=["inline-32KiB", "push-1MiB"])
-def test_fetch_from_another_process(block_bytes):
+@pytest.mark.parametrize("block_bytes,mapped", [(32 << 10, False), (1 << 20, False), (32 << 10, True)],
+                         ids=["inline-32KiB", "push-1MiB", "same-host-arena"])
+def test_fetch_from_another_process(block_bytes, mapped):
     keys = [2**127 + i for i in range(6)]  # 128-bit keys, the hashing function's size
     proc, peer = start_peer(block_bytes, 8, keys[:5])  # the peer holds the first 5
-    local = local_pool(block_bytes, 16)
+    local = local_pool(block_bytes, 16, mapped=mapped)
     try:
         assert (len(keys[:5]) * block_bytes <= INLINE_BYTES) == (block_bytes == 32 << 10)
         assert local.fetch_remote(peer, keys) == 5  # the leading run the peer holds
@@ -66,6 +69,7 @@ def test_fetch_from_another_process(block_bytes):
         assert local.stats()["counters"]["remote_fetched_blocks"] == 5
         assert local.fetch_remote(peer, keys[:3]) == 3  # held here now: nothing moves
         assert local.stats()["counters"]["remote_fetched_blocks"] == 5
+        assert bool(local.remote._peer_arenas._mapped) == mapped
     finally:
         local.close()
         stop_peer(proc)
@@ -148,7 +152,7 @@ def test_pins_of_a_peer_that_never_releases_expire():
         reply = channel.decode(server.remote._on_call("peer", channel.encode({"op": "pin", "keys": channel.pack_keys([7])})))
         assert reply["ok"] and server.pool.pins(7) == 1
         clock[0] = 6.0
-        server.remote._on_call("peer", channel.encode({"op": "unpin", "lease": 999}))  # any call sweeps
+        server.remote._on_call("peer", channel.encode({"op": "unpin", "leases": [999]}))  # any call sweeps
         assert server.pool.pins(7) == 0
         bad = channel.decode(server.remote._on_call("peer", b"\x01garbage"))
         assert not bad["ok"]
@@ -190,12 +194,14 @@ def _holder(block_bytes: int, keys: list[int]) -> PoolService:
     return holder
 
 
-def test_a_block_corrupted_at_the_holder_is_dropped_not_served():
-    """The bytes ride the call's reply straight into reserved slots; the checksum the holder's
-    index holds is checked before anything is committed here."""
+@pytest.mark.parametrize("mapped", [False, True], ids=["call-reply", "same-host-arena"])
+def test_a_block_corrupted_at_the_holder_is_dropped_not_served(mapped):
+    """The bytes ride the call's reply straight into reserved slots, or are copied out of the
+    holder's arena; the checksum the holder's index holds is checked before anything is
+    committed here, and the holder's pins all go back."""
     block_bytes, keys = 32 << 10, [21, 22, 23]
     holder = _holder(block_bytes, keys)
-    local = local_pool(block_bytes, 8)
+    local = local_pool(block_bytes, 8, mapped=mapped)
     try:
         got = holder.read([22])
         holder.arena.slot(got[0][1])[100] ^= 0xFF  # flipped after its checksum was taken
@@ -203,19 +209,57 @@ def test_a_block_corrupted_at_the_holder_is_dropped_not_served():
         assert local.fetch_remote(holder.peer_info(), keys) == 1  # 21 only: 22 failed, so the run ends
         assert local.lookup(keys) == ["dram"]
         assert local.stats()["counters"]["remote_corrupt"] >= 1 and verify(local, keys[:1])
-        assert holder.pool.pins(21) == holder.pool.pins(22) == holder.pool.pins(23) == 0  # released once sent
+        deadline = time.monotonic() + 5
+        while any(holder.pool.pins(k) for k in keys) and time.monotonic() < deadline:
+            time.sleep(0.01)  # the arena's reader sends its pins back shortly after
+        assert [holder.pool.pins(k) for k in keys] == [0, 0, 0]
     finally:
         local.close()
         holder.close()
 
 
-def test_an_inline_fetch_larger_than_the_free_room_here_keeps_what_fits():
+@pytest.mark.parametrize("mapped", [False, True], ids=["call-reply", "same-host-arena"])
+def test_a_fetch_larger_than_the_free_room_here_keeps_what_fits(mapped):
     block_bytes, keys = 32 << 10, [31, 32, 33, 34]
     holder = _holder(block_bytes, keys)
-    local = local_pool(block_bytes, 2)  # room for two
+    local = local_pool(block_bytes, 2, mapped=mapped)  # room for two
     try:  # and no second call evicting them for the other two
         assert local.fetch_remote(holder.peer_info(), keys) == 2
         assert local.lookup(keys) == ["dram", "dram"] and verify(local, keys[:2])
     finally:
         local.close()
         holder.close()
+
+
+def test_an_arena_that_is_not_the_peers_here_falls_back_to_the_socket(monkeypatch):
+    """Another /dev/shm (a container of its own): the same path names another file here."""
+    from store import remote
+
+    real = remote.describe
+    monkeypatch.setattr(remote, "describe", lambda arena: {**real(arena), "ino": real(arena)["ino"] + 1})
+    block_bytes, keys = 32 << 10, [41, 42]
+    holder = _holder(block_bytes, keys)
+    local = local_pool(block_bytes, 8, mapped=True)
+    try:
+        assert local.fetch_remote(holder.peer_info(), keys) == 2 and verify(local, keys)
+        assert local.remote._peer_arenas.refused(holder.peer_info().name)
+        assert not local.remote._peer_arenas._mapped
+    finally:
+        local.close()
+        holder.close()
+
+
+def test_released_pins_ride_the_next_call_or_go_on_their_own():
+    from store.peer_arena import RELEASE_AFTER_S, PendingReleases
+
+    sent = []
+    releases = PendingReleases(lambda peer, leases: sent.append((peer, leases)))
+    try:
+        releases.add("a", 1)
+        releases.add("a", 2)
+        assert releases.take("a") == [1, 2]  # a call carried them
+        releases.add("b", 3)
+        time.sleep(RELEASE_AFTER_S * 10)
+        assert sent == [("b", [3])] and releases.take("b") == []
+    finally:
+        releases.close()

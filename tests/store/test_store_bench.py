@@ -24,9 +24,10 @@ def test_quick_mode_of_our_side(tmp_path):
     import json
 
     figures = json.loads((tmp_path / "r.json").read_text())["sizes"][str(64 << 10)]["ours"]
-    for key in ("put", "get", "batch_get", "remote_get", "remote_batch_get"):
+    for key in ("put", "get", "batch_get", "remote_get", "remote_batch_get", "remote_get_arena"):
         assert figures[key]["ops_per_s"] > 0 and figures[key]["ops"] == 64
-    assert figures["remote_checked"] > 0
+    assert figures["remote_checked"] > 0 and figures["remote_checked_arena"] > 0
+    assert figures["remote_get_arena"]["transport"] == "its arena"
 
 
 def test_report_states_each_goal():
@@ -34,11 +35,14 @@ def test_report_states_each_goal():
     ours = {k: dict(row) for k in ("put", "get", "batch_get")}
     ours.update({k: {**row, "ops_per_s": 300.0, "transport": t} for k, t in
                  (("remote_get", "tcp"), ("remote_batch_get", "tcp"), ("remote_get_auto", "shm"),
-                  ("remote_batch_get_auto", "shm"))})
+                  ("remote_batch_get_auto", "shm"), ("remote_get_arena", "its arena"),
+                  ("remote_batch_get_arena", "its arena"))})
     theirs = {k: dict(row) for k in ("put", "get", "batch_get", "remote_put", "remote_get", "remote_batch_get")}
     text = store_bench.report({"sizes": {str(64 << 10): {"ours": ours, "mooncake_store": theirs}}})
     assert "Goal remote get >= 2.0x Mooncake Store, ours over tcp: 3.00x (met)" in text
     assert "| get (remote, same host: shm) | 300 |" in text
+    assert "| get (remote, same host: its arena) | 300 |" in text
+    assert "Goal remote batch get >= 2.0x Mooncake Store, ours over its arena: 3.00x (met)" in text
     assert "| put (remote) | n/a | n/a | 100 |" in text
 
 
