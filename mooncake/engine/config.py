@@ -59,6 +59,8 @@ class WorkerConfig:
     pool_ssd_bytes: int = defaults.POOL_SSD_BYTES
     pool_policy: str = defaults.POOL_POLICY
     """Eviction policy of both tiers."""
+    pool_map_peers: bool = True
+    """Copy a same-host pool's blocks out of its arena (store/peer_arena.py); False: over the messenger."""
 
     def __post_init__(self) -> None:
         if self.role not in tuple(WorkerRole):

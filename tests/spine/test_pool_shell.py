@@ -32,6 +32,7 @@ def test_the_pool_is_on_by_default_and_off_with_no_pool(monkeypatch):
     config = worker_config(parse("--pool-dram-gib", "0.5", "--pool-ssd-dir", "/x", "--pool-ssd-gib", "3"),
                            "prefill", "/model")
     assert (config.pool_dram_bytes, config.pool_ssd_dir, config.pool_ssd_bytes) == (1 << 29, "/x", 3 << 30)
+    assert config.pool_map_peers and not worker_config(parse("--no-pool-map-peers"), "prefill", "/m").pool_map_peers
 
 
 def test_negative_pool_sizes_are_refused_before_anything_starts():
@@ -46,6 +47,8 @@ def test_serve_gives_each_worker_its_own_ssd_directory():
     assert b[b.index("--pool-ssd-dir") + 1] == "/data/pool/decode-1"
     assert worker_pool_args(pool_arguments(parse("--no-pool")), "prefill-0") == ["--no-pool"]
     assert parse(*worker_pool_args(args, "p")).pool_dram_gib == 1.0  # the worker parses what serve passes
+    off = pool_arguments(parse("--no-pool-map-peers"))
+    assert not parse(*worker_pool_args(off, "p")).pool_map_peers and parse(*worker_pool_args(args, "p")).pool_map_peers
 
 
 def test_the_event_log_holds_a_block_while_any_tier_does():
