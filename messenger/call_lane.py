@@ -46,7 +46,8 @@ _REPLY = struct.Struct("!4sBQQ")
 REQUEST_MAGIC, REPLY_MAGIC = b"MCCL", b"MCCR"
 OK, FAILED = 0, 1
 MAX_INFO_BYTES = 16 << 20
-MAX_LANES = 512  # lanes one engine serves at once; more are refused (a runaway or hostile client)
+MAX_LANES = 4096  # lanes one engine serves at once; more are refused (a runaway or hostile client)
+LANE_IDLE_S = 300.0  # a lane with no call for this long is closed (its caller redials when it needs one)
 # A lane that cannot be opened (a firewall that drops, a peer whose lanes are off) costs at most
 # this once, then calls to that address go through the transport for a while.
 CONNECT_TIMEOUT_S, UNREACHABLE_FOR_S = 3.0, 60.0
@@ -88,7 +89,7 @@ class LaneServer:
     def close(self) -> None:
         self._closed.set()
         if self._listener is not None:
-            self._listener.close()
+            _shut(self._listener)  # shutdown wakes the accept loop; a bare close would not
         with self._lock:
             lanes, self._lanes = list(self._lanes), set()
         for lane in lanes:
@@ -98,8 +99,12 @@ class LaneServer:
         while not self._closed.is_set():
             try:
                 conn, _ = self._listener.accept()
-            except OSError:
-                return
+            except OSError as exc:
+                if self._closed.is_set():
+                    return
+                log.warning("messenger %s: accepting a call lane failed: %s", self._name, exc)
+                time.sleep(0.1)  # out of descriptors, say: the listener stays, so keep serving it
+                continue
             with self._lock:
                 full = len(self._lanes) >= MAX_LANES
                 if not full:
@@ -108,23 +113,31 @@ class LaneServer:
                 log.warning("messenger %s: refused a call lane, %d already open", self._name, MAX_LANES)
                 conn.close()
                 continue
-            threading.Thread(target=self._serve, args=(conn,), name=f"messenger-lane-{self._name}",
-                             daemon=True).start()
+            try:
+                threading.Thread(target=self._serve, args=(conn,), name=f"messenger-lane-{self._name}",
+                                 daemon=True).start()
+            except RuntimeError as exc:  # no thread to be had
+                log.warning("messenger %s: no thread for a call lane: %s", self._name, exc)
+                with self._lock:
+                    self._lanes.discard(conn)
+                conn.close()
 
     def _serve(self, conn: socket.socket) -> None:
         caller = b""
         head = bytearray(_REQUEST.size)
         try:
             _tune(conn)
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)  # a caller's host that vanished
             if self._auth_key is not None:
                 conn.settimeout(self._handshake_timeout_s)
                 server_handshake(conn, self._auth_key)
-                conn.settimeout(None)
             while not self._closed.is_set():
+                conn.settimeout(LANE_IDLE_S)
                 try:
                     recv_into_views(conn, [memoryview(head)])
-                except WireError:
-                    return  # the caller closed its lane between calls: the normal end
+                except (WireError, TimeoutError):
+                    return  # the caller closed its lane between calls, or left it idle: the normal end
+                conn.settimeout(None)
                 magic, info_len, request_len = _REQUEST.unpack(head)
                 if magic != REQUEST_MAGIC or info_len > MAX_INFO_BYTES or request_len > MAX_PAYLOAD_BYTES:
                     log.warning("messenger %s: dropped a call lane that sent a foreign frame", self._name)
@@ -132,17 +145,11 @@ class LaneServer:
                 if info_len:
                     caller = bytes(recv_exactly(conn, info_len))
                 request = bytes(recv_exactly(conn, request_len)) if request_len else b""
+                frames, done = self._reply_frames(caller, request)
                 try:
-                    status, reply = self._answer(caller, request)
-                except Exception as exc:  # noqa: BLE001 - an undecodable caller: answer, never hang
-                    status, reply = FAILED, CallReply(f"{type(exc).__name__}: {exc}".encode())
-                try:
-                    attached = [memoryview(v).cast("B") for v in reply.attachment]
-                    reply_head = _REPLY.pack(REPLY_MAGIC, status, len(reply.body), sum(v.nbytes for v in attached))
-                    send_views(conn, [reply_head, reply.body, *attached])
+                    send_views(conn, frames)
                 finally:
-                    if reply.done is not None:
-                        reply.done()
+                    self._sent(done)  # the attachment's buffers were read by the kernel: release them
         except OSError as exc:  # a reset, a failed handshake, or this side closing
             if not self._closed.is_set():
                 log.debug("messenger %s: call lane ended: %s", self._name, exc)
@@ -150,6 +157,30 @@ class LaneServer:
             with self._lock:
                 self._lanes.discard(conn)
             conn.close()
+
+
+    def _reply_frames(self, caller: bytes, request: bytes) -> tuple[list, Callable[[], None] | None]:
+        """The handler's answer as the buffers to send, and what to run once they are sent.
+        Whatever goes wrong becomes a FAILED reply, so the lane stays in step and its caller
+        never sends the request again."""
+        done = None
+        try:
+            status, reply = self._answer(caller, request)
+            done = reply.done
+            attached = [memoryview(v).cast("B") for v in reply.attachment]
+            body = memoryview(reply.body).cast("B")
+            head = _REPLY.pack(REPLY_MAGIC, status, body.nbytes, sum(v.nbytes for v in attached))
+            return [head, body, *attached], done
+        except Exception as exc:  # noqa: BLE001 - an undecodable caller, a malformed reply
+            error = f"{type(exc).__name__}: {exc}".encode()
+            return [_REPLY.pack(REPLY_MAGIC, FAILED, len(error), 0), error], done
+
+    def _sent(self, done: Callable[[], None] | None) -> None:
+        if done is not None:
+            try:
+                done()
+            except Exception:  # noqa: BLE001 - the handler's cleanup; the lane goes on
+                log.exception("messenger %s: a call reply's done() failed", self._name)
 
 
 class _Lane:
@@ -183,7 +214,12 @@ class LaneClient:
             raise LaneUnreachable(f"call to {peer}: its lanes at {address} were unreachable moments ago")
         for attempt in (0, 1):
             if lane is None:
-                lane = lanes[address] = self._open(peer, address, timeout_s)
+                try:
+                    lane = lanes[address] = self._open(peer, address, timeout_s)
+                except LaneUnreachable as exc:
+                    if attempt:  # the request went out once: no other way may send it again
+                        raise TransferError(f"call to {peer}: its lane broke and cannot be reopened: {exc}") from None
+                    raise
             reused = lane.used
             try:
                 status, body = self._exchange(peer, lane, caller, request, timeout_s, into)

@@ -21,7 +21,7 @@ from concurrent.futures import Executor
 
 import numpy as np
 
-IOV_MAX = 1024  # Linux's UIO_MAXIOV: the most iovecs one call takes, per side
+from messenger.wire import IOV_MAX  # noqa: F401 - Linux's UIO_MAXIOV, per side of a call here too
 
 # (local address, remote address, length): one contiguous copy; which way it goes is the call's.
 Copy = tuple[int, int, int]

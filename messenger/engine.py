@@ -509,10 +509,15 @@ class TransferEngine:
                 kind = _REPLY_ATTACHED
                 body = _BODY_LEN.pack(len(reply.body)) + bytes(reply.body) + b"".join(reply.attachment)
             else:
-                body = reply.body
+                body = bytes(reply.body)
+        except Exception as exc:  # noqa: BLE001 - a malformed reply: the caller gets the error
+            kind, body = _REPLY_ERROR, f"{type(exc).__name__}: {exc}".encode()
         finally:
             if reply.done is not None:
-                reply.done()
+                try:
+                    reply.done()
+                except Exception:  # noqa: BLE001 - the handler's cleanup; the reply still goes
+                    log.exception("a call reply's done() failed")
         if self._closed:
             return
         try:

@@ -127,6 +127,9 @@ def decode_engine_prefix(prefix: bytes | bytearray) -> tuple[int, int, int, int,
     return kind, var_len, batch, arg, payload_len
 
 
+IOV_MAX = 1024  # Linux's UIO_MAXIOV: the most buffers one sendmsg/recvmsg or process_vm_* call takes
+
+
 def recv_into_views(sock: socket.socket, views: list[memoryview]) -> int:
     """Fill `views` in order straight from the socket (scatter, no intermediate buffer); returns
     the bytes read. Raises WireError if the peer closes first."""
@@ -141,7 +144,7 @@ def recv_into_views(sock: socket.socket, views: list[memoryview]) -> int:
         return total
     pending, got = [v for v in views if v.nbytes], 0
     while pending:
-        k = sock.recvmsg_into(pending)[0]
+        k = sock.recvmsg_into(pending[:IOV_MAX])[0]
         if k == 0:
             raise WireError(f"peer closed the connection after {got} of {total} bytes")
         got += k
@@ -158,7 +161,7 @@ def send_views(sock: socket.socket, views: list) -> int:
         if len(pending) == 1:
             sock.sendall(pending[0])
             break
-        pending = _advance(pending, sock.sendmsg(pending))
+        pending = _advance(pending, sock.sendmsg(pending[:IOV_MAX]))
     return total
 
 

@@ -91,9 +91,12 @@ class PendingReleases:
         self._lock = threading.Lock()
         self._pending: dict[str, list[int]] = {}
         self._timers: dict[str, threading.Timer] = {}
+        self._closed = False
 
     def add(self, peer: str, lease: int) -> None:
         with self._lock:
+            if self._closed:
+                return  # after close: the peer's lease runs out on its own
             self._pending.setdefault(peer, []).append(lease)
             if peer not in self._timers:
                 timer = self._timers[peer] = threading.Timer(RELEASE_AFTER_S, self._flush, [peer])
@@ -104,15 +107,22 @@ class PendingReleases:
         with self._lock:
             return self._pending.pop(peer, [])
 
-    def close(self) -> None:
+    def close(self) -> dict[str, list[int]]:
+        """Stop; returns what was still pending, per peer, for the owner to send if it can."""
         with self._lock:
+            self._closed = True
             timers, self._timers = list(self._timers.values()), {}
+            pending, self._pending = self._pending, {}
         for timer in timers:
             timer.cancel()
+        return pending
 
     def _flush(self, peer: str) -> None:
         with self._lock:
             self._timers.pop(peer, None)
-            leases = self._pending.pop(peer, [])
+            leases = self._pending.pop(peer, []) if not self._closed else []
         if leases:
-            self._send(peer, leases)
+            try:
+                self._send(peer, leases)
+            except Exception as exc:  # noqa: BLE001 - e.g. the owner closing: the leases expire there
+                log.debug("releasing leases %s on %s failed: %s", leases, peer, exc)

@@ -84,7 +84,8 @@ class RemotePool:
         return self._info
 
     def close(self) -> None:
-        self._releases.close()
+        for peer, leases in self._releases.close().items():  # best effort: they expire there anyway
+            self._unpinner.submit(self._unpin, peer, leases)
         self._unpinner.shutdown(wait=False)
         self.engine.close()
         self._peer_arenas.close()
@@ -207,8 +208,15 @@ class RemotePool:
         done = self._releases.take(peer)
         if done:
             request["unpin"] = done
-        reply = _checked(peer, self.engine.call(peer, channel.encode(request)))
         try:
+            reply = _checked(peer, self.engine.call(peer, channel.encode(request)))
+        except BaseException:
+            for lease in done:  # not delivered: they go with the next call, or on their own
+                self._releases.add(peer, lease)
+            raise
+        try:
+            if "arena" not in reply:
+                raise NotMappable("the peer does not describe its arena")
             theirs = self._peer_arenas.get(peer, reply["arena"])
         except NotMappable:
             self._releases.add(peer, reply["lease"])

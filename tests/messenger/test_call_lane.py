@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -141,3 +142,50 @@ def _closed_port() -> str:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return f"127.0.0.1:{s.getsockname()[1]}"
+
+
+def test_a_malformed_reply_or_failing_cleanup_is_answered_and_the_lane_stays_in_step():
+    def on_call(peer, request):
+        if request == b"none":
+            return None
+        if request == b"cleanup":
+            return CallReply(b"fine", [b"x"], done=lambda: 1 / 0)
+        return b"ok " + request
+
+    p = make_pair(on_call=on_call)
+    try:
+        assert p.sender.call("receiver", b"1") == b"ok 1"
+        with pytest.raises(TransferError, match="failed the call"):
+            p.sender.call("receiver", b"none")
+        assert bytes(p.sender.call("receiver", b"cleanup")) == b"finex"
+        assert p.sender.call("receiver", b"2") == b"ok 2"
+        with p.receiver._lane_server._lock:
+            assert len(p.receiver._lane_server._lanes) == 1  # the same lane all along
+    finally:
+        _close(p)
+
+
+def test_an_attachment_of_more_buffers_than_one_syscall_takes():
+    pieces = [bytes([i % 251]) * 7 for i in range(3000)]  # IOV_MAX is 1024
+    p = make_pair(on_call=lambda peer, request: CallReply(b"h", pieces))
+    try:
+        landing = np.zeros((3000, 7), dtype=np.uint8)
+        assert p.sender.call("receiver", b"q", into=lambda body, n: list(landing)) == b"h"
+        assert landing.tobytes() == b"".join(pieces)
+    finally:
+        _close(p)
+
+
+def test_an_idle_lane_closed_by_the_callee_is_redialled(monkeypatch):
+    from messenger import call_lane
+
+    monkeypatch.setattr(call_lane, "LANE_IDLE_S", 0.2)
+    p = make_pair(on_call=lambda peer, request: b"got " + request)
+    try:
+        assert p.sender.call("receiver", b"1") == b"got 1"
+        time.sleep(0.6)
+        with p.receiver._lane_server._lock:
+            assert not p.receiver._lane_server._lanes  # the callee let it go
+        assert p.sender.call("receiver", b"2") == b"got 2"
+    finally:
+        _close(p)

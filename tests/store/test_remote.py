@@ -263,3 +263,39 @@ def test_released_pins_ride_the_next_call_or_go_on_their_own():
         assert sent == [("b", [3])] and releases.take("b") == []
     finally:
         releases.close()
+
+
+def test_releases_not_delivered_go_with_a_later_call():
+    block_bytes, keys = 32 << 10, [51, 52]
+    holder = _holder(block_bytes, keys)
+    local = local_pool(block_bytes, 8, mapped=True)
+    try:
+        assert local.fetch_remote(holder.peer_info(), keys[:1]) == 1
+        real_call = local.remote.engine.call
+
+        def lost(*args, **kwargs):
+            raise TransferError("the lane broke")
+
+        local.remote.engine.call = lost
+        with pytest.raises(TransferError):
+            local.fetch_remote(holder.peer_info(), keys)  # carried the release, which was lost
+        local.remote.engine.call = real_call
+        deadline = time.monotonic() + 5
+        while holder.pool.pins(51) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert holder.pool.pins(51) == 0  # sent again, on its own
+    finally:
+        local.close()
+        holder.close()
+
+
+def test_pending_releases_after_close_are_handed_back_not_sent():
+    from store.peer_arena import PendingReleases
+
+    sent = []
+    releases = PendingReleases(lambda peer, leases: sent.append((peer, leases)))
+    releases.add("a", 1)
+    assert releases.close() == {"a": [1]}
+    releases.add("a", 2)  # a fetch finishing after close
+    time.sleep(0.2)
+    assert sent == [] and releases.take("a") == []
