@@ -37,6 +37,7 @@ from contextlib import contextmanager
 
 from messenger.api import AttachmentSink, CallReply, TransferError
 from messenger.handshake import client_handshake, server_handshake
+from messenger.stats import TransportStats
 from messenger.wire import MAX_PAYLOAD_BYTES, WireError, recv_exactly, recv_into_views, send_views
 
 log = logging.getLogger(__name__)
@@ -68,10 +69,10 @@ class LaneServer:
     """Listens for lanes and answers their calls, one thread per lane."""
 
     def __init__(self, host: str, port: int, auth_key: bytes | None, handshake_timeout_s: float,
-                 answer: Answer, name: str) -> None:
+                 answer: Answer, name: str, stats: TransportStats) -> None:
         self._host, self._port, self._auth_key = host, port, auth_key
         self._handshake_timeout_s = handshake_timeout_s
-        self._answer, self._name = answer, name
+        self._answer, self._name, self._stats = answer, name, stats
         self._listener: socket.socket | None = None
         self._lanes: set[socket.socket] = set()
         self._lock = threading.Lock()
@@ -147,7 +148,8 @@ class LaneServer:
                 request = bytes(recv_exactly(conn, request_len)) if request_len else b""
                 frames, done = self._reply_frames(caller, request)
                 try:
-                    send_views(conn, frames)
+                    sent = send_views(conn, frames)
+                    self._stats.moved(sent=sent, received=_REQUEST.size + info_len + request_len)
                 finally:
                     self._sent(done)  # the attachment's buffers were read by the kernel: release them
         except OSError as exc:  # a reset, a failed handshake, or this side closing
@@ -193,8 +195,9 @@ class _Lane:
 class LaneClient:
     """The calling side: one lane per (calling thread, peer address), opened on first use."""
 
-    def __init__(self, auth_key: bytes | None) -> None:
+    def __init__(self, auth_key: bytes | None, stats: TransportStats) -> None:
         self._auth_key = auth_key
+        self._stats = stats
         self._local = threading.local()
         self._all: dict[socket.socket, threading.Thread] = {}  # every open lane and the thread it serves
         self._lock = threading.Lock()
@@ -221,6 +224,7 @@ class LaneClient:
                         raise TransferError(f"call to {peer}: its lane broke and cannot be reopened: {exc}") from None
                     raise
             reused = lane.used
+            started = time.perf_counter()
             try:
                 status, body = self._exchange(peer, lane, caller, request, timeout_s, into)
             except _Stale:
@@ -229,9 +233,11 @@ class LaneClient:
                 if not reused or attempt:
                     raise TransferError(f"call to {peer}: the connection closed before a reply") from None
                 continue
-            except BaseException:
+            except BaseException as exc:
                 self._drop(lanes, address, lane)
+                self._stats.failed("timeout" if "no reply within" in str(exc) else "transfer")
                 raise
+            self._stats.request(time.perf_counter() - started)
             if status != OK:  # the handler's error, answered in order: the lane stays good
                 raise TransferError(f"{peer} failed the call: {body.decode(errors='replace')}")
             return body
@@ -284,7 +290,7 @@ class LaneClient:
         if lane.info_version == version:
             info = b""
         try:
-            send_views(sock, [_REQUEST.pack(REQUEST_MAGIC, len(info), len(request)), info, request])
+            sent = send_views(sock, [_REQUEST.pack(REQUEST_MAGIC, len(info), len(request)), info, request])
             head = sock.recv(_REPLY.size)
         except TimeoutError:
             raise TransferError(f"call to {peer} got no reply within {timeout_s} s") from None
@@ -311,6 +317,7 @@ class LaneClient:
                                     f"hold {sum(v.nbytes for v in views)} B")
             with _reading(peer, timeout_s):
                 recv_into_views(sock, views)
+        self._stats.moved(sent=sent, received=_REPLY.size + length + attached)
         return status, body
 
 

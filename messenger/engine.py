@@ -171,7 +171,8 @@ class TransferEngine:
         self._hasher = SliceHasher(config.hash_threads, name)
         self._callers = ThreadPoolExecutor(4, thread_name_prefix=f"messenger-call-{name}")
         self._lane_server: LaneServer | None = None
-        self._lane_client = LaneClient(config.auth_key) if config.call_lanes else None
+        self._lane_stats = TransportStats()  # calls on lanes, both sides: "lane" in stats()
+        self._lane_client = LaneClient(config.auth_key, self._lane_stats) if config.call_lanes else None
         self._call_address = ""
         self._watchdog = Watchdog()
         self._host_id = _host_id()
@@ -236,7 +237,7 @@ class TransferEngine:
             raise NoTransport(f"no messenger transport can run here: {reasons}")
         if self.config.call_lanes:
             self._lane_server = LaneServer(self.config.host, self.config.call_port, self.config.auth_key,
-                                           self.config.timeout_s, self._answer_lane, self.name)
+                                           self.config.timeout_s, self._answer_lane, self.name, self._lane_stats)
             address = self._lane_server.start()
             with self._info_lock:
                 self._call_address = address
@@ -532,13 +533,16 @@ class TransferEngine:
 
     def stats(self) -> dict[str, dict]:
         """Per transport: its bytes moved (sent/received), batches completed (request_seconds:
-        submit to completion) and failed by kind."""
+        submit to completion) and failed by kind; "lane": the calls on call lanes (this engine's
+        calls' round trips, and the bytes of calls both made and answered)."""
         out = {}
         for name, transport in self._transports.items():
             snap = dict(transport.stats())
             engine = self._stats[name].snapshot()
             snap["request_seconds"], snap["failures"] = engine["request_seconds"], engine["failures"]
             out[name] = snap
+        if self.config.call_lanes:
+            out["lane"] = self._lane_stats.snapshot()
         return out
 
 

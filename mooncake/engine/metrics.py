@@ -81,7 +81,7 @@ class MessengerMetrics:
         latency = HistogramMetricFamily(
             "mooncake_messenger_request_seconds", "Round trip of one messenger request, from the first byte sent "
             "to the reply (a pushed KV layer: send, the receiver's checksum and staging, the acknowledgement; "
-            "seconds).", labels=["transport"])
+            "transport=\"lane\": a call on its call lane; seconds).", labels=["transport"])
         for transport, snap in sorted(self._transports.items()):
             moved.add_metric([transport, "sent"], snap["sent_bytes"])
             moved.add_metric([transport, "received"], snap["received_bytes"])

@@ -30,6 +30,9 @@ def test_a_call_rides_its_lane_not_the_transport():
         assert p.sender.call("receiver", b"x") == b"ok"
         assert p.sender.call("receiver", b"y") == b"ok"
         assert p.sender.stats()["tcp"]["sent_bytes"] == before  # nothing went through the tcp transport
+        lane, served = p.sender.stats()["lane"], p.receiver.stats()["lane"]
+        assert lane["request_seconds"]["count"] == 2 and lane["sent_bytes"] > 2 and lane["received_bytes"] > 4
+        assert served["received_bytes"] == lane["sent_bytes"] and served["sent_bytes"] == lane["received_bytes"]
         assert threads[0].startswith("messenger-lane-") and threads[0] == threads[1]  # one lane, kept
         assert p.receiver.info().call_address and p.receiver.info().call_address != p.receiver.info().transports["tcp"]
     finally:
@@ -73,6 +76,7 @@ def test_a_sink_that_refuses_or_misfits_fails_the_call_and_the_next_call_works()
             p.sender.call("receiver", b"a", into=refuse)
         with pytest.raises(TransferError, match="hold 50 B"):
             p.sender.call("receiver", b"b", into=lambda body, n: [bytearray(50)])
+        assert p.sender.stats()["lane"]["failures"] == {"transfer": 2}
         assert bytes(p.sender.call("receiver", b"c")) == b"h" + b"x" * 100
     finally:
         _close(p)
