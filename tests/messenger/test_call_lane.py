@@ -30,8 +30,12 @@ def test_a_call_rides_its_lane_not_the_transport():
         assert p.sender.call("receiver", b"x") == b"ok"
         assert p.sender.call("receiver", b"y") == b"ok"
         assert p.sender.stats()["tcp"]["sent_bytes"] == before  # nothing went through the tcp transport
-        lane, served = p.sender.stats()["lane"], p.receiver.stats()["lane"]
+        lane = p.sender.stats()["lane"]
         assert lane["request_seconds"]["count"] == 2 and lane["sent_bytes"] > 2 and lane["received_bytes"] > 4
+        deadline = time.monotonic() + 5  # the callee counts a reply once its send returned, maybe after the caller read it
+        while time.monotonic() < deadline and p.receiver.stats()["lane"]["sent_bytes"] < lane["received_bytes"]:
+            time.sleep(0.01)
+        served = p.receiver.stats()["lane"]
         assert served["received_bytes"] == lane["sent_bytes"] and served["sent_bytes"] == lane["received_bytes"]
         assert threads[0].startswith("messenger-lane-") and threads[0] == threads[1]  # one lane, kept
         assert p.receiver.info().call_address and p.receiver.info().call_address != p.receiver.info().transports["tcp"]
@@ -187,9 +191,10 @@ def test_an_idle_lane_closed_by_the_callee_is_redialled(monkeypatch):
     p = make_pair(on_call=lambda peer, request: b"got " + request)
     try:
         assert p.sender.call("receiver", b"1") == b"got 1"
-        time.sleep(0.6)
-        with p.receiver._lane_server._lock:
-            assert not p.receiver._lane_server._lanes  # the callee let it go
+        deadline = time.monotonic() + 5
+        while p.receiver._lane_server._lanes and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not p.receiver._lane_server._lanes  # the callee let it go
         assert p.sender.call("receiver", b"2") == b"got 2"
     finally:
         _close(p)
