@@ -77,6 +77,8 @@ def spine_cluster(model_path, log_dir) -> Cluster:
         resp = httpx.post(base + "/v1/completions", json={"model": MODEL_NAME, "prompt": "hi"}, timeout=10)
         cluster.early = {"status": resp.status_code, "body": resp.json(), "headers": dict(resp.headers)}
         wait_http(proc, base + "/health", 300)
+        for url in cluster.worker_urls.values():  # the conductor answers 200 once one worker is up
+            wait_http(proc, url + "/health", 300)
     except BaseException:
         proc.stop()
         raise

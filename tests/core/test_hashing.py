@@ -80,7 +80,9 @@ def test_bad_tokens_and_block_size():
 def test_128k_tokens_hash_fast():
     tok = np.random.default_rng(0).integers(0, 100_000, 131_072)
     best = min(_time(lambda: hash_prompt_blocks(tok, 16)) for _ in range(5))
-    assert best < 0.010  # goal: well under 10 ms (about 3 ms on the dev box)
+    # About 3 ms on the dev box; the figure itself belongs to a benchmark. This bound only
+    # catches a fall back to per-token Python work (hundreds of ms), with room for a loaded CI.
+    assert best < 0.050
 
 
 def _time(fn):
