@@ -38,6 +38,7 @@ from contextlib import contextmanager
 from messenger.api import AttachmentSink, CallReply, TransferError
 from messenger.handshake import client_handshake, server_handshake
 from messenger.stats import TransportStats
+from messenger.tcp_link import shutdown_socket
 from messenger.wire import MAX_PAYLOAD_BYTES, WireError, recv_exactly, recv_into_views, send_views
 
 log = logging.getLogger(__name__)
@@ -90,11 +91,11 @@ class LaneServer:
     def close(self) -> None:
         self._closed.set()
         if self._listener is not None:
-            _shut(self._listener)  # shutdown wakes the accept loop; a bare close would not
+            shutdown_socket(self._listener)  # shutdown wakes the accept loop; a bare close would not
         with self._lock:
             lanes, self._lanes = list(self._lanes), set()
         for lane in lanes:
-            _shut(lane)
+            shutdown_socket(lane)
 
     def _accept_loop(self) -> None:
         while not self._closed.is_set():
@@ -248,7 +249,7 @@ class LaneClient:
         with self._lock:
             lanes, self._all = list(self._all), {}
         for sock in lanes:
-            _shut(sock)
+            shutdown_socket(sock)
 
     def _open(self, peer: str, address: str, timeout_s: float) -> _Lane:
         if self._closed:
@@ -334,11 +335,3 @@ def _reading(peer: str, timeout_s: float):
 
 class _Stale(Exception):
     """The lane broke before any byte of the reply: the request may be sent again on a new one."""
-
-
-def _shut(sock: socket.socket) -> None:
-    try:
-        sock.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass
-    sock.close()
