@@ -22,7 +22,7 @@ transport (messenger/api.py's Transport moves bytes and messages only):
 - Messages: the engine wraps every payload in a one-byte envelope (a batch's notification or
   none; a call request with the caller's PeerInfo so the callee can answer; a call reply).
 - Calls: on the peer's call lane (messenger/call_lane.py) when it publishes one, else as
-  messages through its transport.
+  messages through its transport (messenger/transport_calls.py).
 - Timeouts: a watchdog (messenger/watchdog.py) fails every batch and call that is not complete `timeout_s` after it was
   submitted, whatever the transport does (a dead or silent peer).
 
@@ -34,13 +34,10 @@ calling thread and peer), or on a small pool of its own for calls that came thro
 from __future__ import annotations
 
 import importlib
-import itertools
 import logging
 import socket
-import struct
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import msgspec
@@ -53,6 +50,7 @@ from messenger.call_lane import OK as LANE_OK
 from messenger.call_lane import LaneClient, LaneServer, LaneUnreachable
 from messenger.integrity import CHECKSUM_ERROR_PREFIX, SliceHasher
 from messenger.stats import TransportStats
+from messenger.transport_calls import NOTIFY, REPLY, REPLY_ERROR, SILENT, TransportCalls
 from messenger.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
@@ -64,13 +62,6 @@ _TRANSPORT_CLASSES = {
     "rdma": ("messenger.rdma", "RdmaTransport"),
     "nixl": ("messenger.nixl_transport", "NixlTransport"),
 }
-
-# Envelope kinds (first byte of every payload the engine hands a transport).
-_NOTIFY, _SILENT, _CALL, _REPLY, _REPLY_ERROR, _REPLY_ATTACHED = 1, 2, 3, 4, 5, 6
-_CALL_HEAD = struct.Struct("!BQI")  # kind, call id, length of the caller's PeerInfo JSON
-_REPLY_HEAD = struct.Struct("!BQ")
-_BODY_LEN = struct.Struct("!Q")  # a _REPLY_ATTACHED: the body's length, then body and attachment
-_CALLERS_KEPT = 64  # distinct caller descriptions remembered (a caller's changes when it registers memory)
 
 
 @dataclass(frozen=True)
@@ -162,14 +153,11 @@ class TransferEngine:
         self._addresses: dict[str, str] = {}
         self._on_notify: NotifyHandler | None = None
         self._on_call: CallHandler | None = None
-        self._calls: dict[int, Future] = {}
         self._info_lock = threading.Lock()  # a change and its version bump, together
         self._info_version = 0  # bumped when what info() returns changes (regions, addresses)
         self._info_json: tuple[int, bytes] = (-1, b"")  # (version, info() encoded): calls carry it
-        self._callers_seen: dict[bytes, PeerInfo] = {}  # callers' encoded PeerInfo, decoded once
-        self._call_ids = itertools.count(1)
         self._hasher = SliceHasher(config.hash_threads, name)
-        self._callers = ThreadPoolExecutor(4, thread_name_prefix=f"messenger-call-{name}")
+        self._transport_calls = TransportCalls(name, self._run_call, self._send_reply)
         self._lane_server: LaneServer | None = None
         self._lane_stats = TransportStats()  # calls on lanes, both sides: "lane" in stats()
         self._lane_client = LaneClient(config.auth_key, self._lane_stats) if config.call_lanes else None
@@ -285,16 +273,13 @@ class TransferEngine:
                 transport.close()
             except Exception:  # closing the others matters more
                 log.exception("closing messenger transport %s", transport.name)
-        for future in list(self._calls.values()):
-            if not future.done():
-                future.set_exception(TransferError(f"engine {self.name!r} closed"))
+        self._transport_calls.close(f"engine {self.name!r} closed")
         if self._lane_server is not None:
             self._lane_server.close()
         if self._lane_client is not None:
             self._lane_client.close()
         self._watchdog.close()
         self._hasher.close()
-        self._callers.shutdown(wait=False, cancel_futures=True)
 
     # --- batches -------------------------------------------------------------------------------
 
@@ -318,7 +303,7 @@ class TransferEngine:
         batch = Batch(nbytes, len(slices))
         outgoing = None
         if direction is Direction.WRITE:
-            envelope = bytes([_NOTIFY]) + message if message is not None else bytes([_SILENT])
+            envelope = bytes([NOTIFY]) + message if message is not None else bytes([SILENT])
             if self.config.checksums and views:
                 outgoing = self._hasher.outgoing(envelope, views)
             else:
@@ -391,34 +376,12 @@ class TransferEngine:
                                               timeout, into)
             except LaneUnreachable as exc:  # its lanes cannot be reached from here: its transport may be
                 log.debug("%s; calling through %s", exc, target.transport.name)
-        call_id = next(self._call_ids)
-        reply: Future = Future()
-        self._calls[call_id] = reply
         _, caller = self._caller_json()  # a call carries the caller's PeerInfo: the callee answers by it
-        payload = _CALL_HEAD.pack(_CALL, call_id, len(caller)) + caller + request
-        sent = Batch(len(payload), 0)
-        sent.add_done_callback(lambda b: b.error is not None and not reply.done() and _fail(reply, b.error))
-        try:
-            self._launch(target, sent, f"call to {peer}",
-                         lambda inner: target.transport.send_message(target.info, payload, inner))
-            body, attachment = reply.result(timeout)
-        except TimeoutError:
-            raise TransferError(f"call to {peer} got no reply within {timeout} s") from None
-        finally:
-            self._calls.pop(call_id, None)
-        if not attachment:
-            return body
-        if into is None:
-            return body + attachment
-        views = [memoryview(v).cast("B") for v in into(body, len(attachment))]
-        if sum(v.nbytes for v in views) != len(attachment):
-            raise TransferError(f"call to {peer}: the buffers for the reply's {len(attachment)} B "
-                                f"hold {sum(v.nbytes for v in views)} B")
-        offset = 0
-        for view in views:
-            view[:] = attachment[offset:offset + view.nbytes]
-            offset += view.nbytes
-        return body
+
+        def send(what: str, payload: bytes, sent: Batch) -> None:
+            self._launch(target, sent, what, lambda inner: target.transport.send_message(target.info, payload, inner))
+
+        return self._transport_calls.call(peer, caller, request, timeout, send, into)
 
     def _caller_json(self) -> tuple[int, bytes]:
         """(version, this engine's PeerInfo as JSON), encoded once per change."""
@@ -436,7 +399,7 @@ class TransferEngine:
         checksums = message.checksums if message is not None else ()
         if checksums:
             error = self._hasher.verify(slices, checksums, self._regions.get)
-        if message is not None and message.payload[:1] == bytes([_NOTIFY]) and self._on_notify is not None:
+        if message is not None and message.payload[:1] == bytes([NOTIFY]) and self._on_notify is not None:
             try:
                 self._on_notify(peer, bytes(message.payload[1:]), error)
             except Exception:  # the sender's batch landed; a failing handler is this side's bug
@@ -445,45 +408,17 @@ class TransferEngine:
 
     def batch_failed(self, peer: str, message: OutgoingMessage | None, error: str) -> None:
         """A transport lost a batch part-way (its peer died): tell on_notify at once."""
-        if message is not None and message.payload[:1] == bytes([_NOTIFY]) and self._on_notify is not None:
+        if message is not None and message.payload[:1] == bytes([NOTIFY]) and self._on_notify is not None:
             try:
                 self._on_notify(peer, bytes(message.payload[1:]), error)
             except Exception:
                 log.exception("on_notify failed for a lost batch from %s", peer)
 
     def message(self, peer: str, payload: bytes) -> None:
-        kind = payload[0] if payload else 0
-        if kind == _CALL:
-            _, call_id, info_len = _CALL_HEAD.unpack_from(payload)
-            start = _CALL_HEAD.size
-            caller = self._caller(bytes(payload[start:start + info_len]))
-            request = bytes(payload[start + info_len:])
-            self._callers.submit(self._answer, caller, call_id, request)
-        elif kind in (_REPLY, _REPLY_ERROR, _REPLY_ATTACHED):
-            _, call_id = _REPLY_HEAD.unpack_from(payload)
-            future = self._calls.get(call_id)
-            body, attachment = bytes(payload[_REPLY_HEAD.size:]), b""
-            if kind == _REPLY_ATTACHED:
-                (length,) = _BODY_LEN.unpack_from(body)
-                body, attachment = body[_BODY_LEN.size:_BODY_LEN.size + length], body[_BODY_LEN.size + length:]
-            if future is not None and not future.done():
-                if kind != _REPLY_ERROR:
-                    future.set_result((body, attachment))
-                else:
-                    _fail(future, TransferError(f"{peer} failed the call: {body.decode(errors='replace')}"))
-        else:
-            log.warning("dropped a message of unknown kind %d from %s", kind, peer)
-
-    def _caller(self, raw: bytes) -> PeerInfo:
-        caller = self._callers_seen.get(raw)
-        if caller is None:
-            if len(self._callers_seen) >= _CALLERS_KEPT:
-                self._callers_seen.clear()
-            caller = self._callers_seen[raw] = msgspec.json.decode(raw, type=PeerInfo)
-        return caller
+        self._transport_calls.message(peer, payload)
 
     def _run_call(self, caller: PeerInfo, request: bytes) -> tuple[int, CallReply]:
-        """on_call's answer to `caller`, (_REPLY, its reply) or (_REPLY_ERROR, the error's text);
+        """on_call's answer to `caller`, (REPLY, its reply) or (REPLY_ERROR, the error's text);
         the caller becomes a known peer first, so the handler (and later calls) can reach it."""
         known = self._peers.get(caller.name)
         if known is None or (known.info is not caller and known.info != caller):
@@ -495,39 +430,20 @@ class TransferEngine:
             if self._on_call is None:
                 raise TransferError(f"engine {self.name!r} takes no calls")
             reply = self._on_call(caller.name, request)
-            return _REPLY, reply if isinstance(reply, CallReply) else CallReply(reply)
+            return REPLY, reply if isinstance(reply, CallReply) else CallReply(reply)
         except Exception as exc:  # the caller gets the error instead of a timeout
-            return _REPLY_ERROR, CallReply(f"{type(exc).__name__}: {exc}".encode())
+            return REPLY_ERROR, CallReply(f"{type(exc).__name__}: {exc}".encode())
 
     def _answer_lane(self, raw_caller: bytes, request: bytes) -> tuple[int, CallReply]:
-        kind, reply = self._run_call(self._caller(raw_caller), request)
-        return (LANE_OK if kind == _REPLY else LANE_FAILED), reply
+        kind, reply = self._run_call(self._transport_calls.caller(raw_caller), request)
+        return (LANE_OK if kind == REPLY else LANE_FAILED), reply
 
-    def _answer(self, caller: PeerInfo, call_id: int, request: bytes) -> None:
-        kind, reply = self._run_call(caller, request)
-        try:  # through a transport the attachment is copied into the message: done at once
-            if reply.attachment:
-                kind = _REPLY_ATTACHED
-                body = _BODY_LEN.pack(len(reply.body)) + bytes(reply.body) + b"".join(reply.attachment)
-            else:
-                body = bytes(reply.body)
-        except Exception as exc:  # noqa: BLE001 - a malformed reply: the caller gets the error
-            kind, body = _REPLY_ERROR, f"{type(exc).__name__}: {exc}".encode()
-        finally:
-            if reply.done is not None:
-                try:
-                    reply.done()
-                except Exception:  # noqa: BLE001 - the handler's cleanup; the reply still goes
-                    log.exception("a call reply's done() failed")
-        if self._closed:
-            return
-        try:
-            target = self._peer(caller.name)
-            done = Batch(0, 0)
-            self._watchdog.watch(done, self.config.timeout_s, f"reply to {caller.name}")
-            target.transport.send_message(target.info, _REPLY_HEAD.pack(kind, call_id) + body, done)
-        except Exception:
-            log.exception("could not answer call %d from %s", call_id, caller.name)
+    def _send_reply(self, caller: str, payload: bytes) -> None:
+        """A transport call's reply, through the transport chosen for its caller."""
+        target = self._peer(caller)
+        done = Batch(0, 0)
+        self._watchdog.watch(done, self.config.timeout_s, f"reply to {caller}")
+        target.transport.send_message(target.info, payload, done)
 
     # --- stats ---------------------------------------------------------------------------------
 
@@ -544,13 +460,6 @@ class TransferEngine:
         if self.config.call_lanes:
             out["lane"] = self._lane_stats.snapshot()
         return out
-
-
-def _fail(future: Future, error: BaseException) -> None:
-    try:
-        future.set_exception(error)
-    except Exception:  # already resolved by the reply that raced it
-        pass
 
 
 def _make_transport(name: str, config: EngineConfig) -> tuple[Transport | None, str]:
