@@ -95,7 +95,9 @@ class ConductorConfig:
     etcd_credentials: EtcdCredentials | None = None
     """The etcd user to log in as when etcd's authentication is on (MOONCAKE_ETCD_USER/PASSWORD)."""
     kv_events_interval_s: float = 0.25
-    """How often each worker's KV events are pulled into the global prefix index."""
+    """How often newly ready workers get a follower of their KV events (a long poll each, which
+    the worker answers the moment a block is stored or removed), and the least time between two
+    polls of a worker that answered at once with nothing."""
     scheduler: SchedulerConfig = field(default_factory=live_scheduler_config)
     """The scheduling core's knobs (policy, admission, SLOs). block_size must equal the workers'
     (see worker_block_size_error)."""

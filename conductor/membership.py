@@ -7,7 +7,10 @@ Three loops, started by the app's lifespan:
 - health: polls every worker's /health, so a dead process stops receiving traffic within a
   second, well inside its lease TTL.
 - kv events: pulls each ready worker's stored/removed blocks into the global PrefixIndex; a
-  worker that restarted, or a conductor that did, gets a full snapshot (`reset`).
+  worker that restarted, or a conductor that did, gets a full snapshot (`reset`). One long poll
+  per worker (the worker holds it until it has news, up to defaults.KV_EVENTS_WAIT_S), so a
+  block is in the index as soon as it is logged, and an idle cluster costs one poll per worker
+  every few seconds instead of several a second.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import httpx
 
 from conductor.core.index import PrefixIndex
 from conductor.workers import WorkerClient, WorkerHandle, WorkerPool
+from mooncake import defaults
 from mooncake.registry import ClusterView, Registry
 
 log = logging.getLogger(__name__)
@@ -74,24 +78,52 @@ async def poll_health(pool: WorkerPool, client: WorkerClient, index: PrefixIndex
 
 
 async def poll_kv_events(pool: WorkerPool, index: PrefixIndex, interval_s: float,
-                         headers: dict[str, str] | None = None) -> None:
-    """`headers`: the cluster token's (mooncake.auth.token_headers)."""
-    async with httpx.AsyncClient(timeout=2.0, headers=headers) as http:
-        while True:
-            await asyncio.gather(*(_pull_events(http, h, index) for h in pool.all() if h.ready))
-            await asyncio.sleep(interval_s)
+                         headers: dict[str, str] | None = None,
+                         wait_s: float = defaults.KV_EVENTS_WAIT_S) -> None:
+    """Keep one long-polling task per ready worker (checked every `interval_s`). `headers`: the
+    cluster token's (mooncake.auth.token_headers)."""
+    followers: dict[str, asyncio.Task] = {}
+    async with httpx.AsyncClient(timeout=wait_s + 5.0, headers=headers) as http:
+        try:
+            while True:
+                for handle in pool.all():
+                    task = followers.get(handle.http_url)
+                    if handle.ready and (task is None or task.done()):
+                        followers[handle.http_url] = asyncio.create_task(
+                            _follow_events(http, pool, handle, index, interval_s, wait_s))
+                await asyncio.sleep(interval_s)
+        finally:
+            for task in followers.values():
+                task.cancel()
+            await asyncio.gather(*followers.values(), return_exceptions=True)
 
 
-async def _pull_events(http: httpx.AsyncClient, handle: WorkerHandle, index: PrefixIndex) -> None:
+async def _follow_events(http: httpx.AsyncClient, pool: WorkerPool, handle: WorkerHandle, index: PrefixIndex,
+                         interval_s: float, wait_s: float) -> None:
+    """Pull `handle`'s events while it is ready and in the pool. A poll that comes back early with
+    nothing (an error, a worker that does not hold polls, or one that is draining) is followed by
+    a pause, so no worker is ever polled in a tight loop."""
+    loop = asyncio.get_running_loop()
+    while handle.ready and pool.handles.get(handle.http_url) is handle:
+        started = loop.time()
+        news = await _pull_events(http, handle, index, wait_s)
+        if not news:
+            await asyncio.sleep(max(0.0, interval_s - (loop.time() - started)))
+
+
+async def _pull_events(http: httpx.AsyncClient, handle: WorkerHandle, index: PrefixIndex,
+                       wait_s: float = 0.0) -> bool:
+    """One poll of the worker's events into the index; True when it brought any (or a reset)."""
     try:
-        resp = await http.get(f"{handle.http_url}/internal/kv_events", params={"since": handle.events_seq})
+        resp = await http.get(f"{handle.http_url}/internal/kv_events",
+                              params={"since": handle.events_seq, "wait": wait_s})
         page = resp.json()
     except (httpx.HTTPError, ValueError):
-        return
+        return False
     if resp.status_code != 200:
         if resp.status_code == 401:  # its /health tells the health poll, which takes it out of routing
             log.debug("%s refused the cluster token on /internal/kv_events", handle.name)
-        return
+        return False
     if page.get("block_size"):
         handle.block_size = int(page["block_size"])
     name = handle.name
@@ -102,3 +134,4 @@ async def _pull_events(http: httpx.AsyncClient, handle: WorkerHandle, index: Pre
     if page["removed"]:
         index.apply_removed(name, [int(h, 16) for h in page["removed"]])
     handle.events_seq = int(page["seq"])
+    return bool(page["reset"] or page["stored"] or page["removed"])

@@ -52,6 +52,11 @@ HTTP_KEEP_ALIVE_S = 75.0
 (httpx, which the openai package and the conductor use: 5 s; aiohttp: 15 s): uvicorn's default of
 5 s equals httpx's, so a pooled connection could be closed by the server just as the client sent a
 request on it, and that request failed with a connection error before reaching us."""
+KV_EVENTS_WAIT_S = 10.0
+"""How long a worker holds a conductor's poll of /internal/kv_events open when it has nothing new
+(a long poll: an event is sent the moment it is logged, and an idle cluster polls once per this)."""
+KV_EVENTS_MAX_WAIT_S = 30.0
+"""The longest hold a worker grants, whatever the poll asks."""
 MAX_BODY_BYTES = 16 << 20
 """Larger HTTP request bodies are refused with 413 before they are parsed (conductor and workers)."""
 DRAIN_TIMEOUT_S = 20.0

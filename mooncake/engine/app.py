@@ -7,7 +7,8 @@
   GET  /health              200 when the engine is ready, 503 while it starts, after it died, or draining
   GET  /internal/load       what is queued and running here (for routing)
   GET  /internal/kv_stats   the KV connector's counters
-  GET  /internal/kv_events  ?since=SEQ: prefix blocks stored/removed here (conductor's index)
+  GET  /internal/kv_events  ?since=SEQ[&wait=S]: prefix blocks stored/removed here (conductor's index);
+                            with wait, held up to S seconds until there is something new
   GET  /metrics             Prometheus text
 
 Every /internal/* route asks for the cluster token (X-Mooncake-Cluster-Token, 401 without it;
@@ -21,6 +22,7 @@ The HTTP server is up at once; the engine starts in the background (about 30 s o
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import shutil
@@ -44,9 +46,10 @@ from mooncake.protocol import (ABORT_DECODER, DROP_DECODER, REQUEST_DECODER, Bad
 from mooncake.engine.config import WorkerConfig
 from mooncake.engine.engine import build_engine, kv_capacity_tokens, refusal, run_request
 from mooncake.engine.prefill_overlap import PrefillOverlap
-from mooncake.engine.kv_events import BlockEventLog, BlockHashTranslator, KVEventSubscriber
+from mooncake.engine.kv_events import BlockEventLog, BlockHashTranslator, KVEventSubscriber, LogChanges
 
 POOL_TIERS = ("dram", "ssd")  # the pool's tiers, as its events name them (store/events.py)
+POOL_EVENTS_CHECK_S = 1.0  # a held poll of /internal/kv_events merges the pool's events this often
 from mooncake.engine.metrics import WorkerMetrics
 from mooncake.engine.stat_logger import engine_stat_logger
 
@@ -80,6 +83,7 @@ class WorkerState:
     drain: Drain = field(default_factory=Drain)
     pool: object | None = None  # this node's KVCache pool service (store/service.py), if any
     pool_seq: int = -1  # the last pool event merged into event_log
+    log_changes: LogChanges | None = None  # wakes held polls of /internal/kv_events
 
     def pool_stats(self) -> dict:
         """The pool's usage per tier and its counters (empty without a pool); merges its events
@@ -171,10 +175,24 @@ def create_app(config: WorkerConfig, kv_port: int, events_port: int, control: Co
         return request.app.state.worker.load()
 
     @app.get("/internal/kv_events")
-    async def kv_events(request: Request, since: int = -1):
+    async def kv_events(request: Request, since: int = -1, wait: float = 0.0):
         state: WorkerState = request.app.state.worker
-        await asyncio.to_thread(state.pool_stats)  # the pool's events join the log first
-        page = state.event_log.since(since)
+        loop = asyncio.get_running_loop()
+        wait = min(max(wait, 0.0), defaults.KV_EVENTS_MAX_WAIT_S) if wait == wait else 0.0  # NaN: no hold
+        deadline = loop.time() + wait
+        if state.log_changes is None:  # the first poll: from now on the log wakes held polls on this loop
+            state.log_changes = LogChanges(loop)
+            state.event_log.add_listener(state.log_changes.notify_threadsafe)
+        while True:
+            changed = state.log_changes.current()  # before the read: a change after it wakes us
+            await asyncio.to_thread(state.pool_stats)  # the pool's events join the log first
+            page = state.event_log.since(since)
+            left = deadline - loop.time()
+            if page.reset or page.stored or page.removed or left <= 0 or state.drain.active:
+                break
+            # The engine's events wake this at once; the pool's are merged on each turn.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(changed.wait(), min(left, POOL_EVENTS_CHECK_S))
         # Hashes travel as hex: they are 128-bit, beyond what JSON numbers carry safely.
         return {"seq": page.seq, "reset": page.reset, "block_size": request.app.state.worker.block_size,
                 "stored": [format(h, "x") for h in page.stored], "removed": [format(h, "x") for h in page.removed]}

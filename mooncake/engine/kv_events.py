@@ -11,11 +11,12 @@ silently wrong index.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 from collections import deque
 from dataclasses import dataclass
-from typing import Hashable
+from typing import Callable, Hashable
 
 from mooncake.hashing import BlockHash, hash_block_tokens
 
@@ -74,8 +75,19 @@ class BlockEventLog:
         self._held: dict[BlockHash, set[str]] = {}
         self._events: deque[tuple[int, str, BlockHash]] = deque(maxlen=max_events)
         self._seq = 0
+        self._listeners: list[Callable[[], None]] = []
+
+    def add_listener(self, changed: Callable[[], None]) -> None:
+        """`changed()` runs (on the changing thread, outside the lock) after each change of seq."""
+        self._listeners.append(changed)
+
+    def _changed(self, before: int) -> None:
+        if self._seq != before:
+            for changed in self._listeners:
+                changed()
 
     def stored(self, hashes: list[BlockHash], tier: str = ENGINE_TIER) -> None:
+        before = self._seq
         with self._lock:
             for h in hashes:
                 tiers = self._held.setdefault(h, set())
@@ -83,8 +95,10 @@ class BlockEventLog:
                     self._seq += 1
                     self._events.append((self._seq, "stored", h))
                 tiers.add(tier)
+        self._changed(before)
 
     def removed(self, hashes: list[BlockHash], tier: str = ENGINE_TIER) -> None:
+        before = self._seq
         with self._lock:
             for h in hashes:
                 tiers = self._held.get(h)
@@ -95,9 +109,11 @@ class BlockEventLog:
                     del self._held[h]
                 self._seq += 1
                 self._events.append((self._seq, "removed", h))
+        self._changed(before)
 
     def cleared(self, tier: str | None = None) -> None:
         """Forget what `tier` holds (every tier: None); readers take a snapshot next time."""
+        before = self._seq
         with self._lock:
             for h in list(self._held):
                 tiers = self._held[h]
@@ -109,6 +125,7 @@ class BlockEventLog:
                     del self._held[h]
             self._events.clear()
             self._seq += 1  # anyone behind this point must take a snapshot
+        self._changed(before)
 
     def since(self, seq: int) -> EventsPage:
         with self._lock:
@@ -130,6 +147,36 @@ class BlockEventLog:
 
     def __len__(self) -> int:
         return len(self._held)
+
+
+class LogChanges:
+    """Wakes the coroutines that wait for a BlockEventLog to change (a conductor's long poll of
+    /internal/kv_events), from whichever thread changed it.
+
+    Take `current()` before reading the log, then await it: a change after the read sets that
+    very event, so no change slips between the read and the wait."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._event = asyncio.Event()
+        self._wake_pending = threading.Event()  # one wake-up queued on the loop at a time
+
+    def current(self) -> asyncio.Event:
+        return self._event
+
+    def notify_threadsafe(self) -> None:
+        if self._wake_pending.is_set():
+            return
+        self._wake_pending.set()
+        try:
+            self._loop.call_soon_threadsafe(self._wake)
+        except RuntimeError:  # the loop closed: nobody is waiting any more
+            pass
+
+    def _wake(self) -> None:
+        self._wake_pending.clear()
+        self._event.set()
+        self._event = asyncio.Event()
 
 
 EVENTS_HOST = "127.0.0.1"  # the engine runs on this worker's machine; nothing else may publish here

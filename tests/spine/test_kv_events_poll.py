@@ -1,0 +1,153 @@
+"""The conductor's long poll of a worker's KV events: the worker holds a poll until a block is
+logged (or the hold ends), and the conductor follows each ready worker without ever polling one in
+a tight loop. Real worker app over ASGI, real event log; no engine."""
+
+import asyncio
+import threading
+import time
+
+import httpx
+from fastapi import FastAPI
+
+from conductor.core.index import PrefixIndex
+from conductor.membership import _follow_events
+from conductor.workers import WorkerPool
+from mooncake.engine.kv_events import BlockEventLog, LogChanges
+
+
+def worker_app(tmp_path):
+    from mooncake.control import ControlEndpoint
+    from mooncake.engine.app import create_app
+    from mooncake.engine.config import WorkerConfig
+
+    config = WorkerConfig(role="decode", model="m", served_model_name="m")
+    return create_app(config, 1, 2, ControlEndpoint(str(tmp_path / "none.sock"), "00" * 16))
+
+
+def client(app) -> httpx.AsyncClient:
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://w", timeout=30)
+
+
+def store_later(log: BlockEventLog, hashes: list[int], delay_s: float) -> threading.Thread:
+    """As the engine's subscriber thread does: log blocks from another thread."""
+    thread = threading.Thread(target=lambda: (time.sleep(delay_s), log.stored(hashes)))
+    thread.start()
+    return thread
+
+
+def test_a_held_poll_answers_when_a_block_is_logged_and_at_the_end_of_its_hold(tmp_path):
+    app = worker_app(tmp_path)
+    log = app.state.worker.event_log
+
+    async def run():
+        async with client(app) as c:
+            first = (await c.get("/internal/kv_events", params={"since": -1, "wait": 5})).json()
+            assert first["reset"] is True  # a snapshot is news: answered at once
+            seq = first["seq"]
+            # Nothing new: held for the whole wait, then an empty page.
+            started = time.monotonic()
+            empty = (await c.get("/internal/kv_events", params={"since": seq, "wait": 0.4})).json()
+            held = time.monotonic() - started
+            assert 0.35 <= held < 3.0 and empty["stored"] == [] and not empty["reset"]
+            # A block logged from another thread during a 10 s hold answers it at once.
+            writer = store_later(log, [0xABC], 0.3)
+            started = time.monotonic()
+            page = (await c.get("/internal/kv_events", params={"since": seq, "wait": 10})).json()
+            took = time.monotonic() - started
+            writer.join()
+            assert page["stored"] == ["abc"] and took < 3.0, (page, took)
+            # A poll without `wait` (older conductors) is answered at once, as before.
+            started = time.monotonic()
+            await c.get("/internal/kv_events", params={"since": page["seq"]})
+            assert time.monotonic() - started < 1.0
+
+    asyncio.run(run())
+
+
+def test_a_bad_or_huge_wait_is_bounded(tmp_path):
+    app = worker_app(tmp_path)
+
+    async def run():
+        async with client(app) as c:
+            seq = (await c.get("/internal/kv_events", params={"since": -1})).json()["seq"]
+            started = time.monotonic()
+            resp = await c.get("/internal/kv_events", params={"since": seq, "wait": "nan"})
+            assert resp.status_code == 200 and time.monotonic() - started < 1.0
+            resp = await c.get("/internal/kv_events", params={"since": seq, "wait": "soon"})
+            assert resp.status_code == 400 and resp.json()["error"]["type"]
+            started = time.monotonic()
+            resp = await c.get("/internal/kv_events", params={"since": seq, "wait": -5})
+            assert resp.status_code == 200 and time.monotonic() - started < 1.0
+
+    asyncio.run(run())
+
+
+def test_log_changes_wake_every_waiter_and_miss_no_change():
+    async def run():
+        log = BlockEventLog()
+        changes = LogChanges(asyncio.get_running_loop())
+        log.add_listener(changes.notify_threadsafe)
+        waiters = [asyncio.create_task(changes.current().wait()) for _ in range(3)]
+        await asyncio.to_thread(log.stored, [1])
+        await asyncio.wait_for(asyncio.gather(*waiters), 2.0)
+        # A change between taking the event and awaiting it is not lost.
+        event = changes.current()
+        await asyncio.to_thread(log.removed, [1])
+        await asyncio.wait_for(event.wait(), 2.0)
+        # Storing what is already held changes nothing and wakes nobody.
+        log.stored([2])
+        await asyncio.sleep(0.05)
+        quiet = changes.current()
+        await asyncio.to_thread(log.stored, [2])
+        await asyncio.sleep(0.1)
+        assert not quiet.is_set()
+
+    asyncio.run(run())
+
+
+def test_the_conductor_follows_a_worker_into_its_index_at_once(tmp_path):
+    app = worker_app(tmp_path)
+    log = app.state.worker.event_log
+    pool, index = WorkerPool(), PrefixIndex()
+    handle = pool.add("http://w")
+    handle.instance_id, handle.ready = "w", True
+
+    async def run():
+        async with client(app) as http:
+            follower = asyncio.create_task(_follow_events(http, pool, handle, index, 0.25, 10.0))
+            await asyncio.sleep(0.3)  # the snapshot was taken; the next poll is held
+            log.stored([0x5EED])
+            deadline = time.monotonic() + 3.0
+            while not index.holds("w", 0x5EED) and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+            assert index.holds("w", 0x5EED)
+            pool.remove("http://w")  # the worker left: its follower ends with its current poll
+            log.stored([0x5EEE])
+            await asyncio.wait_for(follower, 3.0)
+
+    asyncio.run(run())
+
+
+def test_a_worker_that_answers_at_once_is_not_polled_in_a_tight_loop():
+    polls = []
+    old_worker = FastAPI()
+
+    @old_worker.get("/internal/kv_events")
+    async def kv_events(since: int = -1):  # ignores `wait`, as a worker before long polls did
+        polls.append(time.monotonic())
+        return {"seq": 7, "reset": since < 0, "block_size": 16, "stored": [], "removed": []}
+
+    pool, index = WorkerPool(), PrefixIndex()
+    handle = pool.add("http://w")
+    handle.instance_id, handle.ready = "w", True
+
+    async def run():
+        async with client(old_worker) as http:
+            follower = asyncio.create_task(_follow_events(http, pool, handle, index, 0.2, 10.0))
+            await asyncio.sleep(1.0)
+            handle.ready = False
+            await asyncio.wait_for(follower, 2.0)
+
+    asyncio.run(run())
+    # The snapshot, then one poll per 0.2 s at most: not hundreds.
+    assert 3 <= len(polls) <= 8, len(polls)
