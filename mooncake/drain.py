@@ -58,11 +58,17 @@ async def wait_idle(busy: Callable[[], int], grace_s: float, poll_s: float = 0.1
 
 
 class DrainingServer(uvicorn.Server):
-    """A uvicorn server whose first SIGTERM runs `drain()` before the ordinary shutdown."""
+    """A uvicorn server whose first SIGTERM runs `drain()` before the ordinary shutdown.
 
-    def __init__(self, config: uvicorn.Config, drain: Callable[[], Awaitable[None]]):
+    `on_exit()` runs when the ordinary shutdown is asked for without a drain (Ctrl-C, a second
+    SIGTERM): requests that wait for news (held polls) end then, rather than holding the exit up
+    to uvicorn's graceful timeout. It runs in a signal handler: set flags only."""
+
+    def __init__(self, config: uvicorn.Config, drain: Callable[[], Awaitable[None]],
+                 on_exit: Callable[[], None] | None = None):
         super().__init__(config)
         self._drain = drain
+        self._on_exit = on_exit
         self._drain_requested = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._drain_task: asyncio.Task | None = None
@@ -77,6 +83,8 @@ class DrainingServer(uvicorn.Server):
             self._drain_requested = True
             self._loop.call_soon_threadsafe(self._start_drain)
             return
+        if self._on_exit is not None:
+            self._on_exit()
         super().handle_exit(sig, frame)
 
     def _start_drain(self) -> None:

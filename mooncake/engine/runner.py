@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 
 from mooncake.net import free_port, http_server_config
 from mooncake.control import ControlEndpoint
@@ -26,5 +27,8 @@ def run_worker(config: WorkerConfig, pool_factory=None) -> None:
     app = create_app(config, kv_port, 0, ControlEndpoint.new(), pool_factory)
     server = DrainingServer(http_server_config(app, config.host, config.port, log_level="warning",
                                                timeout_graceful_shutdown=5),
-                            drain=lambda: drain_worker(app.state.worker))
+                            drain=lambda: drain_worker(app.state.worker),
+                            # Leaving without a drain is leaving all the same: /health says so and
+                            # held polls of /internal/kv_events end within a second.
+                            on_exit=lambda: app.state.worker.drain.begin(time.monotonic()))
     server.run()

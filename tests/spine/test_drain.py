@@ -219,3 +219,28 @@ def test_a_second_sigterm_skips_the_drain(tmp_path):
         assert time.monotonic() - started < 5
     finally:
         proc.kill()
+
+
+def test_an_exit_without_a_drain_runs_on_exit_and_a_first_sigterm_does_not():
+    """on_exit (a worker: mark itself leaving, so held polls end) runs for Ctrl-C and for a
+    SIGTERM that comes while draining; the first SIGTERM only starts the drain."""
+    import uvicorn
+
+    from mooncake.drain import DrainingServer
+
+    calls = []
+
+    async def drain():
+        await asyncio.sleep(0)
+
+    async def run():
+        server = DrainingServer(uvicorn.Config(lambda scope, receive, send: None), drain,
+                                on_exit=lambda: calls.append("exit"))
+        server._loop = asyncio.get_running_loop()
+        server.handle_exit(signal.SIGTERM, None)
+        assert calls == [] and not server.should_exit
+        server.handle_exit(signal.SIGINT, None)
+        assert calls == ["exit"] and server.should_exit
+        await asyncio.sleep(0.05)  # let the drain task that the first SIGTERM started finish
+
+    asyncio.run(run())

@@ -151,3 +151,17 @@ def test_a_worker_that_answers_at_once_is_not_polled_in_a_tight_loop():
     asyncio.run(run())
     # The snapshot, then one poll per 0.2 s at most: not hundreds.
     assert 3 <= len(polls) <= 8, len(polls)
+
+
+def test_a_held_poll_ends_when_the_worker_starts_leaving(tmp_path):
+    app = worker_app(tmp_path)
+
+    async def run():
+        async with client(app) as c:
+            seq = (await c.get("/internal/kv_events", params={"since": -1})).json()["seq"]
+            asyncio.get_running_loop().call_later(0.3, app.state.worker.drain.begin, time.monotonic())
+            started = time.monotonic()
+            resp = await c.get("/internal/kv_events", params={"since": seq, "wait": 20})
+            assert resp.status_code == 200 and time.monotonic() - started < 2.5
+
+    asyncio.run(run())
