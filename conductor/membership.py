@@ -82,20 +82,25 @@ async def poll_kv_events(pool: WorkerPool, index: PrefixIndex, interval_s: float
                          wait_s: float = defaults.KV_EVENTS_WAIT_S) -> None:
     """Keep one long-polling task per ready worker (checked every `interval_s`). `headers`: the
     cluster token's (mooncake.auth.token_headers)."""
-    followers: dict[str, asyncio.Task] = {}
-    async with httpx.AsyncClient(timeout=wait_s + 5.0, headers=headers) as http:
+    followers: dict[str, tuple[WorkerHandle, asyncio.Task]] = {}  # by http_url
+    # Each follower holds a connection for up to wait_s: no pool limit may queue them.
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(timeout=wait_s + 5.0, headers=headers, limits=limits) as http:
         try:
             while True:
                 for handle in pool.all():
-                    task = followers.get(handle.http_url)
-                    if handle.ready and (task is None or task.done()):
-                        followers[handle.http_url] = asyncio.create_task(
-                            _follow_events(http, pool, handle, index, interval_s, wait_s))
+                    followed, task = followers.get(handle.http_url, (None, None))
+                    if followed is not handle and task is not None:
+                        task.cancel()  # removed and added again: the old handle's poll is of no use
+                    if handle.ready and (followed is not handle or task.done()):
+                        followers[handle.http_url] = (handle, asyncio.create_task(
+                            _follow_events(http, pool, handle, index, interval_s, wait_s)))
                 await asyncio.sleep(interval_s)
         finally:
-            for task in followers.values():
+            tasks = [task for _, task in followers.values()]
+            for task in tasks:
                 task.cancel()
-            await asyncio.gather(*followers.values(), return_exceptions=True)
+            await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def _follow_events(http: httpx.AsyncClient, pool: WorkerPool, handle: WorkerHandle, index: PrefixIndex,
@@ -106,23 +111,31 @@ async def _follow_events(http: httpx.AsyncClient, pool: WorkerPool, handle: Work
     loop = asyncio.get_running_loop()
     while handle.ready and pool.handles.get(handle.http_url) is handle:
         started = loop.time()
-        news = await _pull_events(http, handle, index, wait_s)
+        try:
+            news = await _pull_events(http, pool, handle, index, wait_s)
+        except Exception:  # noqa: BLE001 - a malformed page: say so, keep following
+            log.exception("could not apply the KV events of %s", handle.name)
+            news = False
         if not news:
             await asyncio.sleep(max(0.0, interval_s - (loop.time() - started)))
 
 
-async def _pull_events(http: httpx.AsyncClient, handle: WorkerHandle, index: PrefixIndex,
+async def _pull_events(http: httpx.AsyncClient, pool: WorkerPool, handle: WorkerHandle, index: PrefixIndex,
                        wait_s: float = 0.0) -> bool:
     """One poll of the worker's events into the index; True when it brought any (or a reset)."""
+    asked = handle.events_seq
     try:
-        resp = await http.get(f"{handle.http_url}/internal/kv_events",
-                              params={"since": handle.events_seq, "wait": wait_s})
+        resp = await http.get(f"{handle.http_url}/internal/kv_events", params={"since": asked, "wait": wait_s})
         page = resp.json()
     except (httpx.HTTPError, ValueError):
         return False
     if resp.status_code != 200:
         if resp.status_code == 401:  # its /health tells the health poll, which takes it out of routing
             log.debug("%s refused the cluster token on /internal/kv_events", handle.name)
+        return False
+    # While the poll was held the worker may have left, or gone down (the health poll then asks
+    # for a snapshot: events_seq -1); a page of the process that was there then is dropped.
+    if pool.handles.get(handle.http_url) is not handle or not handle.ready or handle.events_seq != asked:
         return False
     if page.get("block_size"):
         handle.block_size = int(page["block_size"])

@@ -440,6 +440,8 @@ class TransferEngine:
 
     def _send_reply(self, caller: str, payload: bytes) -> None:
         """A transport call's reply, through the transport chosen for its caller."""
+        if self._closed:  # the transports are closing: the caller's own timeout tells it
+            return
         target = self._peer(caller)
         done = Batch(0, 0)
         self._watchdog.watch(done, self.config.timeout_s, f"reply to {caller}")

@@ -165,3 +165,24 @@ def test_a_held_poll_ends_when_the_worker_starts_leaving(tmp_path):
             assert resp.status_code == 200 and time.monotonic() - started < 2.5
 
     asyncio.run(run())
+
+
+def test_a_page_held_across_the_workers_restart_is_dropped_for_a_snapshot(tmp_path):
+    """The health poll saw the worker go down during a held poll and asked for a snapshot
+    (events_seq -1): the page that comes back afterwards is the old process's and is not applied."""
+    app = worker_app(tmp_path)
+    log = app.state.worker.event_log
+    pool, index = WorkerPool(), PrefixIndex()
+    handle = pool.add("http://w")
+    handle.instance_id, handle.ready = "w", True
+
+    async def run():
+        async with client(app) as http:
+            follower = asyncio.create_task(_follow_events(http, pool, handle, index, 0.25, 10.0))
+            await asyncio.sleep(0.3)  # snapshot taken, next poll held
+            handle.ready, handle.events_seq = False, -1  # what poll_health does when it goes down
+            log.stored([0xDEAD])  # answers the held poll
+            await asyncio.wait_for(follower, 3.0)
+            assert handle.events_seq == -1 and not index.holds("w", 0xDEAD)
+
+    asyncio.run(run())
