@@ -79,13 +79,15 @@ async def poll_health(pool: WorkerPool, client: WorkerClient, index: PrefixIndex
 
 async def poll_kv_events(pool: WorkerPool, index: PrefixIndex, interval_s: float,
                          headers: dict[str, str] | None = None,
-                         wait_s: float = defaults.KV_EVENTS_WAIT_S) -> None:
+                         wait_s: float = defaults.KV_EVENTS_WAIT_S,
+                         transport: httpx.AsyncBaseTransport | None = None) -> None:
     """Keep one long-polling task per ready worker (checked every `interval_s`). `headers`: the
-    cluster token's (mooncake.auth.token_headers)."""
+    cluster token's (mooncake.auth.token_headers); `transport`: httpx's (tests reach an app in
+    process with it)."""
     followers: dict[str, tuple[WorkerHandle, asyncio.Task]] = {}  # by http_url
     # Each follower holds a connection for up to wait_s: no pool limit may queue them.
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(timeout=wait_s + 5.0, headers=headers, limits=limits) as http:
+    async with httpx.AsyncClient(timeout=wait_s + 5.0, headers=headers, limits=limits, transport=transport) as http:
         try:
             while True:
                 for handle in pool.all():

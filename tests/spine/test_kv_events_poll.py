@@ -186,3 +186,46 @@ def test_a_page_held_across_the_workers_restart_is_dropped_for_a_snapshot(tmp_pa
             assert handle.events_seq == -1 and not index.holds("w", 0xDEAD)
 
     asyncio.run(run())
+
+
+def test_a_worker_added_again_under_its_url_is_followed_at_once():
+    """Removed and added again (a new handle for the same URL): its follower starts at once, not
+    when the old handle's held poll ends (10 s here)."""
+    from conductor.membership import poll_kv_events
+
+    log = BlockEventLog()
+    log.stored([1])
+    worker = FastAPI()
+
+    @worker.get("/internal/kv_events")
+    async def kv_events(since: int = -1, wait: float = 0.0):
+        page = log.since(since)
+        if not page.reset:
+            await asyncio.sleep(wait)  # a held poll with no news
+        return {"seq": page.seq, "reset": page.reset, "block_size": 16,
+                "stored": [format(h, "x") for h in page.stored], "removed": []}
+
+    pool, index = WorkerPool(), PrefixIndex()
+    first = pool.add("http://w")
+    first.instance_id, first.ready = "w-old", True
+
+    async def run():
+        poller = asyncio.create_task(poll_kv_events(pool, index, 0.05, wait_s=10.0,
+                                                    transport=httpx.ASGITransport(app=worker)))
+        try:
+            deadline = time.monotonic() + 3.0
+            while first.events_seq < 0 and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+            assert first.events_seq >= 0  # its snapshot came; its next poll is held
+            pool.remove("http://w")
+            second = pool.add("http://w")
+            second.instance_id, second.ready = "w-new", True
+            deadline = time.monotonic() + 3.0
+            while not index.holds("w-new", 1) and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+            assert index.holds("w-new", 1)
+        finally:
+            poller.cancel()
+            await asyncio.gather(poller, return_exceptions=True)
+
+    asyncio.run(run())
