@@ -10,6 +10,7 @@ transport the callee chose for the caller.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import struct
@@ -146,7 +147,5 @@ class TransportCalls:
 
 
 def _fail(future: Future, error: BaseException) -> None:
-    try:
+    with contextlib.suppress(Exception):  # already resolved by the reply that raced it
         future.set_exception(error)
-    except Exception:  # already resolved by the reply that raced it
-        pass

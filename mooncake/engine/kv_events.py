@@ -12,6 +12,7 @@ silently wrong index.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 from collections import deque
@@ -168,10 +169,8 @@ class LogChanges:
         if self._wake_pending.is_set():
             return
         self._wake_pending.set()
-        try:
+        with contextlib.suppress(RuntimeError):  # the loop closed: nobody is waiting any more
             self._loop.call_soon_threadsafe(self._wake)
-        except RuntimeError:  # the loop closed: nobody is waiting any more
-            pass
 
     def _wake(self) -> None:
         self._wake_pending.clear()

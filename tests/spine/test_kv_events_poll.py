@@ -28,6 +28,13 @@ def client(app) -> httpx.AsyncClient:
     return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://w", timeout=30)
 
 
+def ready_worker(pool: WorkerPool, instance_id: str, url: str = "http://w"):
+    """A handle the health poll has marked ready (none runs here)."""
+    handle = pool.add(url)
+    handle.instance_id, handle.ready = instance_id, True
+    return handle
+
+
 def store_later(log: BlockEventLog, hashes: list[int], delay_s: float) -> threading.Thread:
     """As the engine's subscriber thread does: log blocks from another thread."""
     thread = threading.Thread(target=lambda: (time.sleep(delay_s), log.stored(hashes)))
@@ -109,8 +116,7 @@ def test_the_conductor_follows_a_worker_into_its_index_at_once(tmp_path):
     app = worker_app(tmp_path)
     log = app.state.worker.event_log
     pool, index = WorkerPool(), PrefixIndex()
-    handle = pool.add("http://w")
-    handle.instance_id, handle.ready = "w", True
+    handle = ready_worker(pool, "w")
 
     async def run():
         async with client(app) as http:
@@ -138,8 +144,7 @@ def test_a_worker_that_answers_at_once_is_not_polled_in_a_tight_loop():
         return {"seq": 7, "reset": since < 0, "block_size": 16, "stored": [], "removed": []}
 
     pool, index = WorkerPool(), PrefixIndex()
-    handle = pool.add("http://w")
-    handle.instance_id, handle.ready = "w", True
+    handle = ready_worker(pool, "w")
 
     async def run():
         async with client(old_worker) as http:
@@ -173,8 +178,7 @@ def test_a_page_held_across_the_workers_restart_is_dropped_for_a_snapshot(tmp_pa
     app = worker_app(tmp_path)
     log = app.state.worker.event_log
     pool, index = WorkerPool(), PrefixIndex()
-    handle = pool.add("http://w")
-    handle.instance_id, handle.ready = "w", True
+    handle = ready_worker(pool, "w")
 
     async def run():
         async with client(app) as http:
@@ -206,8 +210,7 @@ def test_a_worker_added_again_under_its_url_is_followed_at_once():
                 "stored": [format(h, "x") for h in page.stored], "removed": []}
 
     pool, index = WorkerPool(), PrefixIndex()
-    first = pool.add("http://w")
-    first.instance_id, first.ready = "w-old", True
+    first = ready_worker(pool, "w-old")
 
     async def run():
         poller = asyncio.create_task(poll_kv_events(pool, index, 0.05, wait_s=10.0,
@@ -218,8 +221,7 @@ def test_a_worker_added_again_under_its_url_is_followed_at_once():
                 await asyncio.sleep(0.02)
             assert first.events_seq >= 0  # its snapshot came; its next poll is held
             pool.remove("http://w")
-            second = pool.add("http://w")
-            second.instance_id, second.ready = "w-new", True
+            ready_worker(pool, "w-new")
             deadline = time.monotonic() + 3.0
             while not index.holds("w-new", 1) and time.monotonic() < deadline:
                 await asyncio.sleep(0.02)
