@@ -63,7 +63,7 @@ serve: setup
 	$(PY) -m mooncake.cli serve --port $(PORT) $(ARGS)
 
 test: setup etcd helm-tools monitoring-tools messenger-libs
-	$(PY) -m pytest -q -rs $(ARGS)
+	$(PY) -m pytest -q -rs --durations=40 $(ARGS)
 
 test-fast: setup helm-tools monitoring-tools messenger-libs
 	$(PY) -m pytest -q -m "not vllm and not etcd" $(ARGS)
