@@ -11,7 +11,7 @@ import pytest
 
 from benchmarks import transfer_bench
 from benchmarks.transfer import common
-from benchmarks.transfer.report import Case, Goal, ratios, summarize, table
+from benchmarks.transfer.report import Case, Goal, ratio_lines, ratios, summarize, table
 from benchmarks.transfer.runner import WorkerFailed, WorkerSpec, run_pair
 
 
@@ -67,3 +67,21 @@ def test_a_worker_that_cannot_run_or_dies_is_reported_not_awaited():
     with pytest.raises(WorkerFailed, match="boom") as caught:
         run_pair(dies, plan, "x", timeout_s=30)
     assert not caught.value.unavailable
+
+
+def test_a_goal_above_the_wires_own_limit_is_named_so():
+    ours, peer, raw = Case("ours", "tcp", "tcp"), Case("Mooncake TE", "tcp", "tcp"), Case("limit", "raw tcp x4", "tcp")
+    size = common.MiB
+
+    def rows(raw_gbps):
+        return [summarize(ours, {"op": "write", "slice_bytes": size, "gbps": [2.5], "verified": True}),
+                summarize(peer, {"op": "write", "slice_bytes": size, "gbps": [3.0], "verified": True}),
+                summarize(raw, {"op": "write", "slice_bytes": size, "gbps": raw_gbps, "verified": None})]
+
+    goal = Goal("ours tcp / Mooncake TE tcp", ("ours tcp",), ("Mooncake TE tcp",), 2.0, ("limit raw tcp x4",))
+    beyond = ratios([goal], rows([4.0, 5.5, 4.5]))[0]
+    assert beyond["beyond_limit"] and beyond["needed_gbps"] == pytest.approx(6.0) and beyond["limit_gbps"] == 5.5
+    assert "needs 6.00 GB/s, above the wire's fastest round, 5.50" in ratio_lines([beyond])
+    # One round of the raw socket above 2x the peer: the goal was within the wire's reach.
+    within = ratios([goal], rows([4.0, 6.5]))[0]
+    assert not within["beyond_limit"] and "needs" not in ratio_lines([within])
