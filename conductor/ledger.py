@@ -88,16 +88,18 @@ class Ledger:
         return len(self.running), sum(s.kv_tokens for s in self.running.values())
 
     def state(self, instance_id: str, role: Role, kv_capacity_tokens: int, bandwidth_Bps: float,
-              scales: tuple[float, float] = (1.0, 1.0), now: float | None = None) -> InstanceState:
+              scales: tuple[float, float] = (1.0, 1.0), now: float | None = None,
+              chunk_tokens: int = 0) -> InstanceState:
         """scales: the instance's calibrated (prefill, decode-step) speed (Calibration.scales).
-        now: drain the prefill backlog to this time first (None: as of the last event)."""
+        now: drain the prefill backlog to this time first (None: as of the last event).
+        chunk_tokens: its engine's tokens per step (0: the scheduler config's)."""
         if now is not None:
             self._advance(now)
         return InstanceState(
             instance_id=instance_id, role=role, queued_prefill_s=self.backlog_s,
             running=tuple(self.running.values()), incoming=tuple(self.incoming.values()),
             kv_capacity_tokens=kv_capacity_tokens or (1 << 62), bandwidth_Bps=bandwidth_Bps,
-            prefill_scale=scales[0], decode_scale=scales[1],
+            prefill_scale=scales[0], decode_scale=scales[1], chunk_tokens=chunk_tokens,
         )
 
 

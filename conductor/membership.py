@@ -36,7 +36,7 @@ def mirror_view(view: ClusterView, pool: WorkerPool, index: PrefixIndex, now: fl
         handle = pool.add(url)
         handle.instance_id, handle.role = info.instance_id, info.role
         handle.kv_address, handle.block_size = info.kv_address, info.block_size
-        handle.kv_capacity_tokens = info.kv_capacity_tokens
+        handle.kv_capacity_tokens, handle.chunk_tokens = info.kv_capacity_tokens, info.chunk_tokens
     for handle in pool.all():
         if not handle.static and handle.http_url not in alive:
             log.info("instance %s left the registry; no longer routed", handle.name)

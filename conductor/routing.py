@@ -209,7 +209,7 @@ class Router:
         role = Role.PREFILL if h.role == WorkerRole.PREFILL else Role.DECODE
         return h.ledger.state(h.name, role, h.kv_capacity_tokens,
                               h.push_bandwidth.estimate_Bps or DEFAULT_BANDWIDTH_BPS, self.calibration.scales(h.name),
-                              now)
+                              now, h.chunk_tokens)
 
 
 def fetch_params(decision: Decision, handles: dict[str, WorkerHandle]) -> FetchParams | None:

@@ -45,7 +45,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         model_path=model, served_model_name=args.served_model_name or Path(model).name, host=args.host,
         port=args.port, num_prefill=args.prefill, num_decode=args.decode, first_worker_port=args.worker_port,
         dtype=args.dtype, max_model_len=args.max_model_len, kv_cache_gib=args.kv_cache_gib,
-        chunk_size=args.chunk_size, api_keys=load_api_keys(args.api_keys_file, args.api_key),
+        chunk_size=args.chunk_size, decode_chunk_size=args.decode_chunk_size, api_keys=load_api_keys(args.api_keys_file, args.api_key),
         cluster_token=token_from_args(args), scheduler=scheduler_config(args), profile=args.profile,
         slo_bounds=slo_bounds(args), pool_args=pool_arguments(args),
         restart_policy=RestartPolicy(max_restarts=args.max_worker_restarts),
@@ -56,6 +56,8 @@ def _check_serve(args: argparse.Namespace) -> list[str]:
     from conductor.cli_args import check_scheduler_args
 
     errors = engine_option_errors(args.kv_cache_gib, args.block_size, args.chunk_size)
+    errors += [e.replace("--chunk-size", "--decode-chunk-size") for e in
+               engine_option_errors(args.kv_cache_gib, args.block_size, args.decode_chunk_size) if "--chunk-size" in e]
     errors += [e for e in check_scheduler_args(args) if e not in errors]
     if args.max_model_len < 16:
         errors.append(f"--max-model-len must be >= 16, got {args.max_model_len}")
@@ -225,7 +227,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="longest prompt+output (tokens)")
     serve.add_argument("--kv-cache-gib", type=float, default=defaults.KV_CACHE_GIB,
                        help="KV cache per worker on CPU, GiB (on a GPU vLLM sizes it by its memory utilization)")
-    serve.add_argument("--chunk-size", type=int, default=defaults.CHUNK_SIZE, help="prefill chunk (tokens per step)")
+    serve.add_argument("--chunk-size", type=int, default=defaults.CHUNK_SIZE,
+                       help="the prefill workers' prefill chunk (tokens per engine step)")
+    serve.add_argument("--decode-chunk-size", type=int, default=defaults.DECODE_CHUNK_SIZE,
+                       help="the decode workers' tokens per engine step: the gap a prompt they take (flexible "
+                            "roles, conditional disaggregation) puts between their running requests' tokens; "
+                            "small, so that it fits the TBT SLO and they may prefill while they decode")
     serve.add_argument("--max-worker-restarts", type=int, default=defaults.WORKER_MAX_RESTARTS, metavar="N",
                        help=f"a worker that dies once the cluster is up is restarted (after a back-off), at most N "
                             f"times within {defaults.WORKER_RESTART_WINDOW_S:g} s; 0: never")

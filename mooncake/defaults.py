@@ -42,6 +42,14 @@ MAX_MODEL_LEN = 8192
 """Longest prompt + output, tokens."""
 CHUNK_SIZE = 2048
 """Tokens per engine step (vLLM's max_num_batched_tokens); longer prompts prefill in chunks."""
+DECODE_CHUNK_SIZE = 128
+"""The decode workers' tokens per engine step under `mooncake serve`. A decode worker that takes
+a prompt (flexible roles, conditional disaggregation) computes it beside its running batch, and
+each step is a gap between that batch's tokens: a step must fit the TBT SLO for the scheduler to
+give it prefill work at all. On one core a 2,048-token step takes about 2 s, so the decode worker
+never prefilled while it decoded; 128 tokens (vLLM's minimum here, max_num_seqs) take about
+0.13 s, which fits a 0.25 s TBT SLO beside a decode step (benchmarks/RESULTS.md, 2026-11-27).
+Its own prompts then take more steps."""
 KV_CACHE_GIB = 1.0
 """KV cache per worker on CPU, GiB (vLLM's kv_cache_memory_bytes; on a GPU vLLM sizes it by
 --gpu-memory-utilization)."""

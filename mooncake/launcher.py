@@ -46,6 +46,9 @@ class ClusterConfig:
     max_model_len: int = defaults.MAX_MODEL_LEN
     kv_cache_gib: float = defaults.KV_CACHE_GIB
     chunk_size: int = defaults.CHUNK_SIZE
+    """The prefill workers' tokens per engine step."""
+    decode_chunk_size: int = defaults.DECODE_CHUNK_SIZE
+    """The decode workers' (defaults.DECODE_CHUNK_SIZE says why it is smaller)."""
     api_keys: tuple = field(default=(), repr=False)
     """conductor.auth.ApiKey entries of the public API (none: open)."""
     cluster_token: str | None = field(default=None, repr=False)
@@ -67,6 +70,9 @@ class ClusterConfig:
             raise ValueError("a cluster needs at least one decode worker (and zero or more prefill workers)")
         # Checked here, before any worker starts: each would otherwise die inside vLLM.
         errors = engine_option_errors(self.kv_cache_gib, self.scheduler.block_size, self.chunk_size)
+        errors += [e.replace("--chunk-size", "--decode-chunk-size") for e in
+                   engine_option_errors(self.kv_cache_gib, self.scheduler.block_size, self.decode_chunk_size)
+                   if "--chunk-size" in e]
         if errors:
             raise ValueError("; ".join(errors))
 
@@ -155,7 +161,10 @@ class Cluster:
             cmd = [sys.executable, "-m", "mooncake.cli", role, "--model", c.model_path,
                    "--served-model-name", c.served_model_name, "--host", "127.0.0.1", "--port", str(port),
                    "--dtype", str(c.dtype), "--max-model-len", str(c.max_model_len),
-                   "--kv-cache-gib", f"{c.kv_cache_gib:g}", "--chunk-size", str(c.chunk_size),
+                   "--kv-cache-gib", f"{c.kv_cache_gib:g}",
+                   # Decode workers prefill only beside a batch (unless no prefill worker exists).
+                   "--chunk-size", str(c.decode_chunk_size if role == WorkerRole.DECODE and c.num_prefill
+                                       else c.chunk_size),
                    "--cpu-bind", cores, "--instance-id", f"{role}-{i}",
                    "--block-size", str(c.scheduler.block_size),
                    # The conductor in this process hosts the embedded registry.

@@ -33,6 +33,7 @@ def parse(*argv: str):
     (["serve", "--kv-cache-gib", "0"], "--kv-cache-gib must be >="),
     (["serve", "--block-size", "48"], "multiple of 32"),
     (["serve", "--chunk-size", "64"], "--chunk-size must be >= 128"),
+    (["serve", "--decode-chunk-size", "100"], "--decode-chunk-size must be >= 128"),
     (["serve", "--decode", "0"], "--decode >= 1"),
     (["serve", "--tbt-slo", "0"], "tbt_slo_s"),
     (["prefill", "--kv-cache-gib", "-1"], "--kv-cache-gib must be >="),
@@ -132,8 +133,8 @@ def test_live_defaults_have_one_source():
     assert worker.role is WorkerRole.DECODE and worker.port == defaults.DECODE_PORT
     assert parse("prefill").port == defaults.PREFILL_PORT
     serve = parse("serve")
-    assert (serve.kv_cache_gib, serve.chunk_size, serve.max_model_len, serve.dtype) == (
-        defaults.KV_CACHE_GIB, defaults.CHUNK_SIZE, defaults.MAX_MODEL_LEN, defaults.DTYPE)
+    assert (serve.kv_cache_gib, serve.chunk_size, serve.decode_chunk_size, serve.max_model_len, serve.dtype) == (
+        defaults.KV_CACHE_GIB, defaults.CHUNK_SIZE, defaults.DECODE_CHUNK_SIZE, defaults.MAX_MODEL_LEN, defaults.DTYPE)
     # The values users saw before this module existed.
     assert (defaults.KV_BLOCK_SIZE, defaults.TTFT_SLO_S, defaults.TBT_SLO_S, defaults.DEFAULT_DECODE_S) == (
         128, 30.0, 0.5, 5.0)

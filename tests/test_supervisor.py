@@ -188,3 +188,22 @@ def test_stopping_the_cluster_lets_the_engine_processes_shut_down_before_killing
     cluster.stop(grace_s=10.0)
     assert done.read_text() == "done"  # it finished its shutdown: not SIGKILLed when its leader exited
     assert not group_running(leader.pid)
+
+
+def test_serve_gives_decode_workers_their_own_chunk_size_when_prefill_workers_exist(monkeypatch):
+    from mooncake.launcher import Cluster, ClusterConfig
+
+    def chunks(num_prefill: int) -> dict[str, str]:
+        cluster = Cluster(ClusterConfig("/models/m", "m", num_prefill=num_prefill, chunk_size=2048,
+                                        decode_chunk_size=256), cluster_token="t")
+        monkeypatch.setattr(cluster, "spawn", lambda worker: subprocess.Popen(["true"]))
+        cluster.start()
+        found = {}
+        for w in cluster.workers:
+            w.process.wait()
+            found[w.command[w.command.index("--instance-id") + 1]] = w.command[w.command.index("--chunk-size") + 1]
+        return found
+
+    assert chunks(1) == {"prefill-0": "2048", "decode-1": "256"}
+    # No prefill worker: the decode workers prefill everything, in the prefill chunk.
+    assert chunks(0) == {"decode-0": "2048"}

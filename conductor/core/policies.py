@@ -142,7 +142,8 @@ def choose_prefill(policy: Policy, prompt: int, pool: Sequence[InstanceState],
 def chunked_prefill_s(inst: InstanceState, prompt: int, cached: int, est: Estimators,
                       cfg: SchedulerConfig) -> tuple[float, float]:
     """(seconds to its first token, longest step) of prefilling prompt[cached:] on `inst` as
-    vLLM runs it beside a running batch: steps of cfg.chunk_tokens new tokens, each one also
+    vLLM runs it beside a running batch: steps of the instance's chunk_tokens new tokens (or
+    cfg.chunk_tokens where it has none), each one also
     stepping the batch, so each step is a gap between the running requests' tokens. Without
     a running or incoming batch, the whole prefill and no gap (nobody waits between tokens there)."""
     if not inst.running and not inst.incoming:
@@ -150,8 +151,9 @@ def chunked_prefill_s(inst: InstanceState, prompt: int, cached: int, est: Estima
     decode = est.tbt_s(inst.batch_size, inst.kv_tokens, inst.decode_scale) if inst.running else 0.0
     total = longest = 0.0
     done = cached
+    chunk = inst.chunk_tokens or cfg.chunk_tokens
     while done < prompt:
-        end = min(done + cfg.chunk_tokens, prompt)
+        end = min(done + chunk, prompt)
         step = est.prefill_s(end, done, inst.prefill_scale) + decode
         total += step
         longest = max(longest, step)

@@ -93,6 +93,8 @@ class InstanceState:
     prefill_scale, decode_scale: this instance's measured speed relative to the scheduler's
       prior estimators (conductor.core.calibration): its prefill and decode-step times are the
       prior's times these. 1.0, the default, prices it with the prior (the simulator's case).
+    chunk_tokens: new tokens per engine step when it prefills beside a running batch (vLLM's
+      max_num_batched_tokens there); 0, the default, means the config's chunk_tokens.
     """
 
     instance_id: str
@@ -105,6 +107,7 @@ class InstanceState:
     pending_send_bytes: float = 0.0
     prefill_scale: float = 1.0
     decode_scale: float = 1.0
+    chunk_tokens: int = 0
     kv_tokens: int = field(init=False)
     """KV tokens of the running sequences (derived; summed once here, read per decision)."""
     incoming_kv_tokens: int = field(init=False)

@@ -361,6 +361,7 @@ async def _register(state: WorkerState) -> None:
         instance_id=c.instance_id, role=c.role, http_url=c.http_url,
         kv_address=f"{c.public_host}:{state.kv_port}", model=c.served_model_name,
         block_size=state.block_size, kv_capacity_tokens=state.kv_capacity_tokens, started_at=time.time(),
+        chunk_tokens=c.max_num_batched_tokens,
     )
     # The registry (etcd, or the conductor) may not be up yet: keep trying, 0.2 s to 5 s apart.
     await retrying(0.2, 5.0, RegistryUnavailable)(registry.register, info, ttl_s=c.registry_ttl_s)

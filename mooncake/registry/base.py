@@ -39,6 +39,7 @@ class InstanceInfo(msgspec.Struct, frozen=True, tag_field="v", tag=WIRE_VERSION)
     block_size: int
     kv_capacity_tokens: int
     started_at: float  # wall-clock seconds (time.time()) of the worker's start
+    chunk_tokens: int = 0  # the engine's tokens per step (max_num_batched_tokens); 0: not said
 
     def __post_init__(self) -> None:
         # Runs on construction and on decoding (msgspec turns the error into a ValidationError).
@@ -46,8 +47,8 @@ class InstanceInfo(msgspec.Struct, frozen=True, tag_field="v", tag=WIRE_VERSION)
             raise ValueError(f"instance_id must be non-empty without '/': {self.instance_id!r}")
         if self.role not in set(WorkerRole):  # msgspec checks the enum on decode, not in __init__
             raise ValueError(f"role must be one of {[str(r) for r in WorkerRole]}, got {self.role!r}")
-        if self.block_size <= 0 or self.kv_capacity_tokens < 0:
-            raise ValueError("block_size must be > 0 and kv_capacity_tokens >= 0")
+        if self.block_size <= 0 or self.kv_capacity_tokens < 0 or self.chunk_tokens < 0:
+            raise ValueError("block_size must be > 0, kv_capacity_tokens and chunk_tokens >= 0")
 
     def serves(self, role: str) -> bool:
         """True if this instance can take work of `role` ("both" serves either)."""

@@ -1,5 +1,7 @@
 """Flexible roles: any instance may prefill or decode; labels only cost role_cost_s."""
 
+from dataclasses import replace
+
 import pytest
 
 from conductor.core import DecodeSeq, Decision, InstanceState, Rejection, RejectReason, Role, SchedulerConfig
@@ -40,6 +42,20 @@ def test_chunk_step_that_breaks_the_running_batch_tbt_is_not_taken():
     assert isinstance(d, Decision) and (d.prefill_instance, d.decode_instance) == ("p0", "d0")
     r = flex(admission="early", chunk_tokens=100, ttft_slo_s=10.0).schedule(request(500), st, now=0.0)
     assert isinstance(r, Rejection) and r.reason is RejectReason.TTFT_SLO
+
+
+def test_an_instance_prices_its_own_chunk_size():
+    # The config's chunk (100) breaks the 0.1 s TBT SLO beside d0's batch; d0's own engine steps
+    # 50 tokens (its registration says so), which keep it: d0 may prefill while it decodes.
+    busy_p = prefill("p0", queued=20.0)
+    own = state(busy_p, replace(decode("d0", batch=5), chunk_tokens=50))
+    d = flex(admission="early", chunk_tokens=100, colocate_max_new_tokens=40).schedule(request(500), own, now=0.0)
+    assert isinstance(d, Decision) and d.prefill_instance == d.decode_instance == "d0"
+    assert d.predicted_ttft_s == pytest.approx(10 * 0.065)
+    # ... and the other way round: the config's 50 would fit, d0's own 100 does not.
+    big = state(busy_p, replace(decode("d0", batch=5), chunk_tokens=100))
+    d = flex(admission="early", chunk_tokens=50).schedule(request(500), big, now=0.0)
+    assert isinstance(d, Decision) and (d.prefill_instance, d.decode_instance) == ("p0", "d0")
 
 
 def test_role_cost_breaks_near_ties_toward_labels():

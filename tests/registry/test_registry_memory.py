@@ -2,6 +2,8 @@
 
 import asyncio
 
+import pytest
+
 from mooncake.registry import InstanceInfo, MemoryRegistry, RegistryConfig
 
 
@@ -87,3 +89,14 @@ def test_in_process_register_keepalive_and_reregister() -> None:
         assert reg.list() == {}
         await reg.close()
     run(main())
+
+
+def test_a_record_says_its_engines_chunk_and_an_older_one_without_it_still_decodes() -> None:
+    from mooncake.registry.base import decode_info, encode_info
+
+    info = InstanceInfo("d-1", "decode", "http://w", "127.0.0.1:1", "m", 16, 100, 0.0, chunk_tokens=128)
+    assert decode_info(encode_info(info)).chunk_tokens == 128
+    older = encode_info(info).replace(b',"chunk_tokens":128', b"")
+    assert b"chunk_tokens" not in older and decode_info(older).chunk_tokens == 0  # 0: the conductor's own
+    with pytest.raises(ValueError, match="chunk_tokens"):
+        InstanceInfo("d-1", "decode", "http://w", "127.0.0.1:1", "m", 16, 100, 0.0, chunk_tokens=-1)

@@ -88,11 +88,12 @@ def test_last_view_kept_during_outage_then_resync() -> None:
 def test_codec_round_trip_and_versioning() -> None:
     i = info("p0", "both")
     assert decode_info(encode_info(i)) == i
-    # The stored shape is unchanged from the hand-written codec: version first, then the fields.
+    # The stored shape is the hand-written codec's (version first, then the fields), plus the
+    # engine's chunk size, which older records lack (they decode with 0, "not said").
     assert json.loads(encode_info(i)) == {
         "v": 1, "instance_id": "p0", "role": "both", "http_url": "http://127.0.0.1:9000/p0",
         "kv_address": "127.0.0.1:7000", "model": "m", "block_size": 16,
-        "kv_capacity_tokens": 1000, "started_at": 1.0}
+        "kv_capacity_tokens": 1000, "started_at": 1.0, "chunk_tokens": 0}
     assert list(json.loads(encode_info(i)))[0] == "v"
     # Forward compatible: a newer writer's extra fields are ignored.
     extra = json.dumps({**json.loads(encode_info(i)), "new_field": 9}, separators=(",", ":"))
