@@ -23,6 +23,8 @@ import json
 import sys
 from pathlib import Path
 
+import httpx
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
@@ -56,6 +58,7 @@ def measure(args: argparse.Namespace, name: str, model: str, out_dir: Path) -> d
     try:
         with system(name, model, out_dir / "logs", args.dtype, args.ttft_slo, args.tbt_slo) as url:
             code = bench_cli.main(bench_argv(args, url, out))
+            routes = route_counts(url) if name == "ours" else None
     except Exception as exc:  # noqa: BLE001 - a peer that cannot start is reported, the run goes on
         print(f"[{name}] could not be measured: {type(exc).__name__}: {exc}", file=sys.stderr)
         return None
@@ -63,7 +66,26 @@ def measure(args: argparse.Namespace, name: str, model: str, out_dir: Path) -> d
         print(f"[{name}] mooncake bench exited with {code}", file=sys.stderr)
         return None
     doc = json.loads(out.read_text())
-    return {"slo_capacity": doc["slo_capacity"], "summaries": [run["summary"] for run in doc["runs"]]}
+    return {"slo_capacity": doc["slo_capacity"], "summaries": [run["summary"] for run in doc["runs"]],
+            "routes": routes}
+
+
+def route_counts(api_url: str) -> dict[str, float] | None:
+    """Our conductor's requests routed by kind over the whole run, warm-up included (its
+    mooncake_routes_total): how often a worker played against its label. None if unreadable."""
+    try:
+        return routes_from_metrics(httpx.get(api_url.removesuffix("/v1") + "/metrics", timeout=10).text)
+    except httpx.HTTPError:
+        return None
+
+
+def routes_from_metrics(text: str) -> dict[str, float]:
+    found = {}
+    for line in text.splitlines():
+        if line.startswith("mooncake_routes_total{"):
+            labels, value = line.rsplit(" ", 1)
+            found[labels.split('kind="', 1)[1].split('"', 1)[0]] = float(value)
+    return found
 
 
 def ratio(a: float | None, b: float | None) -> str:
@@ -99,6 +121,9 @@ def report(results: dict[str, dict], args: argparse.Namespace) -> str:
             lines.append(f"ours vs {peer}: SLO capacity {ratio(caps['ours'], caps[peer])}; lowest goodput ratio "
                          f"over the rates {'n/a' if worst is None else f'{worst:.2f}x'}")
         lines += calibration_lines(results["ours"]["summaries"], args.ttft_slo)
+        if results["ours"].get("routes"):
+            lines.append("ours: requests routed over the run (warm-up included): " + ", ".join(
+                f"{kind} {count:.0f}" for kind, count in sorted(results["ours"]["routes"].items())))
     return "\n".join(lines)
 
 

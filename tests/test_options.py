@@ -129,7 +129,9 @@ def test_live_defaults_have_one_source():
     worker_args = parse("decode", "--insecure-no-cluster-token")
     worker = worker_config(worker_args, WorkerRole.DECODE, "/models/m")
     assert (worker.block_size, worker.kv_cache_gib, worker.max_num_batched_tokens, worker.dtype) == (
-        defaults.KV_BLOCK_SIZE, defaults.KV_CACHE_GIB, defaults.CHUNK_SIZE, Dtype.FLOAT32)
+        defaults.KV_BLOCK_SIZE, defaults.KV_CACHE_GIB, defaults.DECODE_CHUNK_SIZE, Dtype.FLOAT32)
+    prefill_worker = worker_config(parse("prefill", "--insecure-no-cluster-token"), WorkerRole.PREFILL, "/models/m")
+    assert prefill_worker.max_num_batched_tokens == defaults.CHUNK_SIZE
     assert worker.role is WorkerRole.DECODE and worker.port == defaults.DECODE_PORT
     assert parse("prefill").port == defaults.PREFILL_PORT
     serve = parse("serve")
