@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import shlex
 import sys
 from pathlib import Path
 
@@ -35,12 +36,13 @@ from mooncake.model import ensure_model  # noqa: E402
 SYSTEMS = ("vllm", "ours", "vllm-mooncake")
 
 
-def system(name: str, model: str, log_dir: Path, dtype: str, ttft_slo: float, tbt_slo: float):
+def system(name: str, model: str, log_dir: Path, dtype: str, ttft_slo: float, tbt_slo: float,
+           ours_args: tuple[str, ...] = ()):
     if name == "vllm":
         return servers.colocated_vllm(model, log_dir, dtype=dtype)
     if name == "ours":
         return servers.mooncake_cluster(model, log_dir, dtype=dtype,
-                                        extra=["--ttft-slo", str(ttft_slo), "--tbt-slo", str(tbt_slo)])
+                                        extra=["--ttft-slo", str(ttft_slo), "--tbt-slo", str(tbt_slo), *ours_args])
     if name == "vllm-mooncake":
         return servers.vllm_mooncake_pd(model, log_dir, dtype=dtype)
     raise ValueError(f"unknown system {name!r}; choose from {SYSTEMS}")
@@ -56,7 +58,8 @@ def bench_argv(args: argparse.Namespace, url: str, out: Path) -> list[str]:
 def measure(args: argparse.Namespace, name: str, model: str, out_dir: Path) -> dict | None:
     out = out_dir / f"{name}.json"
     try:
-        with system(name, model, out_dir / "logs", args.dtype, args.ttft_slo, args.tbt_slo) as url:
+        with system(name, model, out_dir / "logs", args.dtype, args.ttft_slo, args.tbt_slo,
+                    tuple(shlex.split(args.ours_args))) as url:
             code = bench_cli.main(bench_argv(args, url, out))
             routes = route_counts(url) if name == "ours" else None
     except Exception as exc:  # noqa: BLE001 - a peer that cannot start is reported, the run goes on
@@ -175,6 +178,8 @@ def main() -> int:
     p.add_argument("--ttft-slo", type=float, default=10.0)
     p.add_argument("--tbt-slo", type=float, default=0.25)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ours-args", default="", help="more `mooncake serve` options for ours, e.g. "
+                                                   "\"--decode-chunk-size 2048\" (default: none)")
     args = p.parse_args()
     model = str(ensure_model())
     out_dir = ROOT / "benchmarks" / "out" / f"goodput-{args.dtype}"
