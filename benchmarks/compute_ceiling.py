@@ -9,8 +9,8 @@ benchmarks/goodput.py, 64 output tokens, ignore_eos) one after another: no queue
   seconds (last token - first token);
 - on one core, as each of our workers runs: the same.
 Whatever the scheduler, a request needs its prompt prefilled by some engine. With decode free, n
-cores serve at most max(1 / P_all, n / P_one) requests per second (P_all: mean prefill seconds
-on all n cores, P_one: on one core, n engines side by side). That is the ceiling printed; with
+cores serve at most max(T_all, n T_one) / L requests per second (T_all: prompt tokens/s of one
+engine on all n cores, T_one: on one core, n engines side by side; L: the workload's mean prompt). That is the ceiling printed; with
 the decode measured at batch 1 beside it (an upper bound of its cost: batching lowers it).
 
 With --goodput-dir (default benchmarks/out/goodput-<dtype>, what goodput.py last wrote), each
@@ -51,11 +51,17 @@ class EngineSpeed:
     prompt_tokens: float
     """Mean prompt length of the measured requests."""
 
+    @property
+    def tokens_per_s(self) -> float:
+        return self.prompt_tokens / self.prefill_s
 
-def ceiling_rps(all_cores: EngineSpeed, one_core: EngineSpeed, cores: int) -> float:
-    """Requests/s the cores could prefill with decode free: one engine on all of them, or one
-    engine per core side by side, whichever prefills more."""
-    return max(1.0 / all_cores.prefill_s, cores / one_core.prefill_s)
+
+def ceiling_rps(all_cores: EngineSpeed, one_core: EngineSpeed, cores: int, mean_prompt: float) -> float:
+    """Requests/s of `mean_prompt`-token prompts the cores could prefill with decode free: one
+    engine on all of them, or one engine per core side by side, whichever prefills more. By
+    tokens/s, so a measured sample whose prompts ran short or long of the workload's mean does
+    not move it."""
+    return max(all_cores.tokens_per_s, cores * one_core.tokens_per_s) / mean_prompt
 
 
 def share_lines(capacities: dict[str, float | None], ceiling: float, goal: float = 1.3) -> list[str]:
@@ -129,16 +135,19 @@ def main() -> int:
         with servers.colocated_vllm(model, out_dir / "logs", dtype=args.dtype, cores=cores) as url:
             records = asyncio.run(measure(url, prompts, args.output_len, args.warmup))
         speeds[label] = speed(records, len(mine) if label == "all" else 1)
-    ceiling = ceiling_rps(speeds["all"], speeds["one"], len(mine))
+    mean_prompt = (lo + hi) / 2  # the workload's mean (goodput.py's prompts are uniform in [lo, hi])
+    ceiling = ceiling_rps(speeds["all"], speeds["one"], len(mine), mean_prompt)
     lines = [f"## Compute ceiling, {args.dtype}, {len(mine)} cores, prompts of {args.input_len} tokens "
-             f"(mean {speeds['all'].prompt_tokens:.0f}), {args.output_len} output tokens",
+             f"(the workload's mean {mean_prompt:.0f}; the measured ones' {speeds['all'].prompt_tokens:.0f}), "
+             f"{args.output_len} output tokens",
              "", "| engine | prefill s per prompt | prompt tokens/s | decode s per request (batch 1) |",
              "|---|---|---|---|"]
     for label, s in speeds.items():
         lines.append(f"| vLLM on {s.cores} core{'s' if s.cores > 1 else ''} | {s.prefill_s:.2f} | "
-                     f"{s.prompt_tokens / s.prefill_s:.0f} | {s.decode_s:.2f} |")
-    lines += ["", f"Ceiling with decode free: {ceiling:.3g} req/s (one engine on all cores: "
-                  f"{1 / speeds['all'].prefill_s:.3g}; one per core: {len(mine) / speeds['one'].prefill_s:.3g})"]
+                     f"{s.tokens_per_s:.0f} | {s.decode_s:.2f} |")
+    lines += ["", f"Ceiling with decode free: {ceiling:.3g} req/s of {mean_prompt:.0f}-token prompts (one engine "
+                  f"on all cores: {speeds['all'].tokens_per_s / mean_prompt:.3g}; one per core: "
+                  f"{len(mine) * speeds['one'].tokens_per_s / mean_prompt:.3g})"]
     goodput_dir = args.goodput_dir or out_dir / f"goodput-{args.dtype}"
     caps = capacities(goodput_dir)
     if caps:
@@ -147,7 +156,8 @@ def main() -> int:
     text = "\n".join(lines)
     print(text)
     (out_dir / f"compute_ceiling-{args.dtype}.json").write_text(json.dumps(
-        {"speeds": {k: asdict(v) for k, v in speeds.items()}, "ceiling_rps": ceiling, "capacities": caps,
+        {"speeds": {k: asdict(v) for k, v in speeds.items()}, "mean_prompt_tokens": mean_prompt,
+         "ceiling_rps": ceiling, "capacities": caps,
          "report": text}, indent=1))
     return 0
 

@@ -53,7 +53,7 @@ class WorkerHandle:
     queued_prefill_tokens: int = 0
     block_size: int = 0  # from the registry (0: not known yet)
     kv_capacity_tokens: int = 0
-    chunk_tokens: int = 0  # its engine's tokens per step, from the registry (0: the conductor's --chunk-size)
+    chunk_tokens: int = 0  # its engine's tokens per step, from the registry (0: not said; the scheduler's default)
     ledger: Ledger = field(default_factory=Ledger)
     events_seq: int = -1  # last KV event applied to the prefix index (-1: need a snapshot)
     static: bool = False  # given by --prefill-url/--decode-url: kept even when not registered

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from mooncake import defaults
 from mooncake.cli_help import DefaultsHelpFormatter
-from mooncake.defaults import Dtype, engine_option_errors
+from mooncake.defaults import Dtype, chunk_size_error, engine_option_errors
 from mooncake.logs import configure_logging, uvicorn_log_config
 
 
@@ -56,8 +56,8 @@ def _check_serve(args: argparse.Namespace) -> list[str]:
     from conductor.cli_args import check_scheduler_args
 
     errors = engine_option_errors(args.kv_cache_gib, args.block_size, args.chunk_size)
-    errors += [e.replace("--chunk-size", "--decode-chunk-size") for e in
-               engine_option_errors(args.kv_cache_gib, args.block_size, args.decode_chunk_size) if "--chunk-size" in e]
+    if (error := chunk_size_error(args.decode_chunk_size, "--decode-chunk-size")) is not None:
+        errors.append(error)
     errors += [e for e in check_scheduler_args(args) if e not in errors]
     if args.max_model_len < 16:
         errors.append(f"--max-model-len must be >= 16, got {args.max_model_len}")
@@ -228,7 +228,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--kv-cache-gib", type=float, default=defaults.KV_CACHE_GIB,
                        help="KV cache per worker on CPU, GiB (on a GPU vLLM sizes it by its memory utilization)")
     serve.add_argument("--chunk-size", type=int, default=defaults.CHUNK_SIZE,
-                       help="the prefill workers' prefill chunk (tokens per engine step)")
+                       help="the prefill workers' prefill chunk (tokens per engine step); with --prefill 0 "
+                            "the decode workers' too")
     serve.add_argument("--decode-chunk-size", type=int, default=defaults.DECODE_CHUNK_SIZE,
                        help="the decode workers' tokens per engine step: the gap a prompt they take (flexible "
                             "roles, conditional disaggregation) puts between their running requests' tokens; "

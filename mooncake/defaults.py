@@ -43,13 +43,15 @@ MAX_MODEL_LEN = 8192
 CHUNK_SIZE = 2048
 """Tokens per engine step (vLLM's max_num_batched_tokens); longer prompts prefill in chunks."""
 DECODE_CHUNK_SIZE = 128
-"""The decode workers' tokens per engine step under `mooncake serve`. A decode worker that takes
+"""The decode workers' tokens per engine step (`mooncake decode`'s default; `mooncake serve` gives
+it to its decode workers when it also starts prefill workers). A decode worker that takes
 a prompt (flexible roles, conditional disaggregation) computes it beside its running batch, and
 each step is a gap between that batch's tokens: a step must fit the TBT SLO for the scheduler to
 give it prefill work at all. On one core a 2,048-token step takes about 2 s, so the decode worker
 never prefilled while it decoded; 128 tokens (vLLM's minimum here, max_num_seqs) take about
-0.13 s, which fits a 0.25 s TBT SLO beside a decode step (benchmarks/RESULTS.md, 2026-11-27).
-Its own prompts then take more steps."""
+0.13 s, which fits a 0.25 s TBT SLO beside a decode step (benchmarks/RESULTS.md, 2026-11-27:
+that is the premise; the goodput runs so far are inside their spread). Its own prompts then take
+more steps. Sized for CPU: on a GPU, set it (Helm's decode.chunkSize) to what a step there takes."""
 KV_CACHE_GIB = 1.0
 """KV cache per worker on CPU, GiB (vLLM's kv_cache_memory_bytes; on a GPU vLLM sizes it by
 --gpu-memory-utilization)."""
@@ -175,6 +177,14 @@ def block_size_error(block_size: int) -> str | None:
     return None
 
 
+def chunk_size_error(chunk_size: int, option: str = "--chunk-size") -> str | None:
+    """Why vLLM cannot step `chunk_size` tokens (None: it can); `option` names it for the user."""
+    if chunk_size < ENGINE_MAX_NUM_SEQS:
+        return (f"{option} must be >= {ENGINE_MAX_NUM_SEQS} (vLLM needs at least one token "
+                f"per batched sequence, max_num_seqs={ENGINE_MAX_NUM_SEQS}), got {chunk_size}")
+    return None
+
+
 def engine_option_errors(kv_cache_gib: float, block_size: int, chunk_size: int) -> list[str]:
     """What vLLM-CPU would refuse (or crash on) among these options, as sentences for a user.
 
@@ -185,9 +195,8 @@ def engine_option_errors(kv_cache_gib: float, block_size: int, chunk_size: int) 
         errors.append(f"--kv-cache-gib must be >= {MIN_KV_CACHE_GIB:g} GiB, got {kv_cache_gib:g}")
     if (error := block_size_error(block_size)) is not None:
         errors.append(error)
-    if chunk_size < ENGINE_MAX_NUM_SEQS:
-        errors.append(f"--chunk-size must be >= {ENGINE_MAX_NUM_SEQS} (vLLM needs at least one token "
-                      f"per batched sequence, max_num_seqs={ENGINE_MAX_NUM_SEQS}), got {chunk_size}")
+    if (error := chunk_size_error(chunk_size)) is not None:
+        errors.append(error)
     return errors
 
 # The most logprobs one token may ask for (OpenAI's top_logprobs bound; vLLM's default

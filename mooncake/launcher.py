@@ -25,7 +25,7 @@ from conductor.core.config import SchedulerConfig
 from conductor.slo import SLOBounds
 from mooncake import defaults
 from mooncake.auth import TOKEN_ENV, generate_token
-from mooncake.defaults import Dtype, WorkerRole, engine_option_errors
+from mooncake.defaults import Dtype, WorkerRole, chunk_size_error, engine_option_errors
 from mooncake.logs import uvicorn_log_config
 from mooncake.net import http_server_config
 from mooncake.supervisor import RestartPolicy, Supervisor, group_running, kill_group
@@ -70,9 +70,8 @@ class ClusterConfig:
             raise ValueError("a cluster needs at least one decode worker (and zero or more prefill workers)")
         # Checked here, before any worker starts: each would otherwise die inside vLLM.
         errors = engine_option_errors(self.kv_cache_gib, self.scheduler.block_size, self.chunk_size)
-        errors += [e.replace("--chunk-size", "--decode-chunk-size") for e in
-                   engine_option_errors(self.kv_cache_gib, self.scheduler.block_size, self.decode_chunk_size)
-                   if "--chunk-size" in e]
+        if (error := chunk_size_error(self.decode_chunk_size, "--decode-chunk-size")) is not None:
+            errors.append(error)
         if errors:
             raise ValueError("; ".join(errors))
 

@@ -91,8 +91,9 @@ class SchedulerConfig:
     prefilling beyond conditional disaggregation's one-step budget). Never used for admission."""
     chunk_tokens: int = 2048
     """The engine's token budget per step (vLLM's max_num_batched_tokens, the workers'
-    --chunk-size): with flexible_roles, a prompt prefilled on an instance with a running batch
-    runs in steps of this many tokens, each one also stepping the batch."""
+    --chunk-size) for an instance that does not say its own (InstanceState.chunk_tokens): with
+    flexible_roles, a prompt prefilled on an instance with a running batch runs in steps of this
+    many tokens, each one also stepping the batch."""
     default_decode_s: float = PAPER_DEFAULT_DECODE_S
     """Uniform decode duration t_d assumed by prediction until the cluster has measured one."""
     decode_forecast: str = "fluid"
