@@ -110,6 +110,17 @@ def test_mirror_view_adds_registered_and_drops_expired_but_keeps_static():
     assert set(pool.handles) == {"http://static:1"} and index.block_count("w1") == 0
 
 
+def test_a_registered_workers_step_size_reaches_the_scheduler():
+    pool, index, view = WorkerPool(), PrefixIndex(), ClusterView()
+    info = InstanceInfo("d1", "decode", "http://d1:1", "d1:2", "m", BLOCK, 100_000, 0.0, chunk_tokens=256)
+    view.apply(RegistryEvent("resync", snapshot={"d1": info}), now=0.0)
+    mirror_view(view, pool, index, now=0.0)
+    handle = pool.handles["http://d1:1"]
+    handle.ready = True
+    assert handle.chunk_tokens == 256
+    assert router(pool)._instance(handle, now=0.0).chunk_tokens == 256
+
+
 def test_a_prefill_in_flight_counts_as_cache_for_the_next_request_on_that_worker():
     pool = pool_of(("p1", "prefill"), ("p2", "prefill"), ("d1", "decode"))
     r = router(pool, policy="cache-aware")
