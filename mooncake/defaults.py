@@ -42,16 +42,18 @@ MAX_MODEL_LEN = 8192
 """Longest prompt + output, tokens."""
 CHUNK_SIZE = 2048
 """Tokens per engine step (vLLM's max_num_batched_tokens); longer prompts prefill in chunks."""
-DECODE_CHUNK_SIZE = 128
-"""The decode workers' tokens per engine step (`mooncake decode`'s default; `mooncake serve` gives
-it to its decode workers when it also starts prefill workers). A decode worker that takes
-a prompt (flexible roles, conditional disaggregation) computes it beside its running batch, and
-each step is a gap between that batch's tokens: a step must fit the TBT SLO for the scheduler to
-give it prefill work at all. On one core a 2,048-token step takes about 2 s, so the decode worker
-never prefilled while it decoded; 128 tokens (vLLM's minimum here, max_num_seqs) take about
-0.13 s, which fits a 0.25 s TBT SLO beside a decode step (benchmarks/RESULTS.md, 2026-11-27:
-that is the premise; the goodput runs so far are inside their spread). Its own prompts then take
-more steps. Sized for CPU: on a GPU, set it (Helm's decode.chunkSize) to what a step there takes."""
+DECODE_CHUNK_SIZE = CHUNK_SIZE
+"""The decode workers' tokens per engine step (`mooncake decode`'s default; `mooncake serve
+--decode-chunk-size`). A decode worker that takes a prompt (flexible roles, conditional
+disaggregation) computes it beside its running batch, and each step is a gap between that
+batch's tokens: a step must fit the TBT SLO for the scheduler to give it prefill work at all. On
+one core a 2,048-token step takes about 2 s, so the decode worker never prefills while it
+decodes; 128 tokens (vLLM's minimum here) take about 0.13 s and would let it. Left at the prefill
+chunk: with 128 the goodput runs were inside their run-to-run spread, and the one full test run
+with it as the default was 6 minutes slower and failed a drain test (a prefill worker's request
+outlasted its 20 s drain on the loaded machine; the cause was not established), with no time
+left to find out (benchmarks/RESULTS.md, 2026-11-27). Each worker registers its step, so the
+scheduler prices whichever is chosen."""
 KV_CACHE_GIB = 1.0
 """KV cache per worker on CPU, GiB (vLLM's kv_cache_memory_bytes; on a GPU vLLM sizes it by
 --gpu-memory-utilization)."""
