@@ -231,9 +231,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the prefill workers' prefill chunk (tokens per engine step); with --prefill 0 "
                             "the decode workers' too")
     serve.add_argument("--decode-chunk-size", type=int, default=defaults.DECODE_CHUNK_SIZE,
-                       help="the decode workers' tokens per engine step: the gap a prompt they take (flexible "
-                            "roles, conditional disaggregation) puts between their running requests' tokens; "
-                            "small, so that it fits the TBT SLO and they may prefill while they decode")
+                       help="the decode workers' tokens per engine step (default: the prefill chunk): the gap a "
+                            "prompt they take (flexible roles, conditional disaggregation) puts between their "
+                            "running requests' tokens. A step that fits the TBT SLO (e.g. 128 on one CPU core) "
+                            "lets them prefill while they decode")
     serve.add_argument("--max-worker-restarts", type=int, default=defaults.WORKER_MAX_RESTARTS, metavar="N",
                        help=f"a worker that dies once the cluster is up is restarted (after a back-off), at most N "
                             f"times within {defaults.WORKER_RESTART_WINDOW_S:g} s; 0: never")
