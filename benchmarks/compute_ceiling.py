@@ -10,8 +10,9 @@ benchmarks/goodput.py, 64 output tokens, ignore_eos) one after another: no queue
 - on one core, as each of our workers runs: the same.
 Whatever the scheduler, a request needs its prompt prefilled by some engine. With decode free, n
 cores serve at most max(T_all, n T_one) / L requests per second (T_all: prompt tokens/s of one
-engine on all n cores, T_one: on one core, n engines side by side; L: the workload's mean prompt). That is the ceiling printed; with
-the decode measured at batch 1 beside it (an upper bound of its cost: batching lowers it).
+engine on all n cores, T_one: on one core, n engines side by side; L: the workload's mean
+prompt). That is the ceiling printed, with the decode measured at batch 1 beside it (an upper
+bound of its cost: batching lowers it).
 
 With --goodput-dir (default benchmarks/out/goodput-<dtype>, what goodput.py last wrote), each
 system's SLO capacity from that run is printed as a share of the ceiling, with what 1.3x the

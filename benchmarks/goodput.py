@@ -25,6 +25,7 @@ import sys
 from pathlib import Path
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -83,12 +84,8 @@ def route_counts(api_url: str) -> dict[str, float] | None:
 
 
 def routes_from_metrics(text: str) -> dict[str, float]:
-    found = {}
-    for line in text.splitlines():
-        if line.startswith("mooncake_routes_total{"):
-            labels, value = line.rsplit(" ", 1)
-            found[labels.split('kind="', 1)[1].split('"', 1)[0]] = float(value)
-    return found
+    return {s.labels["kind"]: s.value for family in text_string_to_metric_families(text)
+            if family.name == "mooncake_routes" for s in family.samples if s.name == "mooncake_routes_total"}
 
 
 def ratio(a: float | None, b: float | None) -> str:

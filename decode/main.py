@@ -14,7 +14,7 @@ DEFAULT_PORT = defaults.DECODE_PORT
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_worker_arguments(parser, DEFAULT_PORT, defaults.DECODE_CHUNK_SIZE)
+    add_worker_arguments(parser, DEFAULT_PORT)
 
 
 def check(args: argparse.Namespace) -> list[str]:

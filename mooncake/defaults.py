@@ -43,8 +43,7 @@ MAX_MODEL_LEN = 8192
 CHUNK_SIZE = 2048
 """Tokens per engine step (vLLM's max_num_batched_tokens); longer prompts prefill in chunks."""
 DECODE_CHUNK_SIZE = CHUNK_SIZE
-"""The decode workers' tokens per engine step (`mooncake decode`'s default; `mooncake serve
---decode-chunk-size`). A decode worker that takes a prompt (flexible roles, conditional
+"""The decode workers' tokens per engine step under `mooncake serve` (`--decode-chunk-size`). A decode worker that takes a prompt (flexible roles, conditional
 disaggregation) computes it beside its running batch, and each step is a gap between that
 batch's tokens: a step must fit the TBT SLO for the scheduler to give it prefill work at all. On
 one core a 2,048-token step takes about 2 s, so the decode worker never prefills while it
