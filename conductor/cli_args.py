@@ -31,10 +31,11 @@ def add_scheduler_arguments(parser: argparse.ArgumentParser) -> None:
                         "on an idle cluster; by default it is served, best effort, when no worker that may prefill "
                         "has anything queued, and refused with a Retry-After until then (unless it set its own, "
                         "tighter TTFT SLO)")
-    g.add_argument("--remote-fetch", action="store_true",
+    g.add_argument("--remote-fetch", action=argparse.BooleanOptionalAction, default=defaults.REMOTE_FETCH,
                    help="Algorithm 1's fetch_from: a prefill worker may pull a longer prefix from another worker's "
-                        "KVCache pool (priced with the measured bandwidth) instead of computing it; the workers "
-                        "must run their pools (the default)")
+                        "KVCache pool (priced with the measured KV bandwidth) instead of computing it, when that "
+                        "predicts the lower TTFT; only workers whose pools serve other nodes (the default) are "
+                        "fetched from. --no-remote-fetch prices each worker by the prefix it holds itself")
     g.add_argument("--profile", default=None,
                    help=f"estimator profile table: a bundled name or a JSON path (see `mooncake profile`); "
                         f"default: the bundled one measured in the workers' --dtype ({DEFAULT_PROFILE} for "

@@ -40,9 +40,8 @@ def live_scheduler_config(**overrides) -> SchedulerConfig:
                  default_decode_s=defaults.DEFAULT_DECODE_S, flexible_roles=defaults.FLEXIBLE_ROLES,
                  role_cost_s=defaults.ROLE_COST_S, chunk_tokens=defaults.CHUNK_SIZE,
                  best_effort_when_idle=defaults.BEST_EFFORT_WHEN_IDLE,
-                 # Off unless asked (--remote-fetch): a fetch is carried out only between workers whose
-                 # KVCache pools serve other nodes, which the conductor learns only once they are up.
-                 remote_fetch=False)
+                 # Priced only from holders whose pools serve other nodes (InstanceState.serves_fetches).
+                 remote_fetch=defaults.REMOTE_FETCH)
     return SchedulerConfig(**{**knobs, **overrides})
 
 

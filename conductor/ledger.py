@@ -89,10 +89,11 @@ class Ledger:
 
     def state(self, instance_id: str, role: Role, kv_capacity_tokens: int, bandwidth_Bps: float,
               scales: tuple[float, float] = (1.0, 1.0), now: float | None = None,
-              chunk_tokens: int = 0) -> InstanceState:
+              chunk_tokens: int = 0, serves_fetches: bool = True) -> InstanceState:
         """scales: the instance's calibrated (prefill, decode-step) speed (Calibration.scales).
         now: drain the prefill backlog to this time first (None: as of the last event).
-        chunk_tokens: its engine's tokens per step (0: the scheduler config's)."""
+        chunk_tokens: its engine's tokens per step (0: the scheduler config's).
+        serves_fetches: its KVCache pool serves other workers' fetches."""
         if now is not None:
             self._advance(now)
         return InstanceState(
@@ -100,6 +101,7 @@ class Ledger:
             running=tuple(self.running.values()), incoming=tuple(self.incoming.values()),
             kv_capacity_tokens=kv_capacity_tokens or (1 << 62), bandwidth_Bps=bandwidth_Bps,
             prefill_scale=scales[0], decode_scale=scales[1], chunk_tokens=chunk_tokens,
+            serves_fetches=serves_fetches,
         )
 
 

@@ -133,6 +133,12 @@ class ConductorMetrics:
             "mooncake_routes", "Requests routed, by kind: disaggregated (prefill worker, then decode worker) "
             "colocated (prefilled on the decode worker itself) or flexible (a pair that breaks a worker's role label: "
             "flexible roles).", ["kind"], registry=r)
+        self.prefix_fetches = Counter(
+            "mooncake_prefix_fetches", "Routes whose prefill worker pulls a prefix from another worker's KVCache "
+            "pool (Algorithm 1's fetch_from) instead of computing it.", registry=r)
+        self.prefix_fetch_tokens = Counter(
+            "mooncake_prefix_fetch_tokens", "Prompt tokens those routes pull from another worker's pool (tokens).",
+            registry=r)
         self.retries = Counter("mooncake_retries", "Requests moved to another worker after a failure, by stage.",
                                ["stage"], registry=r)
         self.prompt_tokens = Counter("mooncake_prompt_tokens", "Prompt tokens received (tokens).", registry=r)

@@ -6,12 +6,13 @@ ready workers and the conductor's own ledger, asks the core, and turns the answe
 or an HTTP refusal (429 with Retry-After, counted by reason). It also keeps the ledger current
 as requests pass their first token and finish (each admitted request's RequestLife calls it).
 
-With `remote_fetch` on (--remote-fetch) a decision may carry Algorithm 1's `fetch_from`: the
-route then carries a FetchParams for the prefill worker, naming the holder's KVCache pool (its
-/health pool_peer), and the prefill worker's pool connector pulls those blocks before computing
-the rest. A holder whose pool does not serve other nodes cannot be fetched from: the route goes
-without the fetch (the prefill computes what the fetch would have brought). Off (the default),
-each instance is priced by the prefix it holds itself.
+With `remote_fetch` on (the default; --no-remote-fetch turns it off) a decision may carry
+Algorithm 1's `fetch_from`: the route then carries a FetchParams for the prefill worker, naming the
+holder's KVCache pool (its /health pool_peer), and the prefill worker's pool connector pulls those
+blocks before computing the rest. Only a worker whose /health names a pool_peer is offered to the
+core as a holder (InstanceState.serves_fetches), so no fetch is priced that cannot happen; one
+whose pool went away in between is routed without the fetch (the prefill computes what the fetch
+would have brought). Off, each instance is priced by the prefix it holds itself.
 
 Each instance is priced with its own calibrated estimators: the router feeds the prefill and
 decode-step times the workers measured (`measured`) to that instance's calibration
@@ -157,6 +158,12 @@ class Router:
                                    max_tokens)
         self.pending.add(route.prefill.name, route.blocks)
         self.metrics.routes.labels(kind=_route_kind(route)).inc()
+        if route.fetch is not None and route.decision is not None:
+            fetched = min(route.decision.fetched_blocks * self.scheduler.config.block_size, route.fetch.num_tokens)
+            self.metrics.prefix_fetches.inc()
+            self.metrics.prefix_fetch_tokens.inc(fetched)
+            log.info("%s: %s fetches %d prefix tokens from %s's pool", route.request_id, route.prefill.name, fetched,
+                     route.decision.fetch_from)
         return route
 
     def first_token(self, route: Route, now: float) -> None:
@@ -209,7 +216,7 @@ class Router:
         role = Role.PREFILL if h.role == WorkerRole.PREFILL else Role.DECODE
         return h.ledger.state(h.name, role, h.kv_capacity_tokens,
                               h.push_bandwidth.estimate_Bps or DEFAULT_BANDWIDTH_BPS, self.calibration.scales(h.name),
-                              now, h.chunk_tokens)
+                              now, h.chunk_tokens, serves_fetches=bool(h.pool_peer))
 
 
 def fetch_params(decision: Decision, handles: dict[str, WorkerHandle]) -> FetchParams | None:

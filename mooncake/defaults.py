@@ -116,6 +116,12 @@ FLEXIBLE_ROLES = True
 """Any worker may prefill or decode any request (P = D included); its label is only a cost.
 Every engine runs the KV connector as kv_both, so a fixed split would strand compute: on 2 cores
 with 1P+1D one core prefills while the other idles between tokens."""
+REMOTE_FETCH = True
+"""Algorithm 1's fetch_from, carried out: a prefill worker may pull a longer prefix from another
+worker's KVCache pool (its DRAM or SSD tier, through the messenger) instead of computing it, when
+that prices the lower TTFT. Only a worker whose pool serves other nodes (its /health names a
+pool_peer) is fetched from. With flexible roles it matters most for conversations: the decode
+worker saved the answer's blocks, so the next turn's prefill takes them from there."""
 WORKER_MAX_RESTARTS = 5
 WORKER_RESTART_WINDOW_S = 600.0
 """`serve` restarts a worker that dies, at most WORKER_MAX_RESTARTS times within

@@ -124,8 +124,12 @@ def test_live_defaults_have_one_source():
     conductor = ConductorConfig(model_path="m", served_model_name="m")
     from_cli = [scheduler_config(parse(cmd)) for cmd in ("serve", "conductor")]
     for sched in (cluster.scheduler, conductor.scheduler, *from_cli):
-        assert (sched.block_size, sched.ttft_slo_s, sched.tbt_slo_s, sched.default_decode_s) == (
-            defaults.KV_BLOCK_SIZE, defaults.TTFT_SLO_S, defaults.TBT_SLO_S, defaults.DEFAULT_DECODE_S)
+        assert (sched.block_size, sched.ttft_slo_s, sched.tbt_slo_s, sched.default_decode_s, sched.remote_fetch) == (
+            defaults.KV_BLOCK_SIZE, defaults.TTFT_SLO_S, defaults.TBT_SLO_S, defaults.DEFAULT_DECODE_S,
+            defaults.REMOTE_FETCH)
+    for cmd in ("serve", "conductor"):
+        assert scheduler_config(parse(cmd, "--no-remote-fetch")).remote_fetch is False
+        assert scheduler_config(parse(cmd, "--remote-fetch")).remote_fetch is True
     worker_args = parse("decode", "--insecure-no-cluster-token")
     worker = worker_config(worker_args, WorkerRole.DECODE, "/models/m")
     assert (worker.block_size, worker.kv_cache_gib, worker.max_num_batched_tokens, worker.dtype) == (

@@ -74,9 +74,10 @@ class SchedulerConfig:
     this ratio; below it, recompute locally (a short extra prefix is not worth a transfer)."""
     remote_fetch: bool = True
     """Whether an instance can pull another's prefix blocks (Algorithm 1's fetch_from). The
-    simulator models it; the live cluster cannot carry it out until the KVCache pool lands
-    (store/, issue #14), so there it is off and an instance is priced by what it holds itself:
-    pricing a fetch that never happens routes prompts away from the instance that caches them."""
+    simulator models it; the live cluster carries it out through the workers' KVCache pools
+    (store/) and offers only holders whose pools serve other nodes (InstanceState.serves_fetches):
+    pricing a fetch that never happens routes prompts away from the instance that caches them.
+    Off, an instance is priced by what it holds itself."""
     conditional_disaggregation: bool = True
     """Let kvcache-centric prefill a short prompt on its decode instance (section 4)."""
     colocate_max_new_tokens: int = 2048

@@ -74,10 +74,13 @@ def _local(inst: InstanceState, prompt: int, matches: PrefixMatches, est: Estima
 
 
 def best_holder(matches: Mapping[str, int], instances: Sequence[InstanceState]) -> tuple[InstanceState | None, int]:
-    """FindBestPrefixMatch: the holder of the longest prefix; ties go to the least busy link."""
+    """FindBestPrefixMatch: the holder of the longest prefix that can be fetched from (an instance
+    that does not serve fetches is passed over); ties go to the least busy link."""
     best: InstanceState | None = None
     best_blocks = 0
     for inst in instances:
+        if not inst.serves_fetches:
+            continue
         blocks = matches.get(inst.instance_id, 0)
         if blocks > best_blocks or (blocks == best_blocks and blocks and best is not None
                                     and inst.pending_send_bytes < best.pending_send_bytes):
@@ -114,16 +117,20 @@ def _price(prompt: int, local_blocks: int, holder: InstanceState | None, best_bl
     """The choice for an instance holding local_blocks, before its own id, queue and prefill scale
     are applied (prefill_s is the prior's):
     fetch the best holder's longer prefix if best/local reaches the threshold (or it holds
-    none), else recompute beyond its own prefix."""
+    none), else recompute beyond its own prefix. Beyond Algorithm 1, a fetch that is predicted
+    to take longer than computing those tokens (a short prefix over a slow or busy link) is not
+    made: the threshold only says when a fetch is worth considering."""
+    cached = prefix_tokens(local_blocks, prompt, cfg.block_size)
+    local = PrefillChoice("", cached, None, 0, 0.0, est.prefill_s(prompt, cached), 0.0)
     fetch = cfg.remote_fetch and holder is not None and best_blocks > local_blocks and (
         local_blocks == 0 or best_blocks / local_blocks >= cfg.kvcache_balancing_threshold)
-    if fetch:
-        assert holder is not None
-        fetched = best_tokens - prefix_tokens(local_blocks, prompt, cfg.block_size)
-        return PrefillChoice("", best_tokens, holder.instance_id, fetched, 0.0, est.prefill_s(prompt, best_tokens),
-                             est.transfer_s(fetched, holder))
-    cached = prefix_tokens(local_blocks, prompt, cfg.block_size)
-    return PrefillChoice("", cached, None, 0, 0.0, est.prefill_s(prompt, cached), 0.0)
+    if not fetch:
+        return local
+    assert holder is not None
+    fetched = best_tokens - cached
+    choice = PrefillChoice("", best_tokens, holder.instance_id, fetched, 0.0, est.prefill_s(prompt, best_tokens),
+                           est.transfer_s(fetched, holder))
+    return choice if choice.ttft_s < local.ttft_s else local
 
 
 def choose_prefill(policy: Policy, prompt: int, pool: Sequence[InstanceState],

@@ -95,6 +95,8 @@ class InstanceState:
       prior's times these. 1.0, the default, prices it with the prior (the simulator's case).
     chunk_tokens: new tokens per engine step when it prefills beside a running batch (vLLM's
       max_num_batched_tokens there); 0, the default, means the config's chunk_tokens.
+    serves_fetches: other instances can pull prefix blocks from it (a live worker whose KVCache
+      pool serves other nodes); False: it is never a fetch_from, whatever it holds.
     """
 
     instance_id: str
@@ -108,6 +110,7 @@ class InstanceState:
     prefill_scale: float = 1.0
     decode_scale: float = 1.0
     chunk_tokens: int = 0
+    serves_fetches: bool = True
     kv_tokens: int = field(init=False)
     """KV tokens of the running sequences (derived; summed once here, read per decision)."""
     incoming_kv_tokens: int = field(init=False)

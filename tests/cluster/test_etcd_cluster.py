@@ -56,9 +56,12 @@ class EtcdCluster:
         return start(f"conductor-{port or self.port}", [
             "-m", "mooncake.cli", "conductor", "--model", self.model, "--served-model-name", MODEL_NAME,
             "--port", str(port or self.port), "--etcd", f"http://{self.etcd.endpoint}",
-            # Fixed roles: these tests check prefix locality and failover among the prefill workers;
-            # flexible roles have their own tests (tests/core, tests/spine, tests/e2e).
-            "--registry-ttl", str(TTL), "--no-flexible-roles", "--cluster-token-file", self.token_file, *extra],
+            # Fixed roles and no fetches between pools: these tests check prefix locality and failover
+            # among the prefill workers, and an idle non-holder that fetches the prefix may price
+            # lower than its holder. Flexible roles and fetches have their own tests (tests/core,
+            # tests/spine, tests/e2e: test_flexible_roles.py, test_prefix_fetch.py).
+            "--registry-ttl", str(TTL), "--no-flexible-roles", "--no-remote-fetch",
+            "--cluster-token-file", self.token_file, *extra],
             self.log_dir)
 
     def health(self, port: int | None = None) -> dict:

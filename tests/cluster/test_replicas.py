@@ -56,8 +56,8 @@ class Replicas(EtcdCluster):
         # A generous TTFT SLO: these tests are about routing and failures on two shared cores.
         # Never prefilled on the decode worker: it holds every prompt it decoded too, and a prompt
         # whose uncached tail fits one step would be served there, whichever prefill worker holds it.
-        # The default policy (kvcache-centric): with no KVCache pool yet the live conductor never
-        # prices a fetch from the holder (remote_fetch off), so the holder is the cheapest choice.
+        # The default policy (kvcache-centric), without fetches between pools (start_conductor):
+        # the holder is the cheapest choice.
         proc = self.start_conductor("--ttft-slo", "600", "--no-conditional-disaggregation", port=port)
         if port == self.port:
             self.conductor = proc

@@ -44,8 +44,8 @@ def test_kvcache_centric_fetches_hot_prefix_from_busy_holder():
 
 
 def test_without_remote_fetch_an_instance_is_priced_by_what_it_holds():
-    """The live cluster (no KVCache pool yet) cannot fetch: p0 would recompute all 1000 tokens
-    (1 s), so the holder wins while its queue is shorter than that, and p0 only past it."""
+    """--no-remote-fetch: p0 would recompute all 1000 tokens (1 s), so the holder wins while its
+    queue is shorter than that, and p0 only past it."""
     s = state(prefill("p0"), prefill("p1", queued=0.5), decode("d0"), index=idx(p1=90))
     d = scheduler(policy="kvcache-centric", admission="none", remote_fetch=False).schedule(request(1000), s, 0.0)
     assert (d.prefill_instance, d.fetch_from, d.cached_prefix_tokens, d.fetched_blocks) == ("p1", None, 900, 0)
@@ -55,10 +55,25 @@ def test_without_remote_fetch_an_instance_is_priced_by_what_it_holds():
     assert (d.prefill_instance, d.fetch_from, d.cached_prefix_tokens) == ("p0", None, 0)
 
 
-def test_the_live_scheduler_never_prices_a_fetch():
-    from conductor.config import live_scheduler_config
+def test_a_holder_that_serves_no_fetches_is_passed_over_for_one_that_does():
+    """A live worker whose pool does not serve other nodes is never a fetch_from: p1 holds the
+    longest prefix but cannot be fetched from, so p0 fetches d0's shorter one, or, with no holder
+    that serves fetches, computes the whole prompt."""
+    p1 = replace(prefill("p1", queued=5.0), serves_fetches=False)
+    s = state(prefill("p0"), p1, decode("d0"), index=idx(p1=90, d0=60))
+    d = scheduler(policy="kvcache-centric", admission="none").schedule(request(1000), s, 0.0)
+    assert (d.prefill_instance, d.fetch_from, d.cached_prefix_tokens, d.fetched_blocks) == ("p0", "d0", 600, 60)
+    s = state(prefill("p0"), p1, replace(decode("d0"), serves_fetches=False), index=idx(p1=90, d0=60))
+    d = scheduler(policy="kvcache-centric", admission="none").schedule(request(1000), s, 0.0)
+    assert (d.prefill_instance, d.fetch_from, d.cached_prefix_tokens) == ("p0", None, 0)
 
-    assert live_scheduler_config().remote_fetch is False
+
+def test_the_live_scheduler_fetches_by_default():
+    from conductor.config import live_scheduler_config
+    from mooncake import defaults
+
+    assert live_scheduler_config().remote_fetch is defaults.REMOTE_FETCH is True
+    assert live_scheduler_config(remote_fetch=False).remote_fetch is False
     assert SchedulerConfig().remote_fetch is True  # the simulator models fetches
 
 
@@ -78,8 +93,10 @@ def test_congested_sender_makes_fetching_lose():
     s = state(prefill("p0"), prefill("p1", queued=5.0, pending=1e9), decode("d0"), index=idx(p1=90))
     d = scheduler(policy="kvcache-centric", admission="none", kvcache_balancing_threshold=1.0).schedule(
         request(1000), s, 0.0)
-    # Algorithm 1 prices p0 with the fetch (100 s) and p1 locally (5.1 s): p1 wins.
-    assert (d.prefill_instance, d.fetch_from) == ("p1", None)
+    # Algorithm 1 alone would price p0 with the fetch (100 s) and send it to p1 (5.1 s); p0 computing
+    # the whole prompt itself (1 s) beats both, so the fetch is not made.
+    assert (d.prefill_instance, d.fetch_from, d.cached_prefix_tokens) == ("p0", None, 0)
+    assert d.predicted_ttft_s == pytest.approx(1.0)
 
 
 def pending(**held: int) -> PendingPrefixes:

@@ -121,6 +121,34 @@ def test_a_registered_workers_step_size_reaches_the_scheduler():
     assert router(pool)._instance(handle, now=0.0).chunk_tokens == 256
 
 
+def test_a_busy_holders_prefix_is_fetched_from_its_pool_only_when_its_pool_serves_others():
+    """Algorithm 1's fetch_from through the router: p2 holds 12 blocks but has seconds of prefill
+    queued, so idle p1 is sent with a FetchParams naming p2's pool; a p2 whose /health named no
+    pool_peer is never priced as a holder, and p1 then computes the whole prompt."""
+    prompt = list(range(1000, 3000))
+    for pool_peer in ('{"host": "p2", "port": 9}', None):
+        pool = pool_of(("p1", "prefill"), ("p2", "prefill"), ("d1", "decode"))
+        p2 = pool.handles["http://p2"]
+        p2.pool_peer = pool_peer
+        index = PrefixIndex()
+        index.apply_stored("p2", hash_prompt_blocks(prompt, BLOCK)[:12])
+        r = router(pool, index, remote_fetch=True)
+        assert r._instance(p2, now=0.0).serves_fetches is (pool_peer is not None)
+        busy = r.pick("busy", list(range(5000, 9000)), 8, now=0.0, exclude={"p1"})  # seconds of work on p2
+        assert busy.prefill is p2 and p2.ledger.backlog_s > 5
+        route = r.pick("req", prompt, 16, now=0.0)
+        assert route.prefill.name == "p1", route.decision
+        if pool_peer is None:
+            assert route.fetch is None and route.decision.fetch_from is None
+            assert route.decision.cached_prefix_tokens == 0
+            assert r.metrics.value("mooncake_prefix_fetches_total") == 0
+        else:
+            assert route.decision.fetch_from == "p2" and route.decision.fetched_blocks == 12
+            assert route.fetch.peer == pool_peer and route.fetch.num_tokens == 12 * BLOCK
+            assert r.metrics.value("mooncake_prefix_fetches_total") == 1
+            assert r.metrics.value("mooncake_prefix_fetch_tokens_total") == 12 * BLOCK
+
+
 def test_a_prefill_in_flight_counts_as_cache_for_the_next_request_on_that_worker():
     pool = pool_of(("p1", "prefill"), ("p2", "prefill"), ("d1", "decode"))
     r = router(pool, policy="cache-aware")
