@@ -145,7 +145,10 @@ async def _pull_events(http: httpx.AsyncClient, pool: WorkerPool, handle: Worker
     if page["reset"]:
         index.remove_instance(name)
     if page["stored"]:
-        index.apply_stored(name, [int(h, 16) for h in page["stored"]])
+        # Blocks only in the worker's pool carry their tier (a hit on them costs a load); an older
+        # worker sends none, and its blocks are priced as in its engine.
+        tiers = {int(h, 16): str(t) for h, t in (page.get("pool_tiers") or {}).items()}
+        index.apply_stored(name, [int(h, 16) for h in page["stored"]], tiers)
     if page["removed"]:
         index.apply_removed(name, [int(h, 16) for h in page["removed"]])
     handle.events_seq = int(page["seq"])

@@ -17,6 +17,7 @@ relative error) from a profile table, so the same code prices a 135M model on a 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -84,18 +85,37 @@ class DecodeModel:
         return cls(*map(float, _nnls_relative(x, y)))
 
 
+DRAM_LOAD_BPS = 3.5e9
+"""Bytes per second a worker loads prefix blocks from its pool's DRAM tier into the paged cache
+(benchmarks/store_bench.py: local gets of 4 MiB, 3.2-3.7 GB/s on the 2-core CPU machine)."""
+SSD_LOAD_BPS = 2.0e9
+"""The same from its SSD tier, checksums verified (store_bench: 2.1 GB/s reads of 4 MiB blocks)."""
+
+
 @dataclass(frozen=True, slots=True)
 class Estimators:
-    """All four estimators, fitted from one profile table."""
+    """All four estimators, fitted from one profile table, and the pool tiers' load rates."""
 
     prefill: PrefillModel
     decode: DecodeModel
     kv_bytes_per_token: int
     transfer_latency_s: float = 0.001
+    dram_load_Bps: float = DRAM_LOAD_BPS
+    ssd_load_Bps: float = SSD_LOAD_BPS
 
     def __post_init__(self) -> None:
-        if self.kv_bytes_per_token <= 0 or self.transfer_latency_s < 0:
+        if (self.kv_bytes_per_token <= 0 or self.transfer_latency_s < 0 or self.dram_load_Bps <= 0
+                or self.ssd_load_Bps <= 0):
             raise ValueError(f"bad estimator parameters: {self}")
+
+    def pool_load_s(self, tier_tokens: Mapping[str, int]) -> float:
+        """Seconds to load prefix tokens held only in an instance's KVCache pool into its engine,
+        by tier ("dram"; any other tier, SSD included, at the SSD rate: the slowest priced)."""
+        seconds = 0.0
+        for tier, tokens in tier_tokens.items():
+            rate = self.dram_load_Bps if tier == "dram" else self.ssd_load_Bps
+            seconds += tokens * self.kv_bytes_per_token / rate
+        return seconds
 
     @classmethod
     def from_profile(cls, table: ProfileTable, transfer_latency_s: float = 0.001) -> Estimators:

@@ -9,6 +9,11 @@ walk costs one dict lookup per block, independent of the number of instances. Me
 The index is the one mutable part of the core's input: the shell applies the stores'
 "stored"/"removed" events to it in order; the scheduler only reads it.
 
+Tiers: a block an instance holds only in its KVCache pool (evicted from the engine's own cache)
+must be loaded before it is reused, which costs time by tier. Such blocks carry their fastest
+tier ("dram", "ssd") per instance beside the masks; a block with none is in the engine (free).
+Only pool-only blocks are kept there, so an index without pools costs nothing more.
+
 PendingPrefixes is its companion for blocks not stored yet: the shell adds a prompt's blocks
 to the instance it dispatches the prefill to, and discards them when that prefill ends.
 """
@@ -16,7 +21,7 @@ to the instance it dispatches the prefill to, and discards them when that prefil
 from __future__ import annotations
 
 import enum
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import accumulate, repeat
 from operator import and_
@@ -58,6 +63,7 @@ class PrefixIndex:
         self._id_of: dict[int, str] = {}
         self._free_slots: list[int] = []
         self._block_count: dict[str, int] = {}
+        self._pool_tier: dict[str, dict[Hashable, str]] = {}  # instance -> pool-only block -> its tier
 
     # -- events ---------------------------------------------------------------------------
 
@@ -76,15 +82,25 @@ class PrefixIndex:
         else:
             self.apply_removed(event.instance_id, event.block_hashes)
 
-    def apply_stored(self, instance_id: str, block_hashes: Iterable[Hashable]) -> None:
+    def apply_stored(self, instance_id: str, block_hashes: Iterable[Hashable],
+                     pool_tiers: Mapping[Hashable, str] | None = None) -> None:
+        """The instance holds these blocks now. pool_tiers: the fastest tier of those held only in
+        its KVCache pool; every other one listed is in its engine (stored again: it moved there)."""
         bit = 1 << self._slot(instance_id)
         masks = self._masks
         added = 0
+        tiers = self._pool_tier.get(instance_id)
         for h in block_hashes:
             old = masks.get(h, 0)
             if not old & bit:
                 masks[h] = old | bit
                 added += 1
+            if pool_tiers and h in pool_tiers:
+                if tiers is None:
+                    tiers = self._pool_tier[instance_id] = {}
+                tiers[h] = pool_tiers[h]
+            elif tiers:
+                tiers.pop(h, None)
         self._block_count[instance_id] += added
 
     def apply_removed(self, instance_id: str, block_hashes: Iterable[Hashable]) -> None:
@@ -94,7 +110,10 @@ class PrefixIndex:
         bit = 1 << slot
         masks = self._masks
         removed = 0
+        tiers = self._pool_tier.get(instance_id)
         for h in block_hashes:
+            if tiers:
+                tiers.pop(h, None)
             old = masks.get(h, 0)
             if old & bit:
                 new = old & ~bit
@@ -120,6 +139,7 @@ class PrefixIndex:
                 del masks[h]
         del self._id_of[slot]
         del self._block_count[instance_id]
+        self._pool_tier.pop(instance_id, None)
         self._free_slots.append(slot)
 
     # -- queries --------------------------------------------------------------------------
@@ -132,6 +152,18 @@ class PrefixIndex:
 
     def block_count(self, instance_id: str) -> int:
         return self._block_count.get(instance_id, 0)
+
+    def pool_only_blocks(self, instance_id: str, block_hashes: Sequence[Hashable], n: int) -> dict[str, int]:
+        """Of the first n blocks (an instance's matched prefix), how many it holds only in its
+        pool, by tier; empty when all are in its engine."""
+        tiers = self._pool_tier.get(instance_id)
+        counts: dict[str, int] = {}
+        if tiers:
+            for h in block_hashes[:n]:
+                tier = tiers.get(h)
+                if tier is not None:
+                    counts[tier] = counts.get(tier, 0) + 1
+        return counts
 
     def holders(self, block_hash: Hashable) -> frozenset[str]:
         return frozenset(self._id_of[s] for s in _bits(self._masks.get(block_hash, 0)))

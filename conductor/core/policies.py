@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from conductor.core.admission import prefill_keeps_batch_tbt
 from conductor.core.config import Policy, SchedulerConfig
@@ -44,20 +44,28 @@ class PrefillChoice:
 class PrefixMatches:
     """Longest prefix of the prompt, in blocks, per instance. stored: what the index says an
     instance holds now (only that can be fetched from it). local: stored or pending there, what
-    a request queued on that instance will find cached when it runs (see PendingPrefixes)."""
+    a request queued on that instance will find cached when it runs (see PendingPrefixes).
+    load_s: seconds an instance spends loading the part of its stored prefix that it holds only
+    in its KVCache pool (by tier, Estimators.pool_load_s) before reusing it; absent: none."""
 
     stored: Mapping[str, int]
     local: Mapping[str, int]
+    load_s: Mapping[str, float] = field(default_factory=dict)
 
     @classmethod
-    def of(cls, stored: Mapping[str, int], pending: Mapping[str, int]) -> PrefixMatches:
+    def of(cls, stored: Mapping[str, int], pending: Mapping[str, int],
+           load_s: Mapping[str, float] | None = None) -> PrefixMatches:
+        load_s = load_s or {}
         if not pending:
-            return cls(stored, stored)
+            return cls(stored, stored, load_s)
         local = dict(stored)
         for inst, blocks in pending.items():
             if blocks > local.get(inst, 0):
                 local[inst] = blocks
-        return cls(stored, local)
+        return cls(stored, local, load_s)
+
+    def load_of(self, instance_id: str) -> float:
+        return self.load_s.get(instance_id, 0.0) if self.load_s else 0.0
 
 
 def prefix_tokens(blocks: int, prompt_tokens: int, block_size: int) -> int:
@@ -70,7 +78,7 @@ def _local(inst: InstanceState, prompt: int, matches: PrefixMatches, est: Estima
            cfg: SchedulerConfig) -> PrefillChoice:
     cached = prefix_tokens(matches.local.get(inst.instance_id, 0), prompt, cfg.block_size)
     return PrefillChoice(inst.instance_id, cached, None, 0, est.queue_s(inst),
-                        est.prefill_s(prompt, cached, inst.prefill_scale), 0.0)
+                         est.prefill_s(prompt, cached, inst.prefill_scale) + matches.load_of(inst.instance_id), 0.0)
 
 
 def best_holder(matches: Mapping[str, int], instances: Sequence[InstanceState]) -> tuple[InstanceState | None, int]:
@@ -96,20 +104,22 @@ def kvcache_centric(prompt: int, pool: Sequence[InstanceState], all_instances: S
     # instances share one (usually none): price each distinct length once. At 1,024 instances
     # this loop is most of a decision.
     priced: dict[int, PrefillChoice] = {}
-    best: tuple[float, InstanceState, float, PrefillChoice] | None = None
+    best: tuple[float, InstanceState, float, float, PrefillChoice] | None = None
     for inst in pool:
         local_blocks = matches.local.get(inst.instance_id, 0)
         price = priced.get(local_blocks)
         if price is None:
             price = priced[local_blocks] = _price(prompt, local_blocks, holder, best_blocks, best_tokens, est, cfg)
         queue = est.queue_s(inst)
-        # price.prefill_s is the prior's; each instance scales it by its calibrated speed.
-        ttft = price.transfer_s + queue + price.prefill_s * inst.prefill_scale  # as PrefillChoice.ttft_s sums it
+        # price.prefill_s is the prior's; each instance scales it by its calibrated speed, and
+        # loads what of its own prefix it holds only in its pool.
+        prefill = price.prefill_s * inst.prefill_scale + matches.load_of(inst.instance_id)
+        ttft = price.transfer_s + queue + prefill  # as PrefillChoice.ttft_s sums it
         if best is None or ttft < best[0]:
-            best = (ttft, inst, queue, price)
+            best = (ttft, inst, queue, prefill, price)
     assert best is not None
-    _, inst, queue, price = best
-    return replace(price, instance_id=inst.instance_id, queue_s=queue, prefill_s=price.prefill_s * inst.prefill_scale)
+    _, inst, queue, prefill, price = best
+    return replace(price, instance_id=inst.instance_id, queue_s=queue, prefill_s=prefill)
 
 
 def _price(prompt: int, local_blocks: int, holder: InstanceState | None, best_blocks: int, best_tokens: int,
@@ -185,12 +195,14 @@ def flexible_prefill(prompt: int, pool: Sequence[InstanceState], matches: Prefix
         price = priced.get(local_blocks)
         if price is None:
             price = priced[local_blocks] = _price(prompt, local_blocks, holder, best_blocks, best_tokens, est, cfg)
+        load = matches.load_of(inst.instance_id)
         if inst.running or inst.incoming:
             prefill, longest = chunked_prefill_s(inst, prompt, price.cached_tokens, est, cfg)
+            prefill += load
             if not prefill_keeps_batch_tbt(inst, now + est.queue_s(inst) + prefill, longest, est, cfg):
                 continue
         else:
-            prefill = price.prefill_s * inst.prefill_scale
+            prefill = price.prefill_s * inst.prefill_scale + load
         cost = cfg.role_cost_s if inst.role is Role.DECODE else 0.0
         queue = est.queue_s(inst)
         score = price.transfer_s + queue + prefill + cost

@@ -61,8 +61,9 @@ class Scheduler:
         if not decode_pool:
             return Rejection(request.request_id, RejectReason.NO_INSTANCE, cfg.max_retry_after_s)
         blocks = request.block_hashes
-        matches = PrefixMatches.of(state.index.match(blocks) if blocks else {},
-                                   state.pending.match(blocks) if blocks and state.pending else {})
+        stored = state.index.match(blocks) if blocks else {}
+        matches = PrefixMatches.of(stored, state.pending.match(blocks) if blocks and state.pending else {},
+                                   self._pool_load_s(state, blocks, stored))
         t_d = state.mean_decode_s or cfg.default_decode_s
         views = views_for(cfg.admission)
         rng = self._rng if cfg.policy is Policy.RANDOM else None
@@ -123,6 +124,17 @@ class Scheduler:
 
     # -- helpers --------------------------------------------------------------------------
 
+    def _pool_load_s(self, state: ClusterState, blocks: tuple, stored: dict[str, int]) -> dict[str, float]:
+        """Per instance, the seconds to load the part of its stored prefix it holds only in its
+        KVCache pool (PrefixIndex tiers), priced by tier; instances with none are absent."""
+        load: dict[str, float] = {}
+        bs = self.config.block_size
+        for inst, n in stored.items():
+            counts = state.index.pool_only_blocks(inst, blocks, n)
+            if counts:
+                load[inst] = self.estimators.pool_load_s({tier: c * bs for tier, c in counts.items()})
+        return load
+
     def _colocated(self, prompt: int, pool: tuple[InstanceState, ...], matches: PrefixMatches,
                    views: tuple[LoadView, LoadView], now: float, t_d: float, lim: Limits,
                    rng: random.Random | None, forced: bool = False) -> tuple[PrefillChoice, DecodeChoice] | None:
@@ -140,7 +152,7 @@ class Scheduler:
             cached = prefix_tokens(matches.local.get(inst.instance_id, 0), prompt, cfg.block_size)
             if not forced and prompt - cached > cfg.colocate_max_new_tokens:
                 continue
-            prefill = est.prefill_s(prompt, cached, inst.prefill_scale)
+            prefill = est.prefill_s(prompt, cached, inst.prefill_scale) + matches.load_of(inst.instance_id)
             # The step that carries this prefill also carries the running batch: its length
             # is every running request's TBT for that step, so it must meet their SLO itself (and,
             # with no running batch, the config's: the one-step budget of conditional disaggregation).
@@ -199,6 +211,7 @@ class Scheduler:
         for inst in state.instances:
             cached = prefix_tokens(matches.local.get(inst.instance_id, 0), prompt, cfg.block_size)
             prefill, longest = chunked_prefill_s(inst, prompt, cached, est, cfg)
+            prefill += matches.load_of(inst.instance_id)
             if inst.role is Role.PREFILL:
                 cost = cfg.role_cost_s  # decoding against its label
             else:

@@ -195,7 +195,8 @@ def create_app(config: WorkerConfig, kv_port: int, events_port: int, control: Co
                 await asyncio.wait_for(changed.wait(), min(left, POOL_EVENTS_CHECK_S))
         # Hashes travel as hex: they are 128-bit, beyond what JSON numbers carry safely.
         return {"seq": page.seq, "reset": page.reset, "block_size": request.app.state.worker.block_size,
-                "stored": [format(h, "x") for h in page.stored], "removed": [format(h, "x") for h in page.removed]}
+                "stored": [format(h, "x") for h in page.stored], "removed": [format(h, "x") for h in page.removed],
+                "pool_tiers": {format(h, "x"): tier for h, tier in page.pool_tiers.items()}}
 
     @app.get("/internal/kv_stats")
     async def kv_stats(request: Request):

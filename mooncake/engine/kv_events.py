@@ -16,7 +16,7 @@ import contextlib
 import logging
 import threading
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Hashable
 
 from mooncake.hashing import BlockHash, hash_block_tokens
@@ -56,25 +56,36 @@ class BlockHashTranslator:
 @dataclass(frozen=True)
 class EventsPage:
     seq: int  # pass this as `since` next time
-    stored: list[BlockHash]
-    removed: list[BlockHash]
+    stored: list[BlockHash]  # held now (new, or its fastest tier changed)
+    removed: list[BlockHash]  # held by no tier now
     reset: bool  # True: replace everything known about this worker with `stored`
+    pool_tiers: dict[BlockHash, str] = field(default_factory=dict)
+    """Of `stored`, those held only in the pool (the engine evicted them), by fastest tier: a hit
+    on them costs a load. The others are in the engine."""
 
 
 ENGINE_TIER = "engine"
 """Blocks in the engine's own KV cache (vLLM's events); the node's pool adds its tiers
 ("dram", "ssd": store/). A block is held while any tier holds it."""
+_TIER_ORDER = {ENGINE_TIER: 0, "dram": 1, "ssd": 2}  # fastest first; an unknown tier is slowest
+
+
+def _fastest(tiers: set[str]) -> str | None:
+    return min(tiers, key=lambda t: (_TIER_ORDER.get(t, len(_TIER_ORDER)), t)) if tiers else None
 
 
 class BlockEventLog:
     """Thread-safe: the subscriber thread appends, HTTP handlers read. The log is of the node as
     a whole: a block is stored when its first tier gets it and removed when its last one drops it,
-    so a conductor's index sees a prefix the pool holds after the engine evicted it."""
+    so a conductor's index sees a prefix the pool holds after the engine evicted it. A change of a
+    held block's fastest tier is logged too, so the conductor can price a hit by where it must be
+    loaded from. A page reports each block's state at the time of the read (held, and where; or
+    not), whatever happened to it in between."""
 
     def __init__(self, max_events: int = 100_000):
         self._lock = threading.Lock()
         self._held: dict[BlockHash, set[str]] = {}
-        self._events: deque[tuple[int, str, BlockHash]] = deque(maxlen=max_events)
+        self._events: deque[tuple[int, BlockHash]] = deque(maxlen=max_events)
         self._seq = 0
         self._listeners: list[Callable[[], None]] = []
 
@@ -87,15 +98,19 @@ class BlockEventLog:
             for changed in self._listeners:
                 changed()
 
+    def _log(self, h: BlockHash) -> None:
+        self._seq += 1
+        self._events.append((self._seq, h))
+
     def stored(self, hashes: list[BlockHash], tier: str = ENGINE_TIER) -> None:
         before = self._seq
         with self._lock:
             for h in hashes:
                 tiers = self._held.setdefault(h, set())
-                if not tiers:
-                    self._seq += 1
-                    self._events.append((self._seq, "stored", h))
+                was = _fastest(tiers)
                 tiers.add(tier)
+                if _fastest(tiers) != was:
+                    self._log(h)
         self._changed(before)
 
     def removed(self, hashes: list[BlockHash], tier: str = ENGINE_TIER) -> None:
@@ -104,12 +119,13 @@ class BlockEventLog:
             for h in hashes:
                 tiers = self._held.get(h)
                 if tiers is not None:
+                    was = _fastest(tiers)
                     tiers.discard(tier)
-                    if tiers:
-                        continue  # another tier still holds it
-                    del self._held[h]
-                self._seq += 1
-                self._events.append((self._seq, "removed", h))
+                    if tiers and _fastest(tiers) == was:
+                        continue  # a slower tier dropped it: nothing a reader sees changed
+                    if not tiers:
+                        del self._held[h]
+                self._log(h)  # an unknown block too: a reader may hold it from an older snapshot
         self._changed(before)
 
     def cleared(self, tier: str | None = None) -> None:
@@ -132,10 +148,20 @@ class BlockEventLog:
         with self._lock:
             oldest = self._events[0][0] if self._events else self._seq + 1
             if seq < 0 or seq > self._seq or seq + 1 < oldest:
-                return EventsPage(self._seq, sorted(self._held), [], reset=True)
-            stored = [h for s, kind, h in self._events if s > seq and kind == "stored"]
-            removed = [h for s, kind, h in self._events if s > seq and kind == "removed"]
-            return EventsPage(self._seq, stored, removed, reset=False)
+                stored = sorted(self._held)
+                return EventsPage(self._seq, stored, [], True, self._pool_tiers(stored))
+            touched = {h for s, h in self._events if s > seq}
+            stored = sorted(h for h in touched if h in self._held)
+            removed = sorted(h for h in touched if h not in self._held)
+            return EventsPage(self._seq, stored, removed, False, self._pool_tiers(stored))
+
+    def _pool_tiers(self, hashes: list[BlockHash]) -> dict[BlockHash, str]:
+        out = {}
+        for h in hashes:
+            tiers = self._held[h]
+            if ENGINE_TIER not in tiers:
+                out[h] = _fastest(tiers)
+        return out
 
     def tier_blocks(self) -> dict[str, int]:
         """Blocks per tier (a block held by two tiers counts in both)."""

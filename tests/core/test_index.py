@@ -107,3 +107,22 @@ def test_pending_block_stays_until_every_prefill_that_computes_it_ends():
     assert pend.match([1, 2, 3]) == {"p0": 2}
     pend.discard("p0", [1, 2])
     assert pend.match([1, 2, 3]) == {} and len(pend) == 0
+
+
+def test_pool_only_blocks_carry_their_tier_until_the_engine_holds_them_again():
+    index = PrefixIndex()
+    index.apply_stored("a", [1, 2, 3, 4])  # in a's engine
+    index.apply_stored("a", [3, 4], pool_tiers={3: "dram", 4: "ssd"})  # evicted from it: pool only
+    index.apply_stored("b", [1, 2], pool_tiers={1: "ssd"})
+    assert index.match([1, 2, 3, 4]) == {"a": 4, "b": 2}
+    assert index.block_count("a") == 4  # a tier change is not a new block
+    assert index.pool_only_blocks("a", [1, 2, 3, 4], 4) == {"dram": 1, "ssd": 1}
+    assert index.pool_only_blocks("a", [1, 2, 3, 4], 3) == {"dram": 1}
+    assert index.pool_only_blocks("b", [1, 2, 3, 4], 2) == {"ssd": 1}
+    index.apply_stored("a", [3])  # loaded back into the engine
+    assert index.pool_only_blocks("a", [1, 2, 3, 4], 4) == {"ssd": 1}
+    index.apply_removed("a", [4])
+    assert index.pool_only_blocks("a", [1, 2, 3, 4], 4) == {}
+    index.remove_instance("b")
+    index.apply_stored("b", [1])  # a new instance in b's slot starts with its engine
+    assert index.pool_only_blocks("b", [1], 1) == {}

@@ -248,3 +248,22 @@ def test_scheduler_does_not_mutate_state():
     scheduler().schedule(request(100), s, 0.0)
     assert before == (s.instances, s.index.match(list(range(5))), len(s.index))
     assert BS == 10 and EST.prefill_s(1000, 0) == pytest.approx(1.0)
+
+
+def test_a_prefix_held_only_in_a_pool_is_priced_by_its_tiers_load():
+    """Pool tiers: p0 holds 90 blocks in its engine, p1 the same 90 only on SSD, which must be
+    loaded first (900 tokens of 1 KB at the SSD rate); p0 wins, and p1's price includes the load."""
+    index = idx(p0=90)
+    index.apply_stored("p1", range(90), pool_tiers={b: "ssd" for b in range(90)})
+    s = state(prefill("p0"), prefill("p1"), decode("d0"), index=index)
+    d = scheduler(policy="cache-aware", admission="none").schedule(request(1000), s, 0.0)
+    assert (d.prefill_instance, d.cached_prefix_tokens) == ("p0", 900)
+    assert d.predicted_ttft_s == pytest.approx(0.1)
+    s = state(prefill("p0", queued=1.0), prefill("p1"), decode("d0"), index=index)
+    d = scheduler(policy="cache-aware", admission="none").schedule(request(1000), s, 0.0)
+    assert (d.prefill_instance, d.cached_prefix_tokens) == ("p1", 900)
+    assert d.predicted_ttft_s == pytest.approx(0.1 + 900 * 1000 / EST.ssd_load_Bps)
+    # DRAM loads faster than SSD.
+    index.apply_stored("p1", range(90), pool_tiers={b: "dram" for b in range(90)})
+    d = scheduler(policy="kvcache-centric", admission="none").schedule(request(1000), s, 0.0)
+    assert d.predicted_ttft_s == pytest.approx(0.1 + 900 * 1000 / EST.dram_load_Bps)

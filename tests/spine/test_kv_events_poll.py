@@ -134,6 +134,40 @@ def test_the_conductor_follows_a_worker_into_its_index_at_once(tmp_path):
     asyncio.run(run())
 
 
+def test_a_block_held_only_in_the_pool_reaches_the_index_with_its_tier(tmp_path):
+    """The engine evicts a block the pool keeps: the conductor's index still has it, marked as a
+    DRAM load (priced by the scheduler); loaded back into the engine, it is free again."""
+    app = worker_app(tmp_path)
+    log = app.state.worker.event_log
+    pool, index = WorkerPool(), PrefixIndex()
+    handle = ready_worker(pool, "w")
+
+    async def until(check) -> None:
+        deadline = time.monotonic() + 3.0
+        while not check() and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        assert check()
+
+    async def run():
+        async with client(app) as http:
+            follower = asyncio.create_task(_follow_events(http, pool, handle, index, 0.25, 10.0))
+            await asyncio.sleep(0.3)
+            log.stored([0xA, 0xB])  # computed by the engine
+            log.stored([0xA, 0xB], "dram")  # and saved by the pool
+            await until(lambda: index.holds("w", 0xB))
+            assert index.pool_only_blocks("w", [0xA, 0xB], 2) == {}
+            log.removed([0xA, 0xB])  # the engine evicts both; the pool keeps them
+            await until(lambda: index.pool_only_blocks("w", [0xA, 0xB], 2) == {"dram": 2})
+            assert index.match([0xA, 0xB]) == {"w": 2}
+            log.stored([0xA])  # a request loaded 0xA back into the engine
+            await until(lambda: index.pool_only_blocks("w", [0xA, 0xB], 2) == {"dram": 1})
+            pool.remove("http://w")
+            log.stored([0xC])
+            await asyncio.wait_for(follower, 3.0)
+
+    asyncio.run(run())
+
+
 def test_a_worker_that_answers_at_once_is_not_polled_in_a_tight_loop():
     polls = []
     old_worker = FastAPI()

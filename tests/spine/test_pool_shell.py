@@ -57,11 +57,23 @@ def test_the_event_log_holds_a_block_while_any_tier_does():
     log.stored([1], "dram")  # and the pool saved one
     log.removed([1, 2])  # the engine evicted both
     page = log.since(0)
-    assert page.stored == [1, 2] and page.removed == [2]  # 1 is still held, by the pool
+    # Each block as it is now: 1 is still held, by the pool only (a hit on it costs a DRAM load).
+    assert page.stored == [1] and page.removed == [2] and page.pool_tiers == {1: "dram"}
     assert log.tier_blocks() == {"dram": 1}
+    seq = page.seq
+    log.stored([1], "ssd")  # a slower copy: nothing a reader sees changes
+    assert log.since(seq).stored == [] and log.since(seq).seq == seq
+    log.stored([1])  # loaded back into the engine: stored again, now free to reuse
+    page = log.since(seq)
+    assert page.stored == [1] and page.pool_tiers == {}
+    log.removed([1])  # evicted from the engine again: the DRAM copy is the fastest left
+    assert log.since(page.seq).pool_tiers == {1: "dram"}
     log.cleared("engine")  # the engine's events were lost: the pool's blocks stay
-    assert log.since(-1).stored == [1]
+    snapshot = log.since(-1)
+    assert snapshot.reset and snapshot.stored == [1] and snapshot.pool_tiers == {1: "dram"}
     log.removed([1], "dram")
+    assert log.since(-1).pool_tiers == {1: "ssd"}
+    log.removed([1], "ssd")
     assert len(log) == 0
 
 
