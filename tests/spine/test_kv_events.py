@@ -42,6 +42,19 @@ def test_log_pages_and_resets():
     assert ahead.reset
 
 
+def test_a_page_gives_each_block_as_it_is_now():
+    """Stored, evicted and stored again between two reads: the reader must end up holding it (a
+    page of raw events applied as stored-then-removed would drop it), and the reverse."""
+    log = BlockEventLog()
+    log.stored([1, 2])
+    seq = log.since(-1).seq
+    log.removed([1])
+    log.stored([1])
+    log.removed([2])
+    page = log.since(seq)
+    assert page.stored == [1] and page.removed == [2]
+
+
 # --- The ZMQ wiring between vLLM's real publisher and the worker's subscriber (no engine) ---
 
 import asyncio  # noqa: E402
