@@ -80,6 +80,10 @@ class PoolWorker:
             time.sleep(0.2)  # vLLM refuses while a request still holds blocks
         raise AssertionError("vLLM never reset its prefix cache")
 
+    def events(self) -> dict:
+        """A snapshot of its KV events page, as a conductor's first poll gets it."""
+        return httpx.get(self.url + "/internal/kv_events", params={"since": -1}, headers=self.headers).json()
+
     def pool(self) -> dict:
         return httpx.get(self.url + "/internal/load", headers=self.headers).json()["pool"]
 
@@ -129,8 +133,15 @@ def test_prefix_from_dram_computes_only_the_suffix(pool_worker, colocated_server
     out, cached = pool_worker.generate(first)
     assert out == cold(colocated_server, first)
     pool_worker.forget()
+    # The conductor's view (its prefix index, priced by tier): the prefix is still held, only in
+    # DRAM. vLLM publishes the reset with its next step's events, so one short request runs first.
+    pool_worker.generate(prompt_of(13, 5), max_tokens=1)
+    keys = [format(k, "x") for k in hash_prompt_blocks(prefix, BLOCK)]
+    wait_for(lambda: all(pool_worker.events()["pool_tiers"].get(k) == "dram" for k in keys), what="pool tiers")
     out, cached = pool_worker.generate(second)
     assert cached == 6 * BLOCK  # the shared prefix came from the pool, the rest was computed
+    # Loaded back into the engine's cache: free to reuse again.
+    wait_for(lambda: not any(k in pool_worker.events()["pool_tiers"] for k in keys), what="blocks back in the engine")
     assert out == cold(colocated_server, second)
 
 
