@@ -105,8 +105,8 @@ def scheduler_config(args: argparse.Namespace) -> SchedulerConfig:
         remote_fetch=args.remote_fetch, best_effort_when_idle=not args.refuse_unattainable,
         # Flexible roles price every instance by TTFT, which only kvcache-centric does.
         flexible_roles=not args.no_flexible_roles and args.policy == Policy.KVCACHE_CENTRIC.value,
-        # Each registered worker says its own tokens per step; this prices those that do not
-        # (static --prefill-url/--decode-url workers) at the workers' default.
+        # Each worker says its own tokens per step (in the registry and on /health); this prices
+        # one that does not (an older worker) at the workers' default.
         chunk_tokens=getattr(args, "chunk_size", defaults.CHUNK_SIZE),
         slo_classes=tuple(parse_slo_class(spec) for spec in args.slo_class), priority_headroom=args.priority_headroom,
     )

@@ -53,7 +53,7 @@ class WorkerHandle:
     queued_prefill_tokens: int = 0
     block_size: int = 0  # from the registry (0: not known yet)
     kv_capacity_tokens: int = 0
-    chunk_tokens: int = 0  # its engine's tokens per step, from the registry (0: not said; the scheduler's default)
+    chunk_tokens: int = 0  # its engine's tokens per step, from the registry or /health (0: not said; the scheduler's default)
     ledger: Ledger = field(default_factory=Ledger)
     events_seq: int = -1  # last KV event applied to the prefix index (-1: need a snapshot)
     static: bool = False  # given by --prefill-url/--decode-url: kept even when not registered
@@ -108,6 +108,9 @@ class WorkerClient:
             handle.instance_id = health.instance_id or handle.instance_id
             handle.kv_address = health.kv_address or handle.kv_address
             handle.pool_peer = health.pool_peer
+            # Registered workers also say it in the registry; static --prefill-url/--decode-url
+            # workers only here.
+            handle.chunk_tokens = health.chunk_tokens or handle.chunk_tokens
             handle.status = health.status
             handle.ready = resp.status_code == 200
             handle.last_error = health.error

@@ -109,6 +109,9 @@ class WorkerHealth(msgspec.Struct, frozen=True):
     pool_peer: str | None = None
     """Where other nodes reach this worker's KVCache pool: its messenger PeerInfo as JSON, passed
     on opaque in a FetchParams (None: no pool, or one that does not serve other nodes)."""
+    chunk_tokens: int = 0
+    """Its engine's new tokens per step (vLLM's max_num_batched_tokens; 0: not said, as from an
+    older worker): what the scheduler prices a prefill beside its running batch by."""
 
 
 # One encoder and one decoder per message: built once, reused for every request and line.

@@ -154,7 +154,7 @@ def create_app(config: WorkerConfig, kv_port: int, events_port: int, control: Co
     async def health(request: Request):
         state: WorkerState = request.app.state.worker
         body = {"instance_id": config.instance_id, "role": config.role, "model": config.served_model_name,
-                "kv_address": f"{config.public_host}:{state.kv_port}"}
+                "kv_address": f"{config.public_host}:{state.kv_port}", "chunk_tokens": config.max_num_batched_tokens}
         peer = state.pool.peer_info() if state.pool is not None else None
         if peer is not None:  # other nodes fetch from this pool with it (Algorithm 1's fetch_from)
             body["pool_peer"] = msgspec.json.encode(peer).decode()

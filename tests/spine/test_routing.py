@@ -121,6 +121,35 @@ def test_a_registered_workers_step_size_reaches_the_scheduler():
     assert router(pool)._instance(handle, now=0.0).chunk_tokens == 256
 
 
+def test_a_static_workers_step_size_reaches_the_scheduler_from_its_health(tmp_path):
+    """A --decode-url worker is in no registry: its /health says its engine's step."""
+    import asyncio
+
+    import httpx
+
+    from conductor.workers import WorkerClient
+    from mooncake.control import ControlEndpoint
+    from mooncake.engine.app import create_app
+    from mooncake.engine.config import WorkerConfig
+
+    config = WorkerConfig(role="decode", model="m", served_model_name="m", max_num_batched_tokens=256)
+    app = create_app(config, 1, 2, ControlEndpoint(str(tmp_path / "none.sock"), "00" * 16))
+    pool = WorkerPool()
+    handle = pool.add("http://d1")
+
+    async def run():
+        client = WorkerClient(token_timeout_s=5.0)
+        await client.close()
+        client._http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app))
+        await client.check(handle)  # 503: its engine is not started here, but it says its step
+        await client.close()
+
+    asyncio.run(run())
+    assert handle.chunk_tokens == 256
+    handle.ready = True
+    assert router(pool)._instance(handle, now=0.0).chunk_tokens == 256
+
+
 def test_a_busy_holders_prefix_is_fetched_from_its_pool_only_when_its_pool_serves_others():
     """Algorithm 1's fetch_from through the router: p2 holds 12 blocks but has seconds of prefill
     queued, so idle p1 is sent with a FetchParams naming p2's pool; a p2 whose /health named no
