@@ -35,8 +35,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks.servers import MODEL_NAME, colocated_vllm, mooncake_cluster
 
-SYSTEMS = {"fetch": [], "no-fetch": ["--no-remote-fetch"]}
-"""Each system's `mooncake serve` options beyond the shared ones."""
+SYSTEMS = {"fetch": [], "no-fetch": ["--no-remote-fetch"], "fetch-any": ["--balancing-threshold", "1"]}
+"""Each system's `mooncake serve` options beyond the shared ones. fetch-any: a fetch whenever
+another worker holds a longer prefix and fetching is predicted faster (Algorithm 1's threshold
+at 1, against the default 1.5)."""
 
 
 def build_conversations(api: str, count: int, turns: int, question: int, answer: int,
@@ -107,8 +109,14 @@ def main() -> None:
     parser.add_argument("--answer-tokens", type=int, default=150, help="tokens each turn answers")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--systems", default="fetch,no-fetch",
+                        help=f"two of {', '.join(SYSTEMS)}, run at once; the ratio is the first's TTFT over the second's")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/out/conversation.json"))
     args = parser.parse_args()
+    names = args.systems.split(",")
+    if len(set(names)) != 2 or not set(names) <= set(SYSTEMS):
+        parser.error(f"--systems: two of {', '.join(SYSTEMS)}, not {args.systems!r}")
+    systems = {name: SYSTEMS[name] for name in names}
 
     from mooncake.model import ensure_model
 
@@ -119,17 +127,17 @@ def main() -> None:
               file=sys.stderr)
         convs = build_conversations(vllm, args.conversations, args.turns, args.question_tokens,
                                     args.answer_tokens, args.seed)
-    results: dict[str, list[list[dict]]] = {name: [] for name in SYSTEMS}
+    results: dict[str, list[list[dict]]] = {name: [] for name in systems}
     with ExitStack() as stack:
         apis = {name: stack.enter_context(mooncake_cluster(model, log_dir / name, extra, dtype=args.dtype))
-                for name, extra in SYSTEMS.items()}
+                for name, extra in systems.items()}
         clients = {name: openai.OpenAI(base_url=api, api_key="unused", max_retries=0, timeout=600)
                    for name, api in apis.items()}
         for c, prompts in enumerate(convs):
-            for name in SYSTEMS:
+            for name in systems:
                 results[name].append([])
             for k, prompt in enumerate(prompts):
-                order = list(SYSTEMS) if (c + k) % 2 == 0 else list(reversed(SYSTEMS))
+                order = list(systems) if (c + k) % 2 == 0 else list(reversed(systems))
                 for name in order:
                     turn = one_turn(clients[name], prompt, args.answer_tokens)
                     results[name][c].append({"prompt_tokens": len(prompt), **turn})
@@ -138,7 +146,7 @@ def main() -> None:
         fetched = {name: counters(api) for name, api in apis.items()}
 
     rows, totals, same = summarize(results, args.turns)
-    names = list(SYSTEMS)
+    names = list(systems)
     print(f"\n{args.conversations} conversations, {args.dtype}; median TTFT per turn (s)")
     print("| turn | prompt tokens | " + " | ".join(f"{n} TTFT / cached" for n in names) + f" | {names[0]} / {names[1]} |")
     print("|---|---:|" + "---:|" * (len(names) + 1))
