@@ -18,8 +18,9 @@ def add_scheduler_arguments(parser: argparse.ArgumentParser) -> None:
                    help="overload admission: refuse early with 429 + Retry-After (default: prediction)")
     g.add_argument("--ttft-slo", type=float, default=defaults.TTFT_SLO_S, help="time-to-first-token SLO (seconds)")
     g.add_argument("--tbt-slo", type=float, default=defaults.TBT_SLO_S, help="time-between-tokens SLO (seconds)")
-    g.add_argument("--balancing-threshold", type=float, default=1.5,
-                   help="kvcache_balancing_threshold of Algorithm 1 (ratio >= 1)")
+    g.add_argument("--balancing-threshold", type=float, default=defaults.BALANCING_THRESHOLD,
+                   help="kvcache_balancing_threshold of Algorithm 1 (ratio >= 1): a worker considers fetching "
+                        "another's prefix when it is at least this many times as long as its own")
     g.add_argument("--no-conditional-disaggregation", action="store_true",
                    help="never prefill on the decode instance itself")
     g.add_argument("--no-flexible-roles", action="store_true",

@@ -41,7 +41,7 @@ def live_scheduler_config(**overrides) -> SchedulerConfig:
                  role_cost_s=defaults.ROLE_COST_S, chunk_tokens=defaults.CHUNK_SIZE,
                  best_effort_when_idle=defaults.BEST_EFFORT_WHEN_IDLE,
                  # Priced only from holders whose pools serve other nodes (InstanceState.serves_fetches).
-                 remote_fetch=defaults.REMOTE_FETCH)
+                 remote_fetch=defaults.REMOTE_FETCH, kvcache_balancing_threshold=defaults.BALANCING_THRESHOLD)
     return SchedulerConfig(**{**knobs, **overrides})
 
 

@@ -116,6 +116,9 @@ FLEXIBLE_ROLES = True
 """Any worker may prefill or decode any request (P = D included); its label is only a cost.
 Every engine runs the KV connector as kv_both, so a fixed split would strand compute: on 2 cores
 with 1P+1D one core prefills while the other idles between tokens."""
+BALANCING_THRESHOLD = 1.5
+"""Algorithm 1's kvcache_balancing_threshold on the live cluster: a worker considers fetching a
+holder's prefix when it is at least this many times as long as its own (or it holds none)."""
 REMOTE_FETCH = True
 """Algorithm 1's fetch_from, carried out: a prefill worker may pull a longer prefix from another
 worker's KVCache pool (its DRAM or SSD tier, through the messenger) instead of computing it, when

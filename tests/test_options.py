@@ -124,9 +124,10 @@ def test_live_defaults_have_one_source():
     conductor = ConductorConfig(model_path="m", served_model_name="m")
     from_cli = [scheduler_config(parse(cmd)) for cmd in ("serve", "conductor")]
     for sched in (cluster.scheduler, conductor.scheduler, *from_cli):
-        assert (sched.block_size, sched.ttft_slo_s, sched.tbt_slo_s, sched.default_decode_s, sched.remote_fetch) == (
+        assert (sched.block_size, sched.ttft_slo_s, sched.tbt_slo_s, sched.default_decode_s, sched.remote_fetch,
+                sched.kvcache_balancing_threshold) == (
             defaults.KV_BLOCK_SIZE, defaults.TTFT_SLO_S, defaults.TBT_SLO_S, defaults.DEFAULT_DECODE_S,
-            defaults.REMOTE_FETCH)
+            defaults.REMOTE_FETCH, defaults.BALANCING_THRESHOLD)
     for cmd in ("serve", "conductor"):
         assert scheduler_config(parse(cmd, "--no-remote-fetch")).remote_fetch is False
         assert scheduler_config(parse(cmd, "--remote-fetch")).remote_fetch is True
