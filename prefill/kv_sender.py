@@ -162,16 +162,20 @@ class KVSender:
         until its batch completes. CUDA: pinned memory, on a side stream after the forward's writes
         (wait_stream); the sender thread waits for the copy's event, never the forward thread."""
         event = None
-        ids = torch.tensor(spec.block_ids, dtype=torch.long, device=view.device)
         if self._copy_stream is not None:
             self._copy_stream.wait_stream(torch.cuda.current_stream(view.device))
             with torch.cuda.stream(self._copy_stream):
+                # Everything the side stream reads is made on it. Block ids made on the forward's
+                # stream were freed as this returned, and the forward's next allocation could be
+                # given their memory before the side stream's index_select read them: the last layer
+                # of a chunk then gathered the next chunk's blocks (kv_path_cuda at 32k tokens).
+                ids = torch.tensor(spec.block_ids, dtype=torch.long, device=view.device)
                 host = torch.empty((len(spec.block_ids), *view.shape[1:]), dtype=view.dtype, pin_memory=True)
                 host.copy_(view.index_select(0, ids), non_blocking=True)
                 event = torch.cuda.Event()
                 event.record(self._copy_stream)
         else:
-            host = view.index_select(0, ids)
+            host = view.index_select(0, torch.tensor(spec.block_ids, dtype=torch.long, device=view.device))
         self._gather_seq += 1
         name = f"kv-rows-{self._gather_seq}"
         if len(spec.block_ids):

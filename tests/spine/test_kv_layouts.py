@@ -118,6 +118,35 @@ def test_blocks_land_in_the_consumers_layout(device, src_layout, dst_layout, tra
         assert producer.finished_sending({"p"}) == {"p"}
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_a_gather_on_the_side_stream_reads_its_own_block_ids_not_the_forwards_next_tensor():
+    """The sender gathers a layer's rows on its side stream while the forward's stream goes on. Here
+    the side stream is held back (a sleep kernel) and the forward's stream at once allocates a
+    tensor of the ids' size and fills it: had the ids been made on the forward's stream, that
+    tensor would get their freed memory, and the gather would read the wrong blocks."""
+    src, dst = caches("kv_first", "cuda", True), caches("blocks_first", "cuda", False)
+    with pair(src, dst, ("tcp",)) as (producer, consumer, p_engine, dest):
+        first = spec("p", dest, (5, 6, 7, 8), 0, 8, final=False)
+        last = spec("p", dest, (20, 3, 11, 2), 4, 8, final=True)
+        for chunk in (first, last):
+            for name, cache in src.items():
+                producer._copy_stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(producer._copy_stream):
+                    torch.cuda._sleep(50_000_000)  # tens of ms before the gather may run
+                producer.save_kv_layer([chunk], name, cache)
+                torch.full((len(chunk.block_ids),), BLOCKS - 1, dtype=torch.long, device="cuda")  # the forward
+            producer.wait_for_save()
+        assert producer.outcome("t-p", 20.0) == "ok"
+        ids = (0, 17, 9, 23, 1, 4, 12, 13)
+        consumer.start_load_kv([LoadSpec("d", "t-p", block_ids=ids, first_block=0, num_tokens=31, wait_timeout_s=20)])
+        assert wait_loaded(consumer, "d", timeout=20.0) == set()
+        for name in src:
+            sent, got = blocks_first(src[name], BLOCKS), blocks_first(dst[name], BLOCKS)
+            for s, d in zip((5, 6, 7, 8, 20, 3, 11, 2), ids):
+                assert torch.equal(got[d], sent[s]), (name, s, d)
+        assert producer.finished_sending({"p"}) == {"p"}
+
+
 def test_layouts_whose_blocks_differ_are_refused_before_a_byte_moves():
     src, dst = caches("kernel_blocks", "cpu", True), caches("blocks_first", "cpu", False)
     with pair(src, dst, ("tcp",)) as (producer, consumer, _, dest):
