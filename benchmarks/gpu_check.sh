@@ -8,8 +8,11 @@
 set -u
 OUT=${OUT:-/tmp/gpu_check}
 mkdir -p "$OUT"
-if ls .whl/*.whl >/dev/null 2>&1; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
+if ls .whl/*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+        --target /tmp/site .whl/*.whl; then
+    export PYTHONPATH=/tmp/site:$PWD
+elif [ -d .whl/msgspec-src ]; then  # no wheel for this Python: build it (benchmarks/gpu_build_msgspec.sh)
+    bash benchmarks/gpu_build_msgspec.sh || exit 1
     export PYTHONPATH=/tmp/site:$PWD
 fi
 export PYTHONUNBUFFERED=1
