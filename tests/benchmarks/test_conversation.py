@@ -6,7 +6,7 @@ from benchmarks.conversation import summarize
 
 
 def turn(tokens: int, ttft: float, cached: int | None, text: str = "t") -> dict:
-    return {"prompt_tokens": tokens, "ttft_s": ttft, "cached_tokens": cached, "text": text}
+    return {"prompt_tokens": tokens, "ttft_s": ttft, "cached_tokens": cached, "text": text, "reference": "t"}
 
 
 def test_summary_medians_ratios_and_sums_over_later_turns():
@@ -19,6 +19,6 @@ def test_summary_medians_ratios_and_sums_over_later_turns():
     assert rows[1]["cached_tokens"] == {"fetch": 256, "no-fetch": 64} and rows[1]["prompt_tokens"] == 350
     assert rows[1]["ratio"] == pytest.approx(0.3 / 0.4)
     assert totals == pytest.approx({"fetch": 0.6, "no-fetch": 0.8})  # turn 1 is never cached: left out
-    assert same
+    assert same == {"fetch": 4, "no-fetch": 4}
     results["no-fetch"][1][1]["text"] = "other"
-    assert not summarize(results, 2)[2]
+    assert summarize(results, 2)[2] == {"fetch": 4, "no-fetch": 3}
