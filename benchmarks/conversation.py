@@ -102,9 +102,17 @@ def summarize(results: dict[str, list[list[dict]]], turns: int) -> tuple[list[di
 
 
 def counters(api: str) -> dict[str, float]:
+    """The conductor's fetch counters, and its routes by kind (routes_<kind>)."""
     text = httpx.get(api.removesuffix("/v1") + "/metrics", timeout=10).text
     want = ("mooncake_prefix_fetches_total", "mooncake_prefix_fetch_tokens_total")
-    return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name in want}
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in want:
+                out[sample.name] = sample.value
+            elif sample.name == "mooncake_routes_total":
+                out[f"routes_{sample.labels.get('kind')}"] = sample.value
+    return out
 
 
 def main() -> None:
@@ -165,6 +173,9 @@ def main() -> None:
     print("prefix fetches routed: " + ", ".join(
         f"{n} {fetched[n].get('mooncake_prefix_fetches_total', 0):.0f} "
         f"({fetched[n].get('mooncake_prefix_fetch_tokens_total', 0):.0f} tokens)" for n in names))
+    print("routes by kind: " + "; ".join(
+        f"{n} " + ", ".join(f"{k.removeprefix('routes_')} {v:.0f}" for k, v in sorted(fetched[n].items())
+                            if k.startswith("routes_")) for n in names))
     measured = args.conversations * args.turns
     print("turns answered with stock vLLM's text (a colocated server, its own prefix cache holding the earlier "
           "turns): " + ", ".join(f"{n} {same[n]} of {measured}" for n in names))
