@@ -13,10 +13,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from conductor.auth import ApiKeyGuard, check_model_access, may_use
-from conductor.config import ConductorConfig, resolve_profile
-from conductor.core.estimators import Estimators
+from conductor.config import ConductorConfig, live_estimators, resolve_profile
 from conductor.core.index import PrefixIndex
-from conductor.core.profile_table import load_profile
 from conductor.core.scheduler import Scheduler
 from conductor.errors import APIError, install_error_handlers
 from conductor.membership import follow_registry, poll_health, poll_kv_events
@@ -48,7 +46,7 @@ def create_app(config: ConductorConfig) -> FastAPI:
         profile = resolve_profile(config.profile, config.dtype)
         log.info("pricing with profile table %s", profile)
         app.state.profile = profile
-        scheduler = Scheduler(config.scheduler, Estimators.from_profile(load_profile(profile)))
+        scheduler = Scheduler(config.scheduler, live_estimators(profile))
         router = Router(pool, index, scheduler, app.state.metrics)
         relay = Relay(client, config.kv_wait_timeout_s,
                       pick_fallback=lambda tried: next(

@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 
 from conductor.auth import ApiKey
 from conductor.core.config import SchedulerConfig
-from conductor.core.profile_table import bundled_profile_exists
+from conductor.core.estimators import Estimators
+from conductor.core.profile_table import bundled_profile_exists, load_profile
 from conductor.slo import SLOBounds
 from mooncake import defaults
 from mooncake.defaults import Dtype
@@ -31,6 +32,12 @@ def resolve_profile(profile: str | None, dtype: Dtype) -> str:
                 "calibration learns this cluster's speed. Measure one: mooncake profile --dtype %s",
                 name, dtype, DEFAULT_PROFILE, dtype)
     return DEFAULT_PROFILE
+
+
+def live_estimators(profile: str) -> Estimators:
+    """The live conductor's estimators: fitted from the profile table (a bundled name or a path),
+    with a remote fetch's fixed cost as measured on a live cluster (defaults.FETCH_LATENCY_S)."""
+    return Estimators.from_profile(load_profile(profile), transfer_latency_s=defaults.FETCH_LATENCY_S)
 
 
 def live_scheduler_config(**overrides) -> SchedulerConfig:

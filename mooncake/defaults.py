@@ -119,6 +119,14 @@ with 1P+1D one core prefills while the other idles between tokens."""
 BALANCING_THRESHOLD = 1.5
 """Algorithm 1's kvcache_balancing_threshold on the live cluster: a worker considers fetching a
 holder's prefix when it is at least this many times as long as its own (or it holds none)."""
+FETCH_LATENCY_S = 0.25
+"""Fixed seconds the live conductor adds to a remote prefix fetch's price, beyond its bytes over
+the measured bandwidth: the round trip to the holder's pool, and vLLM's asynchronous load, which
+parks the request for at least one engine step. Measured on the 2-core machine: a remote-pool hit
+took 0.04-0.6 s more than the same hit in local DRAM (benchmarks/pool_ttft.py), and turns that
+fetched 1-2 blocks were 0.1-0.3 s slower than the decode worker prefilling them itself
+(benchmarks/conversation.py, float32). Without it, a fetch of a block or two priced at a
+millisecond won near-ties it then lost."""
 REMOTE_FETCH = True
 """Algorithm 1's fetch_from, carried out: a prefill worker may pull a longer prefix from another
 worker's KVCache pool (its DRAM or SSD tier, through the messenger) instead of computing it, when

@@ -267,3 +267,24 @@ def test_a_prefix_held_only_in_a_pool_is_priced_by_its_tiers_load():
     index.apply_stored("p1", range(90), pool_tiers={b: "dram" for b in range(90)})
     d = scheduler(policy="kvcache-centric", admission="none").schedule(request(1000), s, 0.0)
     assert d.predicted_ttft_s == pytest.approx(0.1 + 900 * 1000 / EST.dram_load_Bps)
+
+
+def test_the_live_conductor_prices_a_fetch_with_its_fixed_cost():
+    """A fetch of a block or two is not worth its round trip and vLLM's asynchronous load: the
+    live estimators charge defaults.FETCH_LATENCY_S, so an idle instance computes 128 tokens
+    itself rather than fetch them, and still fetches a prefix worth the wait."""
+    from conductor.config import live_estimators, live_scheduler_config
+    from conductor.core import Scheduler
+    from mooncake import defaults
+
+    est = live_estimators("smollm2-135m-cpu-bf16")
+    assert est.transfer_latency_s == defaults.FETCH_LATENCY_S > 0
+    sched = Scheduler(live_scheduler_config(admission="none", flexible_roles=False,
+                                            conditional_disaggregation=False), est)
+    bs = defaults.KV_BLOCK_SIZE
+    for held, fetched in ((1, False), (16, True)):  # 128 tokens: ~0.1 s of compute; 2k: seconds
+        index = PrefixIndex()
+        index.apply_stored("d0", range(held))
+        s = state(prefill("p0", bw=2e9), decode("d0"), index=index)
+        d = sched.schedule(request(held * bs + 200, n_blocks=held + 1), s, 0.0)
+        assert (d.fetch_from == "d0") is fetched, (held, d)
