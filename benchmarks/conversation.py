@@ -36,6 +36,7 @@ import httpx
 import openai
 from prometheus_client.parser import text_string_to_metric_families
 
+from benchmarks.goodput import routes_from_metrics
 from benchmarks.servers import MODEL_NAME, colocated_vllm, mooncake_cluster
 
 SYSTEMS = {"fetch": [], "no-fetch": ["--no-remote-fetch"], "fetch-any": ["--balancing-threshold", "1"]}
@@ -105,14 +106,8 @@ def counters(api: str) -> dict[str, float]:
     """The conductor's fetch counters, and its routes by kind (routes_<kind>)."""
     text = httpx.get(api.removesuffix("/v1") + "/metrics", timeout=10).text
     want = ("mooncake_prefix_fetches_total", "mooncake_prefix_fetch_tokens_total")
-    out = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name in want:
-                out[sample.name] = sample.value
-            elif sample.name == "mooncake_routes_total":
-                out[f"routes_{sample.labels.get('kind')}"] = sample.value
-    return out
+    out = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name in want}
+    return out | {f"routes_{kind}": n for kind, n in routes_from_metrics(text).items()}
 
 
 def main() -> None:

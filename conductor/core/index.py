@@ -23,7 +23,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from itertools import accumulate, repeat
+from itertools import accumulate, islice, repeat
 from operator import and_
 
 
@@ -159,7 +159,7 @@ class PrefixIndex:
         tiers = self._pool_tier.get(instance_id)
         counts: dict[str, int] = {}
         if tiers:
-            for h in block_hashes[:n]:
+            for h in islice(block_hashes, n):
                 tier = tiers.get(h)
                 if tier is not None:
                     counts[tier] = counts.get(tier, 0) + 1

@@ -65,7 +65,7 @@ class PrefixMatches:
         return cls(stored, local, load_s)
 
     def load_of(self, instance_id: str) -> float:
-        return self.load_s.get(instance_id, 0.0) if self.load_s else 0.0
+        return self.load_s.get(instance_id, 0.0)
 
 
 def prefix_tokens(blocks: int, prompt_tokens: int, block_size: int) -> int:

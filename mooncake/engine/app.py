@@ -46,9 +46,9 @@ from mooncake.protocol import (ABORT_DECODER, DROP_DECODER, REQUEST_DECODER, Bad
 from mooncake.engine.config import WorkerConfig
 from mooncake.engine.engine import build_engine, kv_capacity_tokens, refusal, run_request
 from mooncake.engine.prefill_overlap import PrefillOverlap
-from mooncake.engine.kv_events import BlockEventLog, BlockHashTranslator, KVEventSubscriber, LogChanges
+from mooncake.engine.kv_events import (POOL_TIERS, BlockEventLog, BlockHashTranslator, KVEventSubscriber,
+                                       LogChanges)
 
-POOL_TIERS = ("dram", "ssd")  # the pool's tiers, as its events name them (store/events.py)
 POOL_EVENTS_CHECK_S = 1.0  # a held poll of /internal/kv_events merges the pool's events this often
 from mooncake.engine.metrics import WorkerMetrics
 from mooncake.engine.stat_logger import engine_stat_logger

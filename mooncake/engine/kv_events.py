@@ -67,7 +67,9 @@ class EventsPage:
 ENGINE_TIER = "engine"
 """Blocks in the engine's own KV cache (vLLM's events); the node's pool adds its tiers
 ("dram", "ssd": store/). A block is held while any tier holds it."""
-_TIER_ORDER = {ENGINE_TIER: 0, "dram": 1, "ssd": 2}  # fastest first; an unknown tier is slowest
+POOL_TIERS = ("dram", "ssd")
+"""The pool's tiers, fastest first, as its events name them (store/events.py)."""
+_TIER_ORDER = {tier: i for i, tier in enumerate((ENGINE_TIER, *POOL_TIERS))}  # an unknown tier is slowest
 
 
 def _fastest(tiers: set[str]) -> str | None:

@@ -15,20 +15,17 @@ import time
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from mooncake import defaults
 from tests.conftest import MODEL_NAME
+from tests.e2e.test_metrics_counts import Scrape
 
 pytestmark = pytest.mark.vllm
 BLOCK = defaults.KV_BLOCK_SIZE
 
 
-def metric(url: str, name: str, headers: dict | None = None, **labels: str) -> float:
-    """Sum of the samples called `name` on url's /metrics whose labels include `labels`."""
-    text = httpx.get(url + "/metrics", timeout=30, headers=headers or {}).text
-    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
-               if s.name == name and set(labels.items()) <= set(s.labels.items()))
+def metric(url: str, name: str, **labels: str) -> float:
+    return Scrape(url).sum(name, **labels)
 
 
 def tokens(n: int) -> list[int]:
