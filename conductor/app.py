@@ -13,6 +13,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from conductor.auth import ApiKeyGuard, check_model_access, may_use
+from conductor.batch import prepare_batch, serve_batch
 from conductor.config import ConductorConfig, live_estimators, resolve_profile
 from conductor.core.index import PrefixIndex
 from conductor.core.scheduler import Scheduler
@@ -182,9 +183,11 @@ def estimators_report(router: Router) -> dict:
 
 async def _serve(service: CompletionService, body, endpoint: str, request: Request):
     request.state.served = True  # counted here from now on, not by RefusalCounter
+    batch = isinstance(body, CompletionRequest) and len(body.prompts()) > 1
     try:
         check_model_access(request, body.model)
-        prepared = await service.prepare(body, request.headers)
+        prepared = await (prepare_batch(service, body, request.headers) if batch
+                          else service.prepare(body, request.headers))
     except Exception as exc:
         error = exc if isinstance(exc, APIError) else _internal_error(exc, "preparing")
         service.metrics.requests.labels(endpoint=endpoint, status=str(error.status),
@@ -193,8 +196,9 @@ async def _serve(service: CompletionService, body, endpoint: str, request: Reque
             raise
         raise error from exc
     try:
-        serving = service.serve(prepared, endpoint)  # counts its own answer, refusals included
-        if prepared.stream:
+        # Each counts its own answer, refusals included.
+        serving = serve_batch(service, prepared, endpoint) if batch else service.serve(prepared, endpoint)
+        if body.stream:
             return await serving  # a streamed answer notices the client leaving by itself
         return await _unless_client_leaves(request, serving)
     except APIError:

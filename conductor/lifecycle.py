@@ -8,7 +8,8 @@ and `release()` gives them all back, once, whatever ended the request: success, 
 stop string, a retry on another prefill instance (which releases the old route's entries at
 once), or a client that left, even before the first byte of a streamed answer.
 
-Ownership is handed on, never shared: CompletionService.serve owns the life until it returns;
+Ownership is handed on, never shared: CompletionService.start hands it to its caller (serve, or
+the batch of a completions request's prompts: conductor/batch.py), which owns it until it returns;
 a streamed answer hands it to its LifeStreamingResponse, whose `__call__` releases it when the
 response ends, however it ends (Starlette calls it even when the body iterator never starts).
 """
@@ -119,12 +120,13 @@ class RequestLife:
 
 
 class LifeStreamingResponse(StreamingResponse):
-    """A streamed answer that owns its request's life and releases it when the response ends:
-    completed, failed, cancelled on a disconnect, or never started at all."""
+    """A streamed answer that owns its requests' lives (one, or one per prompt of a batch) and
+    releases them when the response ends: completed, failed, cancelled on a disconnect, or never
+    started at all."""
 
-    def __init__(self, content: AsyncIterator[str], life: RequestLife, **kwargs):
+    def __init__(self, content: AsyncIterator[str], lives: list[RequestLife], **kwargs):
         super().__init__(content, **kwargs)
-        self.life = life
+        self.lives = lives
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -133,5 +135,17 @@ class LifeStreamingResponse(StreamingResponse):
             try:
                 await self.body_iterator.aclose()  # runs the body's own cleanup if it stopped mid-way
             finally:
-                await self.life.release()
+                await release_all(self.lives)
 
+
+async def release_all(lives: list[RequestLife]) -> None:
+    """Release every life, even when one release is interrupted (a cancellation while a stream
+    closes); the first interruption is raised after the rest are released."""
+    interrupted: BaseException | None = None
+    for life in lives:
+        try:
+            await life.release()
+        except BaseException as exc:
+            interrupted = interrupted or exc
+    if interrupted is not None:
+        raise interrupted

@@ -218,6 +218,13 @@ class CompletionRequest(_SamplingFields):
                 ("top_logprobs", self.top_logprobs is not None,
                  "top_logprobs is a chat parameter; /v1/completions takes logprobs=N"))
 
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts: one unless a list of strings or of token-id lists batches several."""
+        p = self.prompt
+        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
+            return list(p)
+        return [p]
+
     def logprobs_top(self) -> int | None:
         return self.logprobs
 

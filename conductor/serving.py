@@ -51,6 +51,17 @@ class Prepared:
     prompt_logprobs: bool = False  # answer with vLLM's prompt_logprobs field
 
 
+@dataclass
+class Started:
+    """An admitted request past its first token, and what answering it needs."""
+    life: RequestLife
+    stats: RelayStats
+    headers: dict[str, str]
+    choices: list[Choice]
+    prompt_positions: list  # the prompt's logprobs, as the chunks bring them
+    events: AsyncIterator[ChoiceEvent]
+
+
 class CompletionService:
     def __init__(self, config: ConductorConfig, tokenizer, router: Router, relay: Relay,
                  metrics: ConductorMetrics, clock: Callable[[], float] = time.monotonic):
@@ -134,9 +145,8 @@ class CompletionService:
         wanted = None if sampling.logprobs is None else LogprobsWanted(chat, sampling.logprobs, self.token_text)
         echo = None
         if not chat and body.echo:
-            text = body.prompt if isinstance(body.prompt, str) else \
-                body.prompt[0] if isinstance(body.prompt, list) and body.prompt and isinstance(body.prompt[0], str) \
-                else await asyncio.to_thread(self.tokenizer.decode, prompt)
+            given = body.prompts()[0]
+            text = given if isinstance(given, str) else await asyncio.to_thread(self.tokenizer.decode, prompt)
             echo = Echo(text, prompt)
         return Prepared(
             request_id=request_id, prompt=prompt, sampling=sampling, stops=body.stop_strings(),
@@ -160,12 +170,10 @@ class CompletionService:
                 raise APIError(400, f"the model's chat template cannot render these messages: "
                                     f"{type(exc).__name__}: {exc}", param="messages") from exc
             return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
-        prompt = body.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (list, str)):
-            if len(prompt) != 1:
-                raise APIError(400, "batched prompts are not supported; send one prompt per request",
-                               param="prompt")
-            prompt = prompt[0]
+        prompts = body.prompts()
+        if len(prompts) != 1:  # conductor/batch.py prepares a batch's prompts one by one
+            raise ValueError(f"one prompt expected, not {len(prompts)}")
+        prompt = prompts[0]
         if isinstance(prompt, str):
             return list(self.tokenizer.encode(prompt))
         return list(prompt)
@@ -202,8 +210,22 @@ class CompletionService:
                            self.clock, req.slo)
 
     async def serve(self, req: Prepared, endpoint: str):
-        life = self.admit(req, endpoint)
-        handed_on = False
+        """Answer one prepared request: a streamed response (which then owns the request's life)
+        or a whole body."""
+        started = await self.start(req, self.admit(req, endpoint))
+        if req.stream:
+            return LifeStreamingResponse(self.sse([(req, started)]), [started.life],
+                                         media_type="text/event-stream", headers=started.headers)
+        try:
+            body, headers = await self.whole(req, started)
+            return JSONResponse(body, headers=headers)
+        finally:
+            await started.life.release()
+
+    async def start(self, req: Prepared, life: RequestLife) -> Started:
+        """Run an admitted request to its first token, so a failure before it is still an honest
+        HTTP error. On success the caller owns `Started.life` and must release it; on any failure
+        it is released here (a cancellation keeps the status the life had: None is 499)."""
         try:
             stats = life.stats = RelayStats()
             first = await self._start(req, life, stats)
@@ -224,13 +246,22 @@ class CompletionService:
                        for i in range(req.n)]
             prompt_positions: list = []
             events = self._events(req, life, first, first_at, choices, prompt_positions)
-            if req.stream:
-                response = LifeStreamingResponse(self._sse(req, life, events, stats, choices), life,
-                                                 media_type="text/event-stream", headers=headers)
-                handed_on = True  # the response releases the life when it ends, however it ends
-                return response
+            return Started(life, stats, headers, choices, prompt_positions, events)
+        except BaseException as exc:
+            if isinstance(exc, APIError):
+                life.status = str(exc.status)
+            elif isinstance(exc, Exception):
+                life.status = "500"
+            await life.release()
+            raise
+
+    async def whole(self, req: Prepared, started: Started) -> tuple[dict, dict[str, str]]:
+        """A started, non-streamed request's answer: (body, headers). Sets its life's status;
+        the caller releases the life."""
+        life, stats, headers, choices = started.life, started.stats, started.headers, started.choices
+        try:
             try:
-                async for _ in events:
+                async for _ in started.events:
                     pass
             except WorkerError as exc:
                 raise APIError(502, f"a worker failed mid-request: {exc}") from exc
@@ -239,21 +270,19 @@ class CompletionService:
             if stats.sibling_cached_tokens:
                 headers["x-mooncake-sibling-cached-tokens"] = ",".join(map(str, stats.sibling_cached_tokens))
             usage = responses.usage(len(req.prompt), sum(c.count for c in choices), stats.prefill_cached_tokens)
+            prompt_positions = started.prompt_positions
             prompt_lp = prompt_logprobs_body(prompt_positions, self.token_text) if req.prompt_logprobs else None
             body = responses.full_response(
                 req.meta, [responses.choice(req.meta, c.index, c.text, c.finish, c.logprobs, prompt_lp)
                            for c in choices], usage, prompt_lp)
             life.status = "200"
-            return JSONResponse(body, headers=headers)
+            return body, headers
         except APIError as exc:
             life.status = str(exc.status)
             raise
         except Exception:
             life.status = "500"
             raise
-        finally:
-            if not handed_on:
-                await life.release()
 
     async def _start(self, req: Prepared, life: RequestLife, stats: RelayStats) -> tuple[int, GenerateChunk]:
         """Run until the first token, so a failure before it is still an honest HTTP error.
@@ -313,25 +342,61 @@ class CompletionService:
             if not choice.done:
                 yield choice.end()
 
-    async def _sse(self, req: Prepared, life: RequestLife, events, stats: RelayStats,
-                   choices: list[Choice]) -> AsyncIterator[str]:
+    async def sse(self, parts: list[tuple[Prepared, Started]]) -> AsyncIterator[str]:
+        """The event stream of started requests answered as one: a completions request's batched
+        prompts (conductor/batch.py) or a single request. Prompt k's choice j is choice
+        k * n + j, as vLLM numbers them; usage sums the prompts. Sets each life's status; the
+        response that streams this releases the lives."""
+        req, n = parts[0][0], parts[0][0].n
         if req.meta.chat:
-            for i in range(req.n):
+            for i in range(n):
                 yield responses.chunk(req.meta, "", role=True, index=i)
         else:
             yield ""  # the headers go out now, as the first token is known
         status = "200"
         try:
-            async for event in events:
-                so_far = responses.usage(len(req.prompt), sum(c.count for c in choices),
-                                         stats.prefill_cached_tokens) if req.continuous_usage else None
-                yield responses.chunk(req.meta, event.text, finish_reason=event.finish, index=event.index,
+            async for k, event in merged([started.events for _, started in parts]):
+                so_far = _usage(parts) if req.continuous_usage else None
+                yield responses.chunk(req.meta, event.text, finish_reason=event.finish, index=k * n + event.index,
                                       logprobs=event.logprobs, usage_body=so_far)
         except WorkerError as exc:
             status = "502"
             yield sse_error(APIError(502, f"a worker failed mid-stream: {exc}", code="worker_failed"))
         if req.include_usage:
-            usage = responses.usage(len(req.prompt), sum(c.count for c in choices), stats.prefill_cached_tokens)
-            yield responses.chunk(req.meta, None, usage_body=usage, no_choices=True)
+            yield responses.chunk(req.meta, None, usage_body=_usage(parts), no_choices=True)
         yield responses.DONE
-        life.status = status  # every byte was handed to the server; a client gone before stays None
+        for _, started in parts:  # every byte was handed to the server; a client gone before stays None
+            started.life.status = status
+
+
+def _usage(parts: list[tuple[Prepared, Started]]) -> dict:
+    return responses.usage(sum(len(req.prompt) for req, _ in parts),
+                           sum(c.count for _, started in parts for c in started.choices),
+                           sum(started.stats.prefill_cached_tokens for _, started in parts))
+
+
+_END = object()
+
+
+async def merged(streams: list[AsyncIterator[ChoiceEvent]]) -> AsyncIterator[tuple[int, ChoiceEvent]]:
+    """(k, event) from each of the streams as its events come. One stream is read as it is (no
+    task per token); several are each read by one pending task at a time, and what is left
+    pending is cancelled when the merge ends, however it ends."""
+    if len(streams) == 1:
+        async for event in streams[0]:
+            yield 0, event
+        return
+    pending = {asyncio.ensure_future(anext(s, _END)): k for k, s in enumerate(streams)}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in sorted(done, key=pending.__getitem__):
+                k = pending.pop(task)
+                event = task.result()  # a worker's failure is raised here
+                if event is not _END:
+                    yield k, event
+                    pending[asyncio.ensure_future(anext(streams[k], _END))] = k
+    finally:
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)

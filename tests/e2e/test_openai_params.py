@@ -174,6 +174,37 @@ def test_n_samples_streamed_and_not_on_both_endpoints(colocated_server, disaggre
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+def test_batched_prompts_match_colocated(colocated_server, disaggregated_api, stream):
+    # A list of prompts (strings, or token-id lists) in one request, as stock vLLM takes it: each
+    # prompt is a request of its own to the cluster; choice k * n + j is prompt k's sample j.
+    prompts = [PROMPT, "Once upon a time, in a quiet village,", LONG_PROMPT]
+    usage = {"include_usage": True} if stream else None
+    ref, _ = completion(colocated_server, False, prompt=prompts, max_tokens=6, temperature=0, logprobs=1)
+    # vLLM refuses greedy n > 1; ours answers it with n equal samples, so prompt k's are choices 2k, 2k + 1.
+    ours, headers = completion(disaggregated_api, stream, prompt=prompts, max_tokens=6, temperature=0, n=2,
+                               logprobs=1, stream_options=usage)
+    assert [c["text"] for c in ours["choices"]] == [c["text"] for c in ref["choices"] for _ in range(2)]
+    assert len(set(c["text"] for c in ours["choices"])) == 3
+    for i, mine in enumerate(ours["choices"]):
+        assert_same_completion_logprobs(mine["logprobs"], ref["choices"][i // 2]["logprobs"])
+    assert ours["usage"]["prompt_tokens"] == ref["usage"]["prompt_tokens"]
+    assert ours["usage"]["completion_tokens"] == 2 * ref["usage"]["completion_tokens"]
+    for k, (prefill, decode) in enumerate(zip(headers["x-mooncake-prefill"].split(","),
+                                              headers["x-mooncake-decode"].split(","), strict=True)):
+        assert_disaggregated({"x-mooncake-prefill": prefill, "x-mooncake-decode": decode}, f"prompt {k}")
+    ids = [[1, 2, 3, 4], [5, 6, 7]]  # token-id prompts batch the same way
+    ref_ids, _ = completion(colocated_server, False, prompt=ids, max_tokens=4, temperature=0)
+    ours_ids, _ = completion(disaggregated_api, stream, prompt=ids, max_tokens=4, temperature=0)
+    assert [c["text"] for c in ours_ids["choices"]] == [c["text"] for c in ref_ids["choices"]]
+
+
+def test_a_bad_prompt_in_a_batch_is_a_400_naming_it(disaggregated_api):
+    r = httpx.post(f"{disaggregated_api}/completions", timeout=60,
+                   json={"model": MODEL_NAME, "prompt": [[1, 2], [3, 10**9]], "max_tokens": 2})
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith("prompt 1: "), r.text
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
 def test_echo_matches_colocated(colocated_server, disaggregated_api, stream):
     ref, _ = completion(colocated_server, False, prompt=PROMPT, max_tokens=4, temperature=0, echo=True, logprobs=2)
     ours, headers = completion(disaggregated_api, stream, prompt=PROMPT, max_tokens=4, temperature=0, echo=True,
