@@ -198,3 +198,42 @@ def test_an_idle_lane_closed_by_the_callee_is_redialled(monkeypatch):
         assert p.sender.call("receiver", b"2") == b"got 2"
     finally:
         _close(p)
+
+
+def test_a_reply_trickled_byte_by_byte_fails_the_call_by_its_deadline():
+    # Each byte arrives well within the socket timeout, so a per-read timeout alone would wait
+    # for all 4 KiB (about 40 s here); the call's deadline ends it after its 0.5 s.
+    from messenger.call_lane import _REPLY, LaneClient, REPLY_MAGIC
+    from messenger.stats import TransportStats
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    stop = threading.Event()
+
+    def trickle():
+        conn, _ = listener.accept()
+        with conn:
+            conn.recv(65536)  # the request
+            reply = _REPLY.pack(REPLY_MAGIC, 0, 4096, 0) + b"x" * 4096
+            for i in range(len(reply)):
+                if stop.is_set():
+                    return
+                try:
+                    conn.sendall(reply[i:i + 1])
+                except OSError:
+                    return  # the caller gave up and closed its lane
+                time.sleep(0.01)
+
+    server = threading.Thread(target=trickle, daemon=True)
+    server.start()
+    stats = TransportStats()
+    client = LaneClient(None, stats)
+    try:
+        started = time.monotonic()
+        with pytest.raises(TransferError, match="no reply within 0.5 s"):
+            client.call("slow", f"127.0.0.1:{listener.getsockname()[1]}", (0, b"{}"), b"req", 0.5)
+        assert time.monotonic() - started < 0.5 * 1.05 + 0.2  # its deadline, the slack, a scheduling margin
+    finally:
+        stop.set()
+        client.close()
+        listener.close()
+        server.join(timeout=5)
