@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import math
+import statistics
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -123,7 +124,9 @@ class Router:
                            headers={"Retry-After": "5"})
         # Hashed in the unit the scheduler prices in, which every routed worker shares.
         hashes = tuple(hash_prompt_blocks(prompt, self.scheduler.config.block_size))
-        state = ClusterState(instances=tuple(self._instance(h, now) for h in handles.values()), index=self.index,
+        unmeasured = cluster_bandwidth_Bps(handles.values())
+        state = ClusterState(instances=tuple(self._instance(h, now, unmeasured) for h in handles.values()),
+                             index=self.index,
                              mean_decode_s=self.mean_decode_s, pending=self.pending)
         request = Request(request_id, len(prompt), hashes, now, slo.priority, slo.ttft_s, slo.tbt_s)
         result = self.scheduler.schedule(request, state, now)
@@ -212,11 +215,20 @@ class Router:
         """Drop the calibrations of instances that left the pool."""
         self.calibration.retain({h.name for h in self.pool.all()})
 
-    def _instance(self, h: WorkerHandle, now: float) -> InstanceState:
+    def _instance(self, h: WorkerHandle, now: float, unmeasured_Bps: float = DEFAULT_BANDWIDTH_BPS) -> InstanceState:
         role = Role.PREFILL if h.role == WorkerRole.PREFILL else Role.DECODE
         return h.ledger.state(h.name, role, h.kv_capacity_tokens,
-                              h.push_bandwidth.estimate_Bps or DEFAULT_BANDWIDTH_BPS, self.calibration.scales(h.name),
+                              h.push_bandwidth.estimate_Bps or unmeasured_Bps, self.calibration.scales(h.name),
                               now, h.chunk_tokens, serves_fetches=bool(h.pool_peer))
+
+
+def cluster_bandwidth_Bps(handles) -> float:
+    """What a worker whose pushes were never measured is priced at: the median of the measured
+    workers' push bandwidth (the same wire and copies: a decode worker that never pushes still
+    serves pool fetches over it; measured pushes here ran at 0.6-1 GB/s, a third to a half of the
+    default), or DEFAULT_BANDWIDTH_BPS while no worker is measured."""
+    measured = [h.push_bandwidth.estimate_Bps for h in handles if h.push_bandwidth.estimate_Bps]
+    return statistics.median(measured) if measured else DEFAULT_BANDWIDTH_BPS
 
 
 def fetch_params(decision: Decision, handles: dict[str, WorkerHandle]) -> FetchParams | None:

@@ -10,7 +10,7 @@ from conductor.core.scheduler import Scheduler
 from conductor.errors import APIError
 from conductor.membership import mirror_view
 from conductor.metrics import ConductorMetrics
-from conductor.routing import Router
+from conductor.routing import DEFAULT_BANDWIDTH_BPS, Router, cluster_bandwidth_Bps
 from conductor.workers import WorkerHandle, WorkerPool
 from mooncake.hashing import hash_prompt_blocks
 from mooncake.registry import ClusterView, InstanceInfo, RegistryEvent
@@ -176,6 +176,22 @@ def test_a_busy_holders_prefix_is_fetched_from_its_pool_only_when_its_pool_serve
             assert route.fetch.peer == pool_peer and route.fetch.num_tokens == 12 * BLOCK
             assert r.metrics.value("mooncake_prefix_fetches_total") == 1
             assert r.metrics.value("mooncake_prefix_fetch_tokens_total") == 12 * BLOCK
+
+
+def test_a_worker_never_measured_is_priced_at_the_measured_workers_median_bandwidth():
+    """A decode worker never pushes, yet a pool fetch from it crosses the same wire: it is priced
+    at what the measured workers push at, not at the 2 GB/s default (3x the rate measured here)."""
+    pool = pool_of(("p1", "prefill"), ("p2", "prefill"), ("p3", "prefill"), ("d1", "decode"))
+    assert cluster_bandwidth_Bps(pool.all()) == DEFAULT_BANDWIDTH_BPS
+    for name, Bps in (("p1", 0.6e9), ("p2", 1.0e9), ("p3", 5e9)):
+        pool.handles[f"http://{name}"].push_bandwidth.estimate_Bps = Bps
+    r = router(pool)
+    seen = []
+    schedule = r.scheduler.schedule
+    r.scheduler.schedule = lambda request, state, now: seen.append(state) or schedule(request, state, now)
+    r.pick("a", list(range(1000, 1300)), 8, now=0.0)
+    priced = {inst.instance_id: inst.bandwidth_Bps for inst in seen[0].instances}
+    assert priced == {"p1": 0.6e9, "p2": 1.0e9, "p3": 5e9, "d1": 1.0e9}
 
 
 def test_a_prefill_in_flight_counts_as_cache_for_the_next_request_on_that_worker():
