@@ -152,18 +152,24 @@ class Scheduler:
             cached = prefix_tokens(matches.local.get(inst.instance_id, 0), prompt, cfg.block_size)
             if not forced and prompt - cached > cfg.colocate_max_new_tokens:
                 continue
-            prefill = est.prefill_s(prompt, cached, inst.prefill_scale) + matches.load_of(inst.instance_id)
-            # The step that carries this prefill also carries the running batch: its length
-            # is every running request's TBT for that step, so it must meet their SLO itself (and,
-            # with no running batch, the config's: the one-step budget of conditional disaggregation).
-            step = prefill + (est.tbt_s(inst.batch_size, inst.kv_tokens, inst.decode_scale) if inst.running else 0.0)
-            if not forced and step > (batch_tbt_slo_s(inst, cfg) if inst.running else cfg.tbt_slo_s):
+            load = matches.load_of(inst.instance_id)
+            if inst.running:
+                # vLLM computes it in steps of the instance's chunk, each also stepping the running
+                # batch (chunked_prefill_s): every step is a gap between the batch's tokens, so the
+                # longest must meet their SLO itself, and the first token comes after all of them.
+                prefill, step = chunked_prefill_s(inst, prompt, cached, est, cfg)
+                prefill, step = prefill + load, step + load
+                budget = batch_tbt_slo_s(inst, cfg)
+            else:  # nobody waits between tokens here: the one-step budget of conditional disaggregation
+                prefill = step = est.prefill_s(prompt, cached, inst.prefill_scale) + load
+                budget = cfg.tbt_slo_s
+            if not forced and step > budget:
                 continue
             queue = est.queue_s(inst)
-            d = rank_and_gate(inst, prompt, views, self._horizon(now, queue + step, t_d), est, cfg, lim)
+            d = rank_and_gate(inst, prompt, views, self._horizon(now, queue + prefill, t_d), est, cfg, lim)
             if not forced and d.problem is not None:
                 continue
-            cands.append((PrefillChoice(inst.instance_id, cached, None, 0, queue, step, 0.0), d))
+            cands.append((PrefillChoice(inst.instance_id, cached, None, 0, queue, prefill, 0.0), d))
         if not cands:
             return None
         if forced and rng is not None:

@@ -191,7 +191,8 @@ def test_without_a_prefill_pool_every_prompt_is_prefilled_on_a_decode_instance(p
     assert isinstance(d, Decision) and d.colocated
     if policy != "random":  # d1: no queue, so the lowest TTFT and the shortest queue
         assert d.decode_instance == "d1"
-        assert d.predicted_ttft_s == pytest.approx(5.0 + 0.01 + 0.002)
+        # vLLM runs it in three 2,048-token steps, each also stepping d1's batch (0.012 s).
+        assert d.predicted_ttft_s == pytest.approx(5.0 + 3 * (0.01 + 0.002))
 
 
 def test_colocated_cluster_prefers_the_instance_holding_the_prefix_and_keeps_admission():
@@ -225,6 +226,16 @@ def test_no_colocation_when_the_step_breaks_running_tbt_or_prompt_too_long():
                         colocate_max_new_tokens=100)
     assert not long_ok.schedule(request(500), s, 0.0).colocated  # over the one-step token budget
     assert long_ok.schedule(request(100), s, 0.0).colocated
+
+
+def test_a_decode_instance_with_small_steps_colocates_a_prompt_longer_than_one_step():
+    # d0 steps 32 new tokens at a time: the 90-token prompt is three steps of at most
+    # 0.032 + 0.02 s, each within the batch's 0.1 s TBT, so it may prefill there, and its first
+    # token comes after all three (0.09 + 3 x 0.02 s). Priced as one step (0.11 s) it could not.
+    s = state(prefill("p0", queued=2.0), replace(decode("d0", batch=10), chunk_tokens=32))
+    d = scheduler(admission="prediction", conditional_disaggregation=True, tbt_slo_s=0.1).schedule(request(90), s, 0.0)
+    assert d.colocated and d.decode_instance == "d0"
+    assert d.predicted_ttft_s == pytest.approx(0.09 + 3 * 0.02)
 
 
 def test_colocation_only_when_it_predicts_lower_ttft():
