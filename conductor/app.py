@@ -22,7 +22,9 @@ from conductor.membership import follow_registry, poll_health, poll_kv_events
 from conductor.metrics import CONTENT_TYPE, ConductorMetrics, LiveState, RefusalCounter
 from conductor.relay import Relay
 from conductor.routing import Router
-from conductor.schemas import ChatCompletionRequest, CompletionRequest
+from conductor.prompts import detokenize_body, tokenize_body
+from conductor.schemas import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeChatRequest, \
+    TokenizeCompletionRequest
 from conductor.serving import CompletionService
 from conductor.workers import WorkerClient, WorkerPool
 from mooncake.auth import ClusterTokenGuard, token_headers
@@ -116,6 +118,18 @@ def create_app(config: ConductorConfig) -> FastAPI:
         service: CompletionService = request.app.state.service
         return await _serve(service, body, "chat", request)
 
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeChatRequest | TokenizeCompletionRequest, request: Request):
+        """vLLM's: the token ids a prompt or chat messages become (the chat template applied)."""
+        _check_tokenizer_model(request, config, body.model)
+        tokenizer = request.app.state.service.tokenizer
+        return await asyncio.to_thread(tokenize_body, tokenizer, body, config.max_model_len)
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest, request: Request):
+        _check_tokenizer_model(request, config, body.model)
+        return await asyncio.to_thread(detokenize_body, request.app.state.service.tokenizer, body)
+
     @app.get("/health")
     async def health(request: Request):
         pool: WorkerPool = request.app.state.pool
@@ -205,6 +219,16 @@ async def _serve(service: CompletionService, body, endpoint: str, request: Reque
         raise
     except Exception as exc:
         raise _internal_error(exc, "serving") from exc
+
+
+def _check_tokenizer_model(request: Request, config: ConductorConfig, model: str | None) -> None:
+    """/tokenize and /detokenize name the model optionally, as vLLM's do."""
+    if model is None:
+        return
+    check_model_access(request, model)
+    if model != config.served_model_name:
+        raise APIError(404, f"The model `{model}` does not exist. This server serves "
+                            f"`{config.served_model_name}`.", param="model", code="model_not_found")
 
 
 def _internal_error(exc: Exception, doing: str) -> APIError:

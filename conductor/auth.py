@@ -1,4 +1,5 @@
-"""API keys of the public API: who may call /v1, and which models each key may use.
+"""API keys of the public API: who may call /v1 (and vLLM's /tokenize and /detokenize), and which
+models each key may use.
 
 Keys come from `--api-keys-file`, MOONCAKE_API_KEYS (comma-separated, every model) and
 `--api-key` (one key, every model). The file holds one key per line, optionally followed by
@@ -27,6 +28,7 @@ from mooncake.auth import header, send_error
 
 API_KEYS_ENV = "MOONCAKE_API_KEYS"
 PUBLIC_PREFIX = "/v1"
+TOKENIZER_PATHS = ("/tokenize", "/detokenize")  # vLLM's, outside /v1; a key guards them here too
 
 
 @dataclass(frozen=True)
@@ -95,8 +97,8 @@ def find_key(keys: tuple[ApiKey, ...], authorization: bytes | None) -> ApiKey | 
 
 
 class ApiKeyGuard:
-    """ASGI middleware: every /v1 request needs a known key (401 otherwise, before its body is
-    read). The key is left in the request's state for the model check (check_model_access)."""
+    """ASGI middleware: every /v1, /tokenize and /detokenize request needs a known key (401
+    otherwise, before its body is read). The key is left in the request's state for the model check (check_model_access)."""
 
     def __init__(self, app, keys: tuple[ApiKey, ...]):
         self.app = app
@@ -104,7 +106,8 @@ class ApiKeyGuard:
 
     async def __call__(self, scope, receive, send):
         path = scope.get("path", "")
-        if not self.keys or scope["type"] != "http" or not (path == PUBLIC_PREFIX or path.startswith(PUBLIC_PREFIX + "/")):
+        public = path == PUBLIC_PREFIX or path.startswith(PUBLIC_PREFIX + "/") or path in TOKENIZER_PATHS
+        if not self.keys or scope["type"] != "http" or not public:
             return await self.app(scope, receive, send)
         authorization = header(scope, "authorization")
         key = find_key(self.keys, authorization)

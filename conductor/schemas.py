@@ -11,6 +11,10 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from mooncake.defaults import MAX_LOGPROBS, MAX_SAMPLES
 
+UNTRUSTED_TEMPLATE = ("a chat template sent with the request is not run by this server (as vLLM without "
+                      "--trust-request-chat-template); the model's own template is used without it, and "
+                      "chat_template_kwargs pass variables to it")
+
 # The structured-output kinds (mooncake/protocol.py Sampling.structured), by their request names.
 STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
@@ -207,6 +211,7 @@ class _SamplingFields(BaseModel):
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
+    add_special_tokens: bool = True  # the tokenizer's (a BOS, for models that have one); vLLM's default
     max_tokens: int | None = Field(16, ge=1)
     echo: bool = False
     suffix: str | None = None
@@ -252,7 +257,23 @@ class ChatMessage(BaseModel):
         return "".join(parts)
 
 
-class ChatCompletionRequest(_SamplingFields):
+class ChatTemplateFields(BaseModel):
+    """How chat messages become the prompt, vLLM's names and defaults (conductor/prompts.py)."""
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False  # the last (assistant) message is continued, not closed
+    add_special_tokens: bool = False  # on top of the template's own
+    chat_template_kwargs: dict[str, Any] | None = None  # the template's own variables
+    chat_template: str | None = None  # a template sent with the request: refused (not trusted)
+
+    @model_validator(mode="after")
+    def _one_way_to_end(self):
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true "
+                             "(set add_generation_prompt to false to continue the last message)")
+        return self
+
+
+class ChatCompletionRequest(ChatTemplateFields, _SamplingFields):
     TOOLS_IN_PROMPT: ClassVar[bool] = True
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
@@ -262,10 +283,36 @@ class ChatCompletionRequest(_SamplingFields):
     echo: bool = False  # vLLM's extension (prepend the last message); not implemented
 
     def _own_unsupported(self) -> tuple[tuple[str, bool, str], ...]:
-        return (("echo", self.echo, "echo is not supported on /v1/chat/completions by this server"),)
+        return (("echo", self.echo, "echo is not supported on /v1/chat/completions by this server"),
+                ("chat_template", self.chat_template is not None, UNTRUSTED_TEMPLATE))
 
     def logprobs_top(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
     def prompt_logprobs_top(self) -> int | None:
         return self.prompt_logprobs
+
+
+class TokenizeCompletionRequest(BaseModel):
+    """POST /tokenize with a prompt (vLLM's)."""
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(ChatTemplateFields):
+    """POST /tokenize with chat messages (vLLM's): the prompt a chat completion would run."""
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[dict[str, Any]] | None = None
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(BaseModel):
+    """POST /detokenize (vLLM's)."""
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    tokens: list[Annotated[int, Field(ge=0)]]

@@ -14,7 +14,6 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 
 from fastapi.responses import JSONResponse
-from jinja2 import TemplateError
 
 from conductor import responses
 from conductor.choices import Choice, ChoiceEvent, Echo, LogprobsWanted
@@ -22,6 +21,7 @@ from conductor.config import ConductorConfig
 from conductor.errors import APIError, sse_error
 from conductor.lifecycle import LifeStreamingResponse, RequestLife
 from conductor.metrics import ConductorMetrics
+from conductor.prompts import chat_prompt_ids, completion_prompt_ids
 from conductor.relay import Relay, RelayStats, sample_zero
 from conductor.routing import Router
 from conductor.schemas import ChatCompletionRequest, CompletionRequest
@@ -159,24 +159,11 @@ class CompletionService:
 
     def _tokenize(self, body: CompletionRequest | ChatCompletionRequest) -> list[int]:
         if isinstance(body, ChatCompletionRequest):
-            try:
-                messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-            except ValueError as exc:
-                raise APIError(400, str(exc), param="messages") from exc
-            try:
-                ids = self.tokenizer.apply_chat_template(messages, tools=body.tools or None,
-                                                         add_generation_prompt=True, tokenize=True)
-            except (TemplateError, ValueError, TypeError, KeyError) as exc:  # the model's template refused them
-                raise APIError(400, f"the model's chat template cannot render these messages: "
-                                    f"{type(exc).__name__}: {exc}", param="messages") from exc
-            return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+            return chat_prompt_ids(self.tokenizer, body.messages, body.tools, body)
         prompts = body.prompts()
         if len(prompts) != 1:  # conductor/batch.py prepares a batch's prompts one by one
             raise ValueError(f"one prompt expected, not {len(prompts)}")
-        prompt = prompts[0]
-        if isinstance(prompt, str):
-            return list(self.tokenizer.encode(prompt))
-        return list(prompt)
+        return completion_prompt_ids(self.tokenizer, prompts[0], body.add_special_tokens)
 
     # -- execution ------------------------------------------------------------------------------
 

@@ -316,3 +316,55 @@ def test_a_constraint_the_engine_cannot_compile_is_a_400_not_retried(disaggregat
     ours, _ = completion(disaggregated_api, stream, prompt="A year:", max_tokens=8, temperature=0,
                          extra_body={"guided_regex": "(19|20)[0-9][0-9]"})
     assert len(ours["choices"][0]["text"]) == 4  # the workers still serve
+
+
+CONTINUED = [{"role": "user", "content": "Name two planets of the solar system."},
+             {"role": "assistant", "content": "The two planets are Mars and"}]
+
+
+def test_tokenize_and_detokenize_match_colocated(colocated_server, disaggregated_api):
+    ours, ref = disaggregated_api.removesuffix("/v1"), colocated_server.removesuffix("/v1")
+    bodies = [{"prompt": PROMPT, "return_token_strs": True},
+              {"prompt": PROMPT, "add_special_tokens": False},
+              {"model": MODEL_NAME, "messages": CHAT},
+              {"messages": CONTINUED, "add_generation_prompt": False, "continue_final_message": True,
+               "return_token_strs": True}]
+    for body in bodies:
+        mine = httpx.post(f"{ours}/tokenize", json=body, timeout=60)
+        theirs = httpx.post(f"{ref}/tokenize", json=body, timeout=60)
+        assert mine.status_code == theirs.status_code == 200, (mine.text, theirs.text)
+        assert mine.json() == theirs.json(), body
+    ids = httpx.post(f"{ours}/tokenize", json={"messages": CHAT}, timeout=60).json()["tokens"]
+    mine, theirs = (httpx.post(f"{base}/detokenize", json={"tokens": ids}, timeout=60) for base in (ours, ref))
+    assert mine.json() == theirs.json() and "planets" in mine.json()["prompt"]
+    bad = httpx.post(f"{ours}/detokenize", json={"tokens": [10**9]}, timeout=60)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+    unknown = httpx.post(f"{ours}/tokenize", json={"model": "nope", "prompt": "x"}, timeout=60)
+    assert unknown.status_code == 404
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+def test_continuing_the_final_message_matches_colocated(colocated_server, disaggregated_api, stream):
+    # The assistant's last message is left open and continued, with the template's own variables
+    # passed through: the prompt and the greedy answer are stock vLLM's.
+    options = {"add_generation_prompt": False, "continue_final_message": True, "chat_template_kwargs": {"x": 1}}
+    ref, _ = chat(colocated_server, False, messages=CONTINUED, max_tokens=8, temperature=0, extra_body=options)
+    ours, headers = chat(disaggregated_api, stream, messages=CONTINUED, max_tokens=8, temperature=0,
+                         extra_body=options, stream_options={"include_usage": True} if stream else None)
+    assert_disaggregated(headers, "continued chat")
+    assert ours["choices"][0]["text"] == ref["choices"][0]["text"]
+    assert ours["usage"]["prompt_tokens"] == ref["usage"]["prompt_tokens"]
+    closed, _ = chat(disaggregated_api, False, messages=CONTINUED, max_tokens=8, temperature=0)
+    assert closed["usage"]["prompt_tokens"] > ref["usage"]["prompt_tokens"]  # a new turn was opened there
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"chat_template": "{{ messages }}"}, "chat_template"),
+    ({"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs"),
+    ({"add_generation_prompt": True, "continue_final_message": True}, "continue_final_message"),
+])
+def test_chat_template_options_that_cannot_be_honoured_are_400s(disaggregated_api, body, param):
+    r = httpx.post(f"{disaggregated_api}/chat/completions", timeout=60,
+                   json={"model": MODEL_NAME, "messages": CONTINUED, "max_tokens": 2, **body})
+    assert r.status_code == 400, r.text
+    assert param in r.text

@@ -227,7 +227,7 @@ def test_conductor_asks_api_keys_on_v1_and_the_token_on_internal(tmp_path):
             for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": "k-all"}):
                 for method, path in (("GET", "/v1/models"), ("GET", "/v1/models/m"),
                                      ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
-                                     ("POST", "/v1/no-such-route")):
+                                     ("POST", "/v1/no-such-route"), ("POST", "/tokenize"), ("POST", "/detokenize")):
                     resp = await c.request(method, path, headers=headers, content=b"{")
                     assert resp.status_code == 401, (method, path, headers)
                     assert resp.json()["error"]["code"] == "invalid_api_key"
@@ -239,6 +239,8 @@ def test_conductor_asks_api_keys_on_v1_and_the_token_on_internal(tmp_path):
             resp = await c.get("/v1/models/m", headers=other)
             assert resp.status_code == 403 and resp.json()["error"]["code"] == "model_not_allowed"
             assert resp.json()["error"]["type"] == "permission_error"
+            resp = await c.post("/tokenize", headers=other, json={"model": "m", "prompt": "x"})
+            assert resp.status_code == 403  # a key's models bound vLLM's tokenizer routes too
             # Internal routes: the cluster token, never an API key.
             for path in ("/internal/registry/instances", "/internal/debug/estimators"):
                 for headers in ({}, {"Authorization": "Bearer k-all"}, {TOKEN_HEADER: TOKEN + "x"}):

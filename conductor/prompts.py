@@ -1,0 +1,75 @@
+"""What the model reads: a request's prompt as token ids, and vLLM's /tokenize and /detokenize.
+
+A completions prompt is the tokenizer's encoding of its text (with the tokenizer's special
+tokens unless add_special_tokens is false) or the token ids given. Chat messages go through the
+model's own chat template, rendered to text and then encoded, as vLLM does, with vLLM's options:
+add_generation_prompt (default true), continue_final_message (the last assistant message left
+open, for the model to continue), add_special_tokens (default false: the template writes its
+own) and chat_template_kwargs (the template's variables). A template sent with the request is
+refused: it would be code the server runs (vLLM refuses it too unless told to trust requests).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from jinja2 import TemplateError
+
+from conductor.errors import APIError
+from conductor.schemas import UNTRUSTED_TEMPLATE, ChatMessage, ChatTemplateFields, DetokenizeRequest, \
+    TokenizeChatRequest, TokenizeCompletionRequest
+
+# apply_chat_template's own arguments, which the template's variables must not replace.
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "tokenize", "add_generation_prompt",
+    "continue_final_message", "return_dict", "return_assistant_tokens_mask", "padding", "truncation",
+    "max_length", "return_tensors", "tokenizer_kwargs"})
+
+
+def completion_prompt_ids(tokenizer, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
+    if isinstance(prompt, str):
+        return list(tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
+    return list(prompt)
+
+
+def chat_prompt_ids(tokenizer, messages: Sequence[ChatMessage], tools: list[Any] | None,
+                    options: ChatTemplateFields) -> list[int]:
+    """The prompt a chat request runs; APIError 400 for messages or options the template refuses."""
+    if options.chat_template is not None:
+        raise APIError(400, UNTRUSTED_TEMPLATE, param="chat_template", code="unsupported_option")
+    variables = options.chat_template_kwargs or {}
+    clash = sorted(RESERVED_TEMPLATE_KWARGS & set(variables))
+    if clash:
+        raise APIError(400, f"chat_template_kwargs may not set {', '.join(clash)} (a request field or the "
+                            f"server's own)", param="chat_template_kwargs")
+    try:
+        rendered = [{"role": m.role, "content": m.text()} for m in messages]
+    except ValueError as exc:
+        raise APIError(400, str(exc), param="messages") from exc
+    try:
+        text = tokenizer.apply_chat_template(
+            rendered, tools=tools or None, add_generation_prompt=options.add_generation_prompt,
+            continue_final_message=options.continue_final_message, tokenize=False, **variables)
+    except (TemplateError, ValueError, TypeError, KeyError) as exc:  # the model's template refused them
+        raise APIError(400, f"the model's chat template cannot render these messages: "
+                            f"{type(exc).__name__}: {exc}", param="messages") from exc
+    return list(tokenizer.encode(text, add_special_tokens=options.add_special_tokens))
+
+
+def tokenize_body(tokenizer, body: TokenizeChatRequest | TokenizeCompletionRequest, max_model_len: int) -> dict:
+    """POST /tokenize's answer, in vLLM's shape."""
+    if isinstance(body, TokenizeChatRequest):
+        ids = chat_prompt_ids(tokenizer, body.messages, body.tools, body)
+    else:
+        ids = completion_prompt_ids(tokenizer, body.prompt, body.add_special_tokens)
+    strs = list(tokenizer.convert_ids_to_tokens(ids)) if body.return_token_strs else None
+    return {"count": len(ids), "max_model_len": max_model_len, "tokens": ids, "token_strs": strs}
+
+
+def detokenize_body(tokenizer, body: DetokenizeRequest) -> dict:
+    """POST /detokenize's answer, in vLLM's shape."""
+    vocab = len(tokenizer)
+    if any(t >= vocab for t in body.tokens):
+        raise APIError(400, f"token ids must be in [0, {vocab})", param="tokens", code="invalid_value")
+    return {"prompt": tokenizer.decode(body.tokens)}

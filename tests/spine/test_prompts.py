@@ -1,0 +1,91 @@
+"""Requests to prompt token ids (conductor/prompts.py), piece by piece with a recording tokenizer.
+The real tokenizer and template, against stock vLLM's /tokenize and chat answers, are tested in
+tests/e2e/test_openai_params.py."""
+
+import pytest
+from pydantic import ValidationError
+
+from conductor.errors import APIError
+from conductor.prompts import chat_prompt_ids, completion_prompt_ids, detokenize_body, tokenize_body
+from conductor.schemas import ChatCompletionRequest, DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest
+
+MESSAGES = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "he"}]
+
+
+class RecordingTokenizer:
+    """Renders messages as 'role:content|' (plus '>' for a generation prompt) and encodes each
+    character as its code point, a special 1 first when asked."""
+
+    def __init__(self):
+        self.template_calls = []
+
+    def __len__(self):
+        return 1000
+
+    def apply_chat_template(self, messages, tools=None, add_generation_prompt=False, continue_final_message=False,
+                            tokenize=True, **variables):
+        self.template_calls.append(dict(add_generation_prompt=add_generation_prompt,
+                                        continue_final_message=continue_final_message, tokenize=tokenize, **variables))
+        text = "".join(f"{m['role']}:{m['content']}|" for m in messages)
+        return text[:-1] if continue_final_message else text + (">" if add_generation_prompt else "")
+
+    def encode(self, text, add_special_tokens=True):
+        return ([1] if add_special_tokens else []) + [ord(c) for c in text]
+
+    def decode(self, ids):
+        return "".join(chr(i) for i in ids)
+
+    def convert_ids_to_tokens(self, ids):
+        return [chr(i) for i in ids]
+
+
+def chat_body(**fields) -> ChatCompletionRequest:
+    return ChatCompletionRequest(model="m", messages=MESSAGES, **fields)
+
+
+def test_chat_options_reach_the_template_and_the_encoding():
+    tok = RecordingTokenizer()
+    default = chat_prompt_ids(tok, chat_body().messages, None, chat_body())
+    assert tok.decode(default) == "user:hi|assistant:he|>"  # rendered, then encoded without specials
+    body = chat_body(add_generation_prompt=False, continue_final_message=True, add_special_tokens=True,
+                     chat_template_kwargs={"enable_thinking": False})
+    continued = chat_prompt_ids(tok, body.messages, None, body)
+    assert continued[0] == 1 and tok.decode(continued[1:]) == "user:hi|assistant:he"
+    assert tok.template_calls[-1] == {"add_generation_prompt": False, "continue_final_message": True,
+                                      "tokenize": False, "enable_thinking": False}
+
+
+def test_chat_options_that_cannot_be_honoured_are_refused():
+    with pytest.raises(ValidationError, match="cannot both be true"):
+        chat_body(continue_final_message=True)  # add_generation_prompt defaults to true, as in vLLM
+    assert chat_body(chat_template="{{ x }}").unsupported_option()[0] == "chat_template"
+    tok = RecordingTokenizer()
+    for variables in ({"tokenize": True}, {"messages": []}, {"add_generation_prompt": False}):
+        body = chat_body(chat_template_kwargs=variables)
+        with pytest.raises(APIError) as info:
+            chat_prompt_ids(tok, body.messages, None, body)
+        assert info.value.status == 400 and info.value.param == "chat_template_kwargs"
+    assert tok.template_calls == []  # refused before the template ran
+
+
+def test_completion_prompts_with_and_without_special_tokens():
+    tok = RecordingTokenizer()
+    assert completion_prompt_ids(tok, "ab") == [1, 97, 98]
+    assert completion_prompt_ids(tok, "ab", add_special_tokens=False) == [97, 98]
+    assert completion_prompt_ids(tok, [5, 6]) == [5, 6]  # token ids are taken as given
+
+
+def test_tokenize_and_detokenize_bodies_in_vllms_shape():
+    tok = RecordingTokenizer()
+    assert tokenize_body(tok, TokenizeCompletionRequest(prompt="ab", return_token_strs=True), 8192) == {
+        "count": 3, "max_model_len": 8192, "tokens": [1, 97, 98], "token_strs": ["\x01", "a", "b"]}
+    chat = tokenize_body(tok, TokenizeChatRequest(messages=MESSAGES), 8192)
+    assert tok.decode(chat["tokens"]) == "user:hi|assistant:he|>" and chat["token_strs"] is None
+    assert detokenize_body(tok, DetokenizeRequest(tokens=[104, 105])) == {"prompt": "hi"}
+    with pytest.raises(APIError) as info:
+        detokenize_body(tok, DetokenizeRequest(tokens=[1000]))
+    assert info.value.status == 400
+    with pytest.raises(ValidationError):
+        DetokenizeRequest(tokens=[-1])
+    with pytest.raises(ValidationError):
+        TokenizeCompletionRequest(prompt="x", surprise=1)  # a misspelt option is not silently ignored
