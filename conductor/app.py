@@ -22,9 +22,8 @@ from conductor.membership import follow_registry, poll_health, poll_kv_events
 from conductor.metrics import CONTENT_TYPE, ConductorMetrics, LiveState, RefusalCounter
 from conductor.relay import Relay
 from conductor.routing import Router
-from conductor.prompts import detokenize_body, tokenize_body
-from conductor.schemas import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeChatRequest, \
-    TokenizeCompletionRequest
+from conductor.prompts import detokenize_body, tokenize_body, tokenize_request
+from conductor.schemas import ChatCompletionRequest, CompletionRequest, DetokenizeRequest
 from conductor.serving import CompletionService
 from conductor.workers import WorkerClient, WorkerPool
 from mooncake.auth import ClusterTokenGuard, token_headers
@@ -119,8 +118,13 @@ def create_app(config: ConductorConfig) -> FastAPI:
         return await _serve(service, body, "chat", request)
 
     @app.post("/tokenize")
-    async def tokenize(body: TokenizeChatRequest | TokenizeCompletionRequest, request: Request):
+    async def tokenize(request: Request):
         """vLLM's: the token ids a prompt or chat messages become (the chat template applied)."""
+        try:
+            data = await request.json()
+        except ValueError:
+            raise APIError(400, "request body is not valid JSON", code="invalid_json") from None
+        body = tokenize_request(data)
         _check_tokenizer_model(request, config, body.model)
         tokenizer = request.app.state.service.tokenizer
         return await asyncio.to_thread(tokenize_body, tokenizer, body, config.max_model_len)

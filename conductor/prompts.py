@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from jinja2 import TemplateError
+from pydantic import ValidationError
 
 from conductor.errors import APIError
 from conductor.schemas import UNTRUSTED_TEMPLATE, ChatMessage, ChatTemplateFields, DetokenizeRequest, \
@@ -55,6 +56,21 @@ def chat_prompt_ids(tokenizer, messages: Sequence[ChatMessage], tools: list[Any]
         raise APIError(400, f"the model's chat template cannot render these messages: "
                             f"{type(exc).__name__}: {exc}", param="messages") from exc
     return list(tokenizer.encode(text, add_special_tokens=options.add_special_tokens))
+
+
+def tokenize_request(data: Any) -> TokenizeChatRequest | TokenizeCompletionRequest:
+    """POST /tokenize's body: chat messages when it has `messages`, else a prompt. Parsed here,
+    not by a union in the route's signature, so an error names the body's own field."""
+    if not isinstance(data, dict):
+        raise APIError(400, "the body must be a JSON object with a prompt or messages", code="invalid_value")
+    model = TokenizeChatRequest if "messages" in data else TokenizeCompletionRequest
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        param = ".".join(str(p) for p in first.get("loc", ())) or None
+        message = first.get("msg", "invalid request").removeprefix("Value error, ")
+        raise APIError(400, f"{param}: {message}" if param else message, param=param, code="invalid_value") from None
 
 
 def tokenize_body(tokenizer, body: TokenizeChatRequest | TokenizeCompletionRequest, max_model_len: int) -> dict:

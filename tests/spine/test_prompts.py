@@ -6,7 +6,7 @@ import pytest
 from pydantic import ValidationError
 
 from conductor.errors import APIError
-from conductor.prompts import chat_prompt_ids, completion_prompt_ids, detokenize_body, tokenize_body
+from conductor.prompts import chat_prompt_ids, completion_prompt_ids, detokenize_body, tokenize_body, tokenize_request
 from conductor.schemas import ChatCompletionRequest, DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest
 
 MESSAGES = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "he"}]
@@ -89,3 +89,17 @@ def test_tokenize_and_detokenize_bodies_in_vllms_shape():
         DetokenizeRequest(tokens=[-1])
     with pytest.raises(ValidationError):
         TokenizeCompletionRequest(prompt="x", surprise=1)  # a misspelt option is not silently ignored
+
+
+@pytest.mark.parametrize("data,param", [
+    ({}, "prompt"), ({"prompt": "x", "messages": [{"role": "user", "content": "x"}]}, "prompt"),
+    ({"messages": []}, "messages"), ({"prompt": 3}, "prompt"), ([1], None),
+    ({"messages": MESSAGES, "continue_final_message": True}, None),
+])
+def test_a_tokenize_body_is_chat_when_it_has_messages_and_its_errors_name_the_field(data, param):
+    with pytest.raises(APIError) as info:
+        tokenize_request(data)
+    assert info.value.status == 400 and info.value.param == param, info.value.message
+    assert "function-after" not in info.value.message and "Tokenize" not in info.value.message
+    assert isinstance(tokenize_request({"messages": MESSAGES}), TokenizeChatRequest)
+    assert isinstance(tokenize_request({"prompt": "x"}), TokenizeCompletionRequest)
