@@ -13,7 +13,6 @@ from conductor.errors import APIError
 from conductor.schemas import CompletionRequest
 from conductor.serving import merged
 from conductor.workers import WorkerError
-from mooncake.protocol import GenerateChunk
 from tests.spine.test_lifecycle import PROMPT, Client, ScriptedRelay, drive, make_service
 
 
@@ -32,20 +31,12 @@ class PerPromptRelay(ScriptedRelay):
         self.started.append(k)
         if k in self.fail_before:
             raise WorkerError(f"prompt {k} cannot run")
-        done = False
+        chunks = self.stream([k] * self.tokens_each, 1 if k in self.fail_after else None)
         try:
-            for i in range(self.tokens_each):
-                if i == 1 and k in self.fail_after:
-                    raise WorkerError("decode worker died", started=True)
-                done = i == self.tokens_each - 1
-                yield GenerateChunk([k], finish_reason="length" if done else None)
-                await asyncio.sleep(self.pause_s)
+            async for chunk in chunks:
+                yield chunk
         finally:
-            if done:
-                self.completed += 1
-            else:
-                self.closed_early += 1
-
+            await chunks.aclose()
 
     async def samples(self, request_id, prompt, sampling, route, stats, n):
         """n samples of the prompt, their chunks in turn (as the relay interleaves them)."""

@@ -50,12 +50,21 @@ class ScriptedRelay:
         self.prefills.append(route.prefill.name)
         if route.prefill.name in self.fail_on:
             raise WorkerError(f"{route.prefill.name} is down")
+        chunks = self.stream(self.tokens, self.error_after)
+        try:
+            async for chunk in chunks:
+                yield chunk
+        finally:
+            await chunks.aclose()
+
+    async def stream(self, tokens, error_after):
+        """`tokens` one per chunk, failing as a dead worker after `error_after` of them."""
         done = False
         try:
-            for i, token in enumerate(self.tokens):
-                if self.error_after is not None and i == self.error_after:
+            for i, token in enumerate(tokens):
+                if error_after is not None and i == error_after:
                     raise WorkerError("decode worker died", started=True)
-                last = i == len(self.tokens) - 1
+                last = i == len(tokens) - 1
                 done = last  # the consumer stops pulling at the finish reason, as with a worker
                 yield GenerateChunk([token], finish_reason="length" if last else None)
                 await asyncio.sleep(self.pause_s)
