@@ -14,7 +14,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from jinja2 import TemplateError
 from pydantic import ValidationError
 
 from conductor.errors import APIError
@@ -52,7 +51,8 @@ def chat_prompt_ids(tokenizer, messages: Sequence[ChatMessage], tools: list[Any]
         text = tokenizer.apply_chat_template(
             rendered, tools=tools or None, add_generation_prompt=options.add_generation_prompt,
             continue_final_message=options.continue_final_message, tokenize=False, **variables)
-    except (TemplateError, ValueError, TypeError, KeyError) as exc:  # the model's template refused them
+    except Exception as exc:  # noqa: BLE001 - the template ran on the request's messages and variables
+        # (a TemplateError, ValueError, TypeError, or whatever a variable of the wrong type raises)
         raise APIError(400, f"the model's chat template cannot render these messages: "
                             f"{type(exc).__name__}: {exc}", param="messages") from exc
     return list(tokenizer.encode(text, add_special_tokens=options.add_special_tokens))

@@ -80,7 +80,7 @@ def test_a_lone_surrogate_is_a_400_and_the_connection_stays_usable(spine_cluster
 
 def test_unsupported_options_are_refused_not_ignored(spine_cluster):
     for extra, param in (({"n": 17}, "n"), ({"logprobs": 21}, "logprobs"), ({"best_of": 2}, "best_of"),
-                         ({"prompt": ["a", "b"]}, "prompt"), ({"prompt": [10**9]}, "prompt"),
+                         ({"prompt": [[1], [10**9]]}, "prompt"), ({"prompt": [10**9]}, "prompt"),
                          ({"logit_bias": {"99999999": 5}}, "logit_bias"), ({"logit_bias": {"1": 500}}, "logit_bias"),
                          ({"suffix": "z"}, "suffix"), ({"top_logprobs": 2}, "top_logprobs"),
                          ({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs")):
@@ -90,6 +90,7 @@ def test_unsupported_options_are_refused_not_ignored(spine_cluster):
     tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
     for extra, param in (({"tools": [tool]}, "tools"), ({"response_format": {"type": "yaml"}}, "response_format"),
                          ({"top_logprobs": 2}, "top_logprobs"), ({"echo": True}, "echo"),
+                         ({"chat_template": "{{ messages }}"}, "chat_template"),
                          ({"response_format": {"type": "json_object"}, "guided_regex": "a+"}, "guided_regex")):
         body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], **extra}
         err = assert_openai_error(httpx.post(spine_cluster.api + "/chat/completions", json=body), 400)

@@ -38,7 +38,8 @@ OTHER_EXAMPLES = 8
 # Options the server does not implement (400 unsupported_option, tested in test_errors.py and
 # test_openai_params.py): they would end most valid cases before they reach a worker.
 UNSUPPORTED = ("best_of", "tools", "tool_choice", "functions", "function_call", "suffix")
-UNSUPPORTED_ON = {"CompletionRequest": ("top_logprobs",), "ChatCompletionRequest": ("echo",)}  # the other endpoint's
+# The other endpoint's, and a request's own chat template (refused: code the server would run).
+UNSUPPORTED_ON = {"CompletionRequest": ("top_logprobs",), "ChatCompletionRequest": ("echo", "chat_template")}
 STRUCTURED = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}}
 NULL = {"type": "null"}
@@ -93,7 +94,7 @@ def bounded_schema(raw: dict) -> dict:
 def valid_together(body):
     """A valid case made to keep the rules between fields that the schema cannot say, so it reaches
     a worker: one structured-output constraint at most, top_logprobs with logprobs, no
-    prompt_logprobs in a stream."""
+    prompt_logprobs in a stream, no generation prompt after a message left open."""
     if not isinstance(body, dict):
         return body
     for field in [f for f in STRUCTURED if body.get(f) is not None][1:]:
@@ -102,6 +103,8 @@ def valid_together(body):
         body["logprobs"] = True
     if body.get("prompt_logprobs") is not None and body.get("stream"):
         body["stream"] = False
+    if body.get("continue_final_message"):  # as vLLM: not both
+        body["add_generation_prompt"] = False
     return body
 
 
@@ -145,7 +148,7 @@ def api_schema(spine_cluster):
     return schemathesis.openapi.from_dict(bounded_schema(raw))
 
 
-OPERATIONS = [("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("GET", "/v1/models"),
+OPERATIONS = [("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("POST", "/detokenize"), ("GET", "/v1/models"),
               ("GET", "/v1/models/{model_id}"), ("GET", "/health"), ("GET", "/metrics"),
               ("GET", "/internal/debug/estimators"), ("GET", "/internal/registry/instances"),
               ("POST", "/internal/registry/instances"),
