@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.metadata
 import logging
 import time
 from collections.abc import Awaitable
@@ -78,7 +79,7 @@ def create_app(config: ConductorConfig) -> FastAPI:
             await client.close()
             await registry.close()
 
-    app = FastAPI(title="mooncake conductor", version="0.1.0", lifespan=lifespan)
+    app = FastAPI(title="mooncake conductor", version=VERSION, lifespan=lifespan)
     app.state.config = config
     app.state.metrics = ConductorMetrics()
     app.state.started = int(time.time())
@@ -116,6 +117,11 @@ def create_app(config: ConductorConfig) -> FastAPI:
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         service: CompletionService = request.app.state.service
         return await _serve(service, body, "chat", request)
+
+    @app.get("/version")
+    async def version():
+        """vLLM's: the server's version (this package's; the engines' vLLM is on each worker)."""
+        return {"version": VERSION}
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
@@ -223,6 +229,16 @@ async def _serve(service: CompletionService, body, endpoint: str, request: Reque
         raise
     except Exception as exc:
         raise _internal_error(exc, "serving") from exc
+
+
+def _package_version() -> str:
+    try:
+        return importlib.metadata.version("mooncake-serve")
+    except importlib.metadata.PackageNotFoundError:  # run from a checkout that was never installed
+        return "unknown"
+
+
+VERSION = _package_version()
 
 
 def _check_tokenizer_model(request: Request, config: ConductorConfig, model: str | None) -> None:

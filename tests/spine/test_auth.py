@@ -6,6 +6,7 @@ The same checks against the real cluster are in tests/e2e/test_auth.py."""
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import socket
 import struct
 import time
@@ -249,6 +250,8 @@ def test_conductor_asks_api_keys_on_v1_and_the_token_on_internal(tmp_path):
             resp = await c.post("/internal/registry/instances", headers=GOOD, content=b"x" * (17 << 20))
             assert resp.status_code == 413 and resp.json()["error"]["type"] == "request_too_large"
             assert (await c.get("/metrics")).status_code == 200  # open for Prometheus
+            installed = importlib.metadata.version("mooncake-serve")  # pyproject's, as installed by `make setup`
+            assert (await c.get("/version")).json() == {"version": installed}  # open, as vLLM's
     asyncio.run(run())
 
 
