@@ -45,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks import kv_overlap  # noqa: E402
 from benchmarks.servers import MODEL_NAME, colocated_vllm, running  # noqa: E402
 from mooncake.auth import TOKEN_ENV, TOKEN_HEADER  # noqa: E402
-from mooncake.net import free_port  # noqa: E402
+from mooncake.net import free_port, free_port_block  # noqa: E402
 
 SYSTEMS = ("ours", "vllm")
 NO_TIMELINE = ("the prefill worker's /internal/kv_stats has no `layer_timeline` (it comes with the "
@@ -143,7 +143,7 @@ class OurCluster:
 def our_cluster(model: str, log_dir: Path, dtype: str):
     """`mooncake serve`, 1 prefill + 1 decode, every request handed over (no colocated prefill,
     no refusals). The cores are this process's affinity: the launcher gives P the first."""
-    port, worker_port, token = free_port(), free_port(), secrets.token_urlsafe(32)
+    port, worker_port, token = free_port(), free_port_block(2), secrets.token_urlsafe(32)
     args = ["-m", "mooncake.cli", "serve", "--model", model, "--served-model-name", MODEL_NAME,
             "--port", str(port), "--worker-port", str(worker_port), "--dtype", dtype,
             "--prefill", "1", "--decode", "1", "--no-flexible-roles", "--no-conditional-disaggregation",

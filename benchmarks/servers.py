@@ -16,7 +16,11 @@ from pathlib import Path
 
 import httpx
 
-from mooncake.net import free_port
+from mooncake.net import free_port, free_port_block
+
+# serve's workers listen on consecutive ports from --worker-port: a block this long is checked
+# free (1P+1D and what `extra` adds; a lone free port's neighbour was once taken).
+WORKER_PORTS = 8
 
 MODEL_NAME = "SmolLM2-135M-Instruct"
 
@@ -55,7 +59,7 @@ def running(name: str, args: list[str], health_url: str, log_dir: Path, env: dic
 
 @contextmanager
 def mooncake_cluster(model: str, log_dir: Path, extra: list[str] = (), dtype: str = "float32"):
-    port, worker_port = free_port(), free_port()
+    port, worker_port = free_port(), free_port_block(WORKER_PORTS)
     args = ["-m", "mooncake.cli", "serve", "--model", model, "--served-model-name", MODEL_NAME,
             "--port", str(port), "--worker-port", str(worker_port), "--dtype", dtype, *extra]
     with running("mooncake", args, f"http://127.0.0.1:{port}/health", log_dir):

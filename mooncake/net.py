@@ -15,6 +15,28 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
+def free_port_block(n: int) -> int:
+    """First of n consecutive ports nobody listens on now (`serve`'s worker ports are
+    consecutive from --worker-port); the same race as free_port."""
+    for _ in range(50):
+        base = free_port()
+        if base + n >= 65535:
+            continue
+        try:
+            socks = []
+            for i in range(n):
+                s = socket.socket()
+                s.bind(("127.0.0.1", base + i))
+                socks.append(s)
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no block of free ports")
+
+
 def port_in_use(host: str, port: int) -> bool:
     """Something listens on (host, port) now, or the address cannot be bound (as uvicorn would
     bind it: SO_REUSEADDR on, so a port left in TIME_WAIT counts as free)."""

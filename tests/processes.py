@@ -13,33 +13,12 @@ from pathlib import Path
 
 import httpx
 
-from mooncake.net import free_port
+from mooncake.net import free_port, free_port_block
 
 ROOT = Path(__file__).resolve().parents[1]
 # The KV cache of each vLLM engine the tests start (GiB; 23k tokens of the default model): CI
 # holds up to six engines at once on 24 GiB, and vLLM touches all of its KV cache at start.
 KV_CACHE_GIB = "0.5"
-
-
-def free_port_block(n: int) -> int:
-    """First of n consecutive free ports (worker ports are consecutive)."""
-    for _ in range(50):
-        base = free_port()
-        if base + n >= 65535:
-            continue
-        try:
-            socks = []
-            for i in range(n):
-                s = socket.socket()
-                s.bind(("127.0.0.1", base + i))
-                socks.append(s)
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no block of free ports")
 
 
 @dataclass
