@@ -29,6 +29,13 @@ class APIError(Exception):
         return error_body(self.status, self.message, self.param, self.code)
 
 
+def invalid_value(loc: list[str], error: dict[str, Any]) -> APIError:
+    """A pydantic validation error of the body's field at `loc`, as a 400 naming that field."""
+    param = ".".join(loc) or None
+    message = f"{param}: {error.get('msg')}" if param else str(error.get("msg", "invalid request"))
+    return APIError(400, message, param=param, code="invalid_value")
+
+
 def sse_error(err: APIError) -> str:
     """An error inside an event stream that has already started (status 200 is gone)."""
     return f"data: {json.dumps(err.body())}\n\n"
@@ -47,9 +54,7 @@ def install_error_handlers(app: FastAPI) -> None:
         if first.get("type") == "json_invalid":
             return JSONResponse(error_body(400, f"request body is not valid JSON: {first.get('msg')}",
                                            code="invalid_json"), status_code=400)
-        param = ".".join(loc) or None
-        message = f"{param}: {first.get('msg')}" if param else str(first.get("msg", "invalid request"))
-        return JSONResponse(error_body(400, message, param=param, code="invalid_value"), status_code=400)
+        return JSONResponse(invalid_value(loc, first).body(), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):

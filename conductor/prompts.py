@@ -16,7 +16,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from conductor.errors import APIError
+from conductor.errors import APIError, invalid_value
 from conductor.schemas import UNTRUSTED_TEMPLATE, ChatMessage, ChatTemplateFields, DetokenizeRequest, \
     TokenizeChatRequest, TokenizeCompletionRequest
 
@@ -68,9 +68,7 @@ def tokenize_request(data: Any) -> TokenizeChatRequest | TokenizeCompletionReque
         return model.model_validate(data)
     except ValidationError as exc:
         first = exc.errors()[0]
-        param = ".".join(str(p) for p in first.get("loc", ())) or None
-        message = first.get("msg", "invalid request").removeprefix("Value error, ")
-        raise APIError(400, f"{param}: {message}" if param else message, param=param, code="invalid_value") from None
+        raise invalid_value([str(p) for p in first.get("loc", ())], first) from None
 
 
 def tokenize_body(tokenizer, body: TokenizeChatRequest | TokenizeCompletionRequest, max_model_len: int) -> dict:
