@@ -23,7 +23,7 @@ from conductor.membership import follow_registry, poll_health, poll_kv_events
 from conductor.metrics import CONTENT_TYPE, ConductorMetrics, LiveState, RefusalCounter
 from conductor.relay import Relay
 from conductor.routing import Router
-from conductor.prompts import detokenize_body, tokenize_body, tokenize_request
+from conductor.prompts import detokenize_body, prefix_request_ids, tokenize_body, tokenize_request
 from conductor.schemas import ChatCompletionRequest, CompletionRequest, DetokenizeRequest
 from conductor.serving import CompletionService
 from conductor.workers import WorkerClient, WorkerPool
@@ -126,11 +126,7 @@ def create_app(config: ConductorConfig) -> FastAPI:
     @app.post("/tokenize")
     async def tokenize(request: Request):
         """vLLM's: the token ids a prompt or chat messages become (the chat template applied)."""
-        try:
-            data = await request.json()
-        except ValueError:
-            raise APIError(400, "request body is not valid JSON", code="invalid_json") from None
-        body = tokenize_request(data)
+        body = tokenize_request(await _json_body(request))
         _check_tokenizer_model(request, config, body.model)
         tokenizer = request.app.state.service.tokenizer
         return await asyncio.to_thread(tokenize_body, tokenizer, body, config.max_model_len)
@@ -174,7 +170,22 @@ def create_app(config: ConductorConfig) -> FastAPI:
         router: Router = request.app.state.router
         return {"profile": request.app.state.profile, "instances": estimators_report(router)}
 
+    @app.post("/internal/debug/prefix")
+    async def debug_prefix(request: Request):
+        """Which instances hold a cached prefix of a prompt (the body is /tokenize's, or a prompt
+        of token ids), as the router sees it in its prefix index."""
+        data = await _json_body(request)
+        ids = await asyncio.to_thread(prefix_request_ids, request.app.state.service.tokenizer, data)
+        return request.app.state.router.where_cached(ids)
+
     return app
+
+
+async def _json_body(request: Request):
+    try:
+        return await request.json()
+    except ValueError:
+        raise APIError(400, "request body is not valid JSON", code="invalid_json") from None
 
 
 async def drain_conductor(app: FastAPI) -> None:

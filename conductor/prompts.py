@@ -71,12 +71,27 @@ def tokenize_request(data: Any) -> TokenizeChatRequest | TokenizeCompletionReque
         raise invalid_value([str(p) for p in first.get("loc", ())], first) from None
 
 
+def request_prompt_ids(tokenizer, body: TokenizeChatRequest | TokenizeCompletionRequest) -> list[int]:
+    """The token ids a /tokenize-shaped body's prompt or chat messages become."""
+    if isinstance(body, TokenizeChatRequest):
+        return chat_prompt_ids(tokenizer, body.messages, body.tools, body)
+    return completion_prompt_ids(tokenizer, body.prompt, body.add_special_tokens)
+
+
+def prefix_request_ids(tokenizer, data: Any) -> list[int]:
+    """/internal/debug/prefix's body: /tokenize's, or a prompt of token ids (as completions take)."""
+    if isinstance(data, dict) and isinstance(data.get("prompt"), list):
+        ids = data["prompt"]
+        if not all(type(t) is int and t >= 0 for t in ids):
+            raise APIError(400, "prompt: token ids must be non-negative integers", param="prompt",
+                           code="invalid_value")
+        return ids
+    return request_prompt_ids(tokenizer, tokenize_request(data))
+
+
 def tokenize_body(tokenizer, body: TokenizeChatRequest | TokenizeCompletionRequest, max_model_len: int) -> dict:
     """POST /tokenize's answer, in vLLM's shape."""
-    if isinstance(body, TokenizeChatRequest):
-        ids = chat_prompt_ids(tokenizer, body.messages, body.tools, body)
-    else:
-        ids = completion_prompt_ids(tokenizer, body.prompt, body.add_special_tokens)
+    ids = request_prompt_ids(tokenizer, body)
     strs = list(tokenizer.convert_ids_to_tokens(ids)) if body.return_token_strs else None
     return {"count": len(ids), "max_model_len": max_model_len, "tokens": ids, "token_strs": strs}
 

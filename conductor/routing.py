@@ -211,6 +211,19 @@ class Router:
             batch, kv = handles[stats.decode_instance].ledger.running_load()
             self.calibration.instance(stats.decode_instance).observe_decode_step(batch, kv, stats.decode_step_s)
 
+    def where_cached(self, prompt: list[int]) -> dict:
+        """Where the prefix index places `prompt`'s blocks: each instance's longest cached prefix,
+        and how much of it is only in that instance's KVCache pool, by tier. For operators asking
+        why a request went where it did (and for tests that must wait for particular blocks)."""
+        block_size = self.scheduler.config.block_size
+        hashes = tuple(hash_prompt_blocks(prompt, block_size))
+        urls = {h.name: h.http_url for h in self.pool.all()}
+        held = sorted(self.index.match(hashes).items(), key=lambda item: (-item[1], item[0]))
+        return {"prompt_tokens": len(prompt), "block_size": block_size, "blocks": len(hashes),
+                "instances": [{"instance": name, "url": urls.get(name), "cached_blocks": n,
+                               "pool_only_blocks": self.index.pool_only_blocks(name, hashes, n)}
+                              for name, n in held]}
+
     def forget_departed(self) -> None:
         """Drop the calibrations of instances that left the pool."""
         self.calibration.retain({h.name for h in self.pool.all()})

@@ -34,7 +34,7 @@ WORKER_ROUTES = [("GET", "/internal/load"), ("GET", "/internal/kv_events?since=-
                  ("POST", "/internal/generate"), ("POST", "/internal/abort"), ("POST", "/internal/kv_drop")]
 CONDUCTOR_ROUTES = [("GET", "/internal/registry/instances"), ("POST", "/internal/registry/instances"),
                     ("POST", "/internal/registry/instances/x/heartbeat"), ("DELETE", "/internal/registry/instances/x"),
-                    ("GET", "/internal/debug/estimators")]
+                    ("GET", "/internal/debug/estimators"), ("POST", "/internal/debug/prefix")]
 
 
 @pytest.fixture(scope="module")

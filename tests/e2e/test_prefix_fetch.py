@@ -43,6 +43,14 @@ def complete(api: str, prompt: list[int], max_tokens: int, token_ids: bool = Fal
     return resp.json()
 
 
+def cached_blocks(conductor: str, cluster, prompt: list[int], worker_url: str) -> int:
+    """The blocks of `prompt`'s prefix the conductor's index places on `worker_url`."""
+    resp = httpx.post(conductor + "/internal/debug/prefix", json={"prompt": prompt}, timeout=10,
+                      headers=cluster.internal_headers)
+    assert resp.status_code == 200, resp.text
+    return next((i["cached_blocks"] for i in resp.json()["instances"] if i["url"] == worker_url), 0)
+
+
 def test_the_next_turn_fetches_the_answer_the_decode_worker_saved(spine_cluster, disaggregated_api,
                                                                   colocated_server):
     conductor = disaggregated_api.removesuffix("/v1")
@@ -50,7 +58,6 @@ def test_the_next_turn_fetches_the_answer_the_decode_worker_saved(spine_cluster,
     # Turn one: under one block of prompt, so P keeps no block of it; D decodes 160 tokens and
     # saves the whole blocks of prompt + answer (the last sampled token has no KV yet): 2 blocks.
     question = tokens(100)
-    index_before = httpx.get(conductor + "/health", timeout=10).json()["prefix_index_blocks"]
     answer = complete(colocated_server, question, 160, token_ids=True)["choices"][0]
     ours = complete(disaggregated_api, question, 160)["choices"][0]
     assert ours["text"] == answer["text"]
@@ -58,9 +65,12 @@ def test_the_next_turn_fetches_the_answer_the_decode_worker_saved(spine_cluster,
     assert held == 2
 
     # The conductor learns D's blocks from its KV events (long poll: at once, but asynchronously).
+    # Asked by these blocks, not by the index's size: other blocks may leave it meanwhile.
+    decode = spine_cluster.worker_urls["decode"]
+    saved = question + answer["token_ids"][:-1]
     deadline = time.monotonic() + 30
-    while httpx.get(conductor + "/health", timeout=10).json()["prefix_index_blocks"] < index_before + held:
-        assert time.monotonic() < deadline, "the conductor's prefix index never got D's blocks"
+    while (held_by_decode := cached_blocks(conductor, spine_cluster, saved, decode)) < held:
+        assert time.monotonic() < deadline, f"the conductor's prefix index has {held_by_decode} of D's blocks"
         time.sleep(0.2)
     fetches = metric(conductor, "mooncake_prefix_fetches_total")
     fetched_tokens = metric(conductor, "mooncake_prefix_fetch_tokens_total")

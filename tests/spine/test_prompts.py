@@ -6,7 +6,8 @@ import pytest
 from pydantic import ValidationError
 
 from conductor.errors import APIError
-from conductor.prompts import chat_prompt_ids, completion_prompt_ids, detokenize_body, tokenize_body, tokenize_request
+from conductor.prompts import (chat_prompt_ids, completion_prompt_ids, detokenize_body, prefix_request_ids, tokenize_body,
+                               tokenize_request)
 from conductor.schemas import ChatCompletionRequest, DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest
 
 MESSAGES = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "he"}]
@@ -103,3 +104,16 @@ def test_a_tokenize_body_is_chat_when_it_has_messages_and_its_errors_name_the_fi
     assert "function-after" not in info.value.message and "Tokenize" not in info.value.message
     assert isinstance(tokenize_request({"messages": MESSAGES}), TokenizeChatRequest)
     assert isinstance(tokenize_request({"prompt": "x"}), TokenizeCompletionRequest)
+
+
+def test_a_debug_prefix_body_takes_token_ids_text_or_messages():
+    tok = RecordingTokenizer()
+    assert prefix_request_ids(tok, {"prompt": [5, 0, 7]}) == [5, 0, 7]  # as given: no special token
+    assert prefix_request_ids(tok, {"prompt": "ab"}) == [1, 97, 98]  # completions' default
+    assert prefix_request_ids(tok, {"messages": MESSAGES[:1]}) == [ord(c) for c in "user:hi|>"]
+    for bad in ([1, -2], [1, 2.0], [True], ["a"]):
+        with pytest.raises(APIError) as info:
+            prefix_request_ids(tok, {"prompt": bad})
+        assert info.value.status == 400 and info.value.param == "prompt"
+    with pytest.raises(APIError):
+        prefix_request_ids(tok, ["not", "an", "object"])

@@ -270,3 +270,18 @@ def test_the_first_token_feeds_the_prefill_instance_ttft_residual():
     pool.remove("http://p1")
     r.first_token(nxt, now=30.0)
     assert p1.ttft_residual.samples == 1
+
+
+def test_where_cached_names_each_holder_its_prefix_and_its_pool_only_blocks():
+    pool = pool_of(("p1", "prefill"), ("d1", "decode"))
+    prompt = list(range(1000, 1000 + 5 * BLOCK + 7))  # five whole blocks and a partial one
+    hashes = hash_prompt_blocks(prompt, BLOCK)
+    index = PrefixIndex()
+    index.apply_stored("p1", [*hashes[:2], *hashes[3:]])  # blocks 3-4 follow a gap: no prefix
+    index.apply_stored("d1", hashes[:4], {h: "ssd" for h in hashes[2:4]})  # blocks 2-3 only in its pool
+    where = router(pool, index).where_cached(prompt)
+    assert where["prompt_tokens"] == len(prompt) and where["block_size"] == BLOCK and where["blocks"] == 5
+    assert where["instances"] == [
+        {"instance": "d1", "url": "http://d1", "cached_blocks": 4, "pool_only_blocks": {"ssd": 2}},
+        {"instance": "p1", "url": "http://p1", "cached_blocks": 2, "pool_only_blocks": {}}]
+    assert router(pool, index).where_cached(list(range(9000, 9000 + BLOCK)))["instances"] == []
