@@ -7,7 +7,7 @@ import re
 from typing import Annotated, Any, ClassVar, Literal
 
 import msgspec
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from mooncake.defaults import MAX_LOGPROBS, MAX_SAMPLES
 
@@ -113,6 +113,14 @@ class _SamplingFields(BaseModel):
             raise ValueError(f"{where or 'the body'} holds a lone UTF-16 surrogate (\\ud800-\\udfff), which is not "
                              f"valid Unicode text")
         return data
+
+    @field_validator("stream_options", mode="before")
+    @classmethod
+    def _stream_options_need_stream(cls, value: Any, info: ValidationInfo) -> Any:
+        # As vLLM and OpenAI: options for a stream on a request that will not stream are a mistake.
+        if value and not info.data.get("stream"):
+            raise ValueError("stream_options can only be set when stream is true")
+        return value
 
     @field_validator("stop")
     @classmethod

@@ -53,6 +53,7 @@ def test_unknown_model_is_404(spine_cluster):
     ('{"model": "%s", "messages": []}' % MODEL_NAME, "messages"),       # empty list
     ('{"model": "%s", "prompt": "a", "temperature": 9}' % MODEL_NAME, "temperature"),
     ('{"model": "%s", "prompt": "a", "max_tokens": 0}' % MODEL_NAME, "max_tokens"),
+    ('{"model": "%s", "prompt": "a", "stream_options": {"include_usage": true}}' % MODEL_NAME, "stream_options"),
     ('[1, 2]', None),
 ])
 def test_malformed_requests_are_400(spine_cluster, body, param):

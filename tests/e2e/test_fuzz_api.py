@@ -94,7 +94,8 @@ def bounded_schema(raw: dict) -> dict:
 def valid_together(body):
     """A valid case made to keep the rules between fields that the schema cannot say, so it reaches
     a worker: one structured-output constraint at most, top_logprobs with logprobs, no
-    prompt_logprobs in a stream, no generation prompt after a message left open."""
+    prompt_logprobs in a stream, stream_options only with a stream, no generation prompt after a
+    message left open."""
     if not isinstance(body, dict):
         return body
     for field in [f for f in STRUCTURED if body.get(f) is not None][1:]:
@@ -103,6 +104,8 @@ def valid_together(body):
         body["logprobs"] = True
     if body.get("prompt_logprobs") is not None and body.get("stream"):
         body["stream"] = False
+    if body.get("stream_options") and not body.get("stream"):  # as vLLM: options only for a stream
+        del body["stream_options"]
     if body.get("continue_final_message"):  # as vLLM: not both
         body["add_generation_prompt"] = False
     return body

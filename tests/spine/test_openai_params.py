@@ -38,6 +38,18 @@ def test_out_of_range_values_are_refused_by_the_schema(fields):
         CompletionRequest(model="m", prompt="a", **fields)
 
 
+@pytest.mark.parametrize("request_type,fields", [(CompletionRequest, {"prompt": "a"}),
+                                                 (ChatCompletionRequest, {"messages": CHAT})])
+def test_stream_options_need_a_stream(request_type, fields):
+    with pytest.raises(ValidationError, match="stream_options can only be set when stream is true") as info:
+        request_type(model="m", stream_options={"include_usage": True}, **fields)
+    assert info.value.errors()[0]["loc"] == ("stream_options",)
+    for quiet in ({}, None):  # vLLM's test is truthiness: empty options name nothing to stream
+        assert request_type(model="m", stream_options=quiet, **fields).stream_options is not None or quiet is None
+    streamed = request_type(model="m", stream=True, stream_options={"include_usage": True}, **fields)
+    assert streamed.stream_options.include_usage
+
+
 @pytest.mark.parametrize("key", ["\u00b2", "\u0663", "1\u00b2", "+1", " 1", "", "-"])
 def test_logit_bias_keys_must_be_ascii_token_ids(key):
     # "²" and "٣" pass str.isdigit() but not int(): they must be a 400 here, not a 500 later.
