@@ -17,8 +17,10 @@ import httpx
 import openai
 import pytest
 
+from mooncake.auth import TOKEN_HEADER
 from tests.conftest import MODEL_NAME
 from tests.etcd_server import EtcdServer
+from tests.prefix_index import wait_cached
 from tests.processes import KV_CACHE_GIB, Proc, free_port, start, wait_http
 
 pytestmark = [pytest.mark.vllm, pytest.mark.etcd]
@@ -63,6 +65,14 @@ class EtcdCluster:
             "--registry-ttl", str(TTL), "--no-flexible-roles", "--no-remote-fetch",
             "--cluster-token-file", self.token_file, *extra],
             self.log_dir)
+
+    @property
+    def internal_headers(self) -> dict[str, str]:
+        return {TOKEN_HEADER: open(self.token_file).read().strip()}
+
+    def wait_cached(self, prompt: str, holder: str, blocks: int, port: int | None = None) -> None:
+        """Until the conductor (at `port`, else A) places `blocks` of `prompt`'s prefix on `holder`."""
+        wait_cached(f"http://127.0.0.1:{port or self.port}", self.internal_headers, prompt, holder, blocks)
 
     def health(self, port: int | None = None) -> dict:
         return httpx.get(f"http://127.0.0.1:{port or self.port}/health", timeout=5).json()
@@ -127,10 +137,7 @@ def test_shared_prefix_goes_to_the_prefill_instance_that_holds_it(cluster):
     holder = first.headers["x-mooncake-prefill"]
     assert holder in PREFILLS
     # The holder's KV events reach the conductor's index within a few poll intervals.
-    deadline = time.monotonic() + 10
-    while cluster.health()["prefix_index_blocks"] < 5 and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert cluster.health()["prefix_index_blocks"] >= 5, "the workers' KV events never reached the index"
+    cluster.wait_cached(prefix, holder, 5)
     for i in range(3):
         resp = complete(cluster.api, prefix + f" Another question number {i}?")
         assert resp.status_code == 200, resp.text

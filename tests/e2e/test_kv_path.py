@@ -21,6 +21,7 @@ import pytest
 from mooncake import defaults
 from tests.conftest import MODEL_NAME
 from tests.e2e.prompts import COMPLETION_PROMPTS
+from tests.prefix_index import wait_cached
 from tests.processes import KV_CACHE_GIB, free_port, free_port_block, start, wait_http
 
 pytestmark = pytest.mark.vllm
@@ -117,13 +118,14 @@ def test_blocks_the_decode_worker_holds_are_not_sent(spine_cluster, disaggregate
     layers = (p1["pushed_blocks"] - p0["pushed_blocks"]) // blocks(len(head))
     assert layers > 1 and p1["pushed_blocks"] - p0["pushed_blocks"] == blocks(len(head)) * layers
     assert d1["received_blocks"] - d0["received_blocks"] == blocks(len(head)) * layers
-    time.sleep(2.0)  # the conductor's prefix index learns D's new blocks from its KV events
+    held = len(head) // BLOCK  # D's full blocks of `head`: the rest of the prompt is new to it
+    # The conductor's prefix index learns D's new blocks from its KV events.
+    wait_cached(disaggregated_api.removesuffix("/v1"), headers, head, decode, held)
 
     prompt = head + tail
     resp = complete(disaggregated_api, prompt, 8)
     assert resp.json()["choices"][0]["text"] == complete(colocated_server, prompt, 8).json()["choices"][0]["text"]
     p2, d2 = kv_stats(prefill, headers)["stats"], kv_stats(decode, headers)["stats"]
-    held = len(head) // BLOCK  # D's full blocks of `head`: the rest of the prompt is new to it
     assert p2["pushed_blocks"] - p1["pushed_blocks"] == (blocks(len(prompt)) - held) * layers
     assert d2["received_blocks"] - d1["received_blocks"] == (blocks(len(prompt)) - held) * layers
     assert int(resp.headers["x-mooncake-decode-cached-tokens"]) == len(prompt)  # held + received

@@ -6,6 +6,7 @@ between a scrape before and a scrape after this test's own requests."""
 
 from __future__ import annotations
 
+import secrets
 import time
 from collections.abc import Callable
 
@@ -40,6 +41,27 @@ def workers(cluster) -> dict[str, Scrape]:
     return {role: Scrape(url) for role, url in cluster.worker_urls.items()}
 
 
+SETTLING = ("mooncake_worker_prompt_tokens_total", "mooncake_worker_prefill_tokens_total",
+            "mooncake_worker_cached_prompt_tokens_total", "mooncake_worker_decode_tokens_total",
+            "mooncake_worker_requests_total")
+
+
+def settled_workers(cluster, within_s: float = 30.0) -> dict[str, Scrape]:
+    """The workers' scrapes once no request is left on them: a request an earlier test ended early
+    (a stop string, a client that left) is aborted after its answer, and counted when the abort
+    lands, which would fall into this test's deltas."""
+    deadline = time.monotonic() + within_s
+    last = workers(cluster)
+    while True:
+        time.sleep(0.5)
+        now = workers(cluster)
+        idle = all(s.sum("mooncake_worker_engine_running_requests") == 0 for s in now.values())
+        if idle and all(now[r].sum(n) == last[r].sum(n) for r in now for n in SETTLING):
+            return now
+        assert time.monotonic() < deadline, "the workers' counters never settled"
+        last = now
+
+
 def eventually(check: Callable[[], None], within_s: float = 15.0) -> None:
     """A worker counts a request's prompt tokens when its response stream closes, a moment after
     the conductor has the last token: retry a check that reads them for a few seconds."""
@@ -56,7 +78,8 @@ def eventually(check: Callable[[], None], within_s: float = 15.0) -> None:
 
 def test_counts_after_three_completions_one_bad_request_and_one_stream(spine_cluster):
     base = spine_cluster.base_url
-    before, workers_before = Scrape(base), workers(spine_cluster)
+    workers_before = settled_workers(spine_cluster)
+    before = Scrape(base)
     client = openai.OpenAI(base_url=spine_cluster.api, api_key="x", max_retries=0, timeout=120)
     usages = [client.completions.create(model=MODEL_NAME, prompt=p, max_tokens=5, temperature=0).usage
               for p in PROMPTS]
@@ -116,9 +139,10 @@ def test_counts_after_three_completions_one_bad_request_and_one_stream(spine_clu
 def test_a_pushed_prompt_moves_the_same_bytes_out_of_p_and_into_d(disaggregated_api, spine_cluster):
     """Through the fixed-roles conductor, so the KV is pushed: P's messenger sends exactly the
     frames D's receives, and D's engine reports the prompt as loaded from the transfer."""
-    before = workers(spine_cluster)
+    before = settled_workers(spine_cluster)
     client = openai.OpenAI(base_url=disaggregated_api, api_key="x", max_retries=0, timeout=120)
-    words = " ".join(f"item{i}" for i in range(150))  # ~600 tokens: several blocks to push
+    # ~600 tokens: several blocks to push. The nonce first: no other test's prompt shares a block.
+    words = f"{secrets.token_hex(8)} " + " ".join(f"item{i}" for i in range(150))
     response = client.completions.with_raw_response.create(model=MODEL_NAME, prompt=words, max_tokens=3,
                                                             temperature=0)
     assert response.headers["x-mooncake-prefill"] != response.headers["x-mooncake-decode"]

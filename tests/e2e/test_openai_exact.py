@@ -87,8 +87,9 @@ def test_decode_loaded_prompt_kv_and_computed_only_new_tokens(spine_cluster, dis
     prompt token as cached (not computed), and the connector counts the loaded tokens.
     Through the fixed-roles conductor: with flexible roles the decode worker may prefill the
     request itself (it does once the prefix index shows it holding prompts it decoded)."""
-    decode = spine_cluster.worker_urls["decode"]
+    decode, prefill = spine_cluster.worker_urls["decode"], spine_cluster.worker_urls["prefill"]
     before = httpx.get(decode + "/internal/kv_stats", headers=spine_cluster.internal_headers).json()["stats"]
+    pushed_before = httpx.get(prefill + "/internal/kv_stats", headers=spine_cluster.internal_headers).json()["stats"]
     prompt = "A unique prompt for the recompute check: " + " ".join(f"item-{i}" for i in range(400))
     resp = httpx.post(disaggregated_api + "/completions", timeout=300, json={
         "model": MODEL_NAME, "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True})
@@ -104,9 +105,9 @@ def test_decode_loaded_prompt_kv_and_computed_only_new_tokens(spine_cluster, dis
     assert after["loaded_transfers"] == before["loaded_transfers"] + 1
     assert after["loaded_tokens"] - before["loaded_tokens"] == prompt_tokens
     assert after["load_failures"] == before["load_failures"]
-    prefill = httpx.get(spine_cluster.worker_urls["prefill"] + "/internal/kv_stats",
-                        headers=spine_cluster.internal_headers).json()["stats"]
-    assert prefill["pushed_transfers"] >= 1 and prefill["push_failures"] == 0
+    pushed = httpx.get(prefill + "/internal/kv_stats", headers=spine_cluster.internal_headers).json()["stats"]
+    assert pushed["pushed_transfers"] == pushed_before["pushed_transfers"] + 1
+    assert pushed["push_failures"] == pushed_before["push_failures"]
 
 
 def test_logit_bias_applies_on_both_sides_as_colocated(colocated_server, spine_cluster, model_path):

@@ -21,6 +21,7 @@ import httpx
 import pytest
 
 from mooncake.hashing import hash_prompt_blocks
+from store.ssd import SUFFIX
 from tests.conftest import MODEL_NAME
 from tests.processes import KV_CACHE_GIB, free_port, start, wait_http
 
@@ -84,9 +85,6 @@ class PoolWorker:
         """A snapshot of its KV events page, as a conductor's first poll gets it."""
         return httpx.get(self.url + "/internal/kv_events", params={"since": -1}, headers=self.headers).json()
 
-    def pool(self) -> dict:
-        return httpx.get(self.url + "/internal/load", headers=self.headers).json()["pool"]
-
     def metric(self, name: str, **labels) -> float:
         want = name + ("{" + ",".join(f'{k}="{v}"' for k, v in labels.items()) + "}" if labels else "")
         for line in httpx.get(self.url + "/metrics").text.splitlines():
@@ -127,6 +125,16 @@ def wait_for(check, timeout_s: float = 30.0, what: str = "") -> None:
         time.sleep(0.2)
 
 
+def ssd_file(pool_worker: PoolWorker, key: int) -> Path:
+    name = format(key, "032x")  # the SSD tier's file of one block (store/ssd.py)
+    return Path(pool_worker.ssd_dir) / name[:2] / (name + SUFFIX)
+
+
+def wait_spilled(pool_worker: PoolWorker, keys: list[int]) -> None:
+    """Every block in `keys` written to the SSD tier (a spill is planned at once, written after)."""
+    wait_for(lambda: all(ssd_file(pool_worker, k).is_file() for k in keys), what="spills to SSD")
+
+
 def test_prefix_from_dram_computes_only_the_suffix(pool_worker, colocated_server):
     prefix = prompt_of(1, 6 * BLOCK)
     first, second = prefix + prompt_of(11, 40), prefix + prompt_of(12, 70)
@@ -153,7 +161,7 @@ def test_prefix_evicted_to_ssd_is_promoted_and_reused(pool_worker, colocated_ser
     for seed in (22, 23):
         pool_worker.generate(prompt_of(seed, 9 * BLOCK + 5), max_tokens=2)
     keys = hash_prompt_blocks(prefix, BLOCK)
-    wait_for(lambda: pool_worker.pool()["ssd"]["blocks"] >= len(keys), what="spills to SSD")
+    wait_spilled(pool_worker, keys)
     promotions = pool_worker.metric("mooncake_store_events_total", kind="promotions")
     pool_worker.forget()
     second = prefix + prompt_of(24, 50)
@@ -184,7 +192,7 @@ def test_prefix_survives_a_worker_restart(pool_worker, colocated_server):
     # Spilled to SSD by later prompts; then the worker restarts: DRAM is gone, SSD is not.
     for seed in (42, 43):
         pool_worker.generate(prompt_of(seed, 9 * BLOCK + 5), max_tokens=2)
-    wait_for(lambda: pool_worker.pool()["ssd"]["blocks"] >= len(keys), what="spills to SSD")
+    wait_spilled(pool_worker, keys)
     pool_worker.stop()
     pool_worker.start()
     second = prefix + prompt_of(44, 60)
@@ -199,13 +207,11 @@ def test_block_corrupted_on_disk_is_recomputed(pool_worker, colocated_server):
     for seed in (52, 53):
         pool_worker.generate(prompt_of(seed, 9 * BLOCK + 5), max_tokens=2)
     keys = hash_prompt_blocks(prefix, BLOCK)
-    wait_for(lambda: pool_worker.pool()["ssd"]["blocks"] >= len(keys), what="spills to SSD")
+    wait_spilled(pool_worker, keys)
     # Flip bytes in the middle of the prefix's second block on disk.
-    victim = format(keys[1], "x")
-    files = [p for p in Path(pool_worker.ssd_dir).rglob("*") if p.is_file() and victim in p.name]
-    assert files, f"no SSD file for block {victim} under {pool_worker.ssd_dir}"
-    with open(files[0], "r+b") as f:
-        f.seek(os.path.getsize(files[0]) // 2)
+    victim = ssd_file(pool_worker, keys[1])
+    with open(victim, "r+b") as f:
+        f.seek(os.path.getsize(victim) // 2)
         f.write(b"\xff" * 64)
     corrupt = pool_worker.metric("mooncake_store_events_total", kind="corrupt")
     pool_worker.forget()

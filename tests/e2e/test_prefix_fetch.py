@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import random
 import secrets
-import time
 
 import httpx
 import pytest
@@ -19,6 +18,7 @@ import pytest
 from mooncake import defaults
 from tests.conftest import MODEL_NAME
 from tests.e2e.test_metrics_counts import Scrape
+from tests.prefix_index import wait_cached
 
 pytestmark = pytest.mark.vllm
 BLOCK = defaults.KV_BLOCK_SIZE
@@ -43,14 +43,6 @@ def complete(api: str, prompt: list[int], max_tokens: int, token_ids: bool = Fal
     return resp.json()
 
 
-def cached_blocks(conductor: str, cluster, prompt: list[int], worker_url: str) -> int:
-    """The blocks of `prompt`'s prefix the conductor's index places on `worker_url`."""
-    resp = httpx.post(conductor + "/internal/debug/prefix", json={"prompt": prompt}, timeout=10,
-                      headers=cluster.internal_headers)
-    assert resp.status_code == 200, resp.text
-    return next((i["cached_blocks"] for i in resp.json()["instances"] if i["url"] == worker_url), 0)
-
-
 def test_the_next_turn_fetches_the_answer_the_decode_worker_saved(spine_cluster, disaggregated_api,
                                                                   colocated_server):
     conductor = disaggregated_api.removesuffix("/v1")
@@ -66,12 +58,8 @@ def test_the_next_turn_fetches_the_answer_the_decode_worker_saved(spine_cluster,
 
     # The conductor learns D's blocks from its KV events (long poll: at once, but asynchronously).
     # Asked by these blocks, not by the index's size: other blocks may leave it meanwhile.
-    decode = spine_cluster.worker_urls["decode"]
-    saved = question + answer["token_ids"][:-1]
-    deadline = time.monotonic() + 30
-    while (held_by_decode := cached_blocks(conductor, spine_cluster, saved, decode)) < held:
-        assert time.monotonic() < deadline, f"the conductor's prefix index has {held_by_decode} of D's blocks"
-        time.sleep(0.2)
+    wait_cached(conductor, spine_cluster.internal_headers, question + answer["token_ids"][:-1],
+                spine_cluster.worker_urls["decode"], held)
     fetches = metric(conductor, "mooncake_prefix_fetches_total")
     fetched_tokens = metric(conductor, "mooncake_prefix_fetch_tokens_total")
     fetched_blocks = metric(prefill, "mooncake_store_events_total", kind="remote_fetched_blocks")
