@@ -125,14 +125,15 @@ def wait_for(check, timeout_s: float = 30.0, what: str = "") -> None:
         time.sleep(0.2)
 
 
-def ssd_file(pool_worker: PoolWorker, key: int) -> Path:
-    name = format(key, "032x")  # the SSD tier's file of one block (store/ssd.py)
-    return Path(pool_worker.ssd_dir) / name[:2] / (name + SUFFIX)
+def ssd_file(pool_worker: PoolWorker, key: int) -> Path | None:
+    """The SSD tier's file of one block, once written (store/ssd.py: under a folder per KV
+    layout, named by the key; a file still being written ends in .tmp)."""
+    return next(Path(pool_worker.ssd_dir).rglob(format(key, "032x") + SUFFIX), None)
 
 
 def wait_spilled(pool_worker: PoolWorker, keys: list[int]) -> None:
     """Every block in `keys` written to the SSD tier (a spill is planned at once, written after)."""
-    wait_for(lambda: all(ssd_file(pool_worker, k).is_file() for k in keys), what="spills to SSD")
+    wait_for(lambda: all(ssd_file(pool_worker, k) is not None for k in keys), what="spills to SSD")
 
 
 def test_prefix_from_dram_computes_only_the_suffix(pool_worker, colocated_server):
