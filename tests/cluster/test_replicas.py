@@ -26,7 +26,6 @@ import httpx
 import openai
 import pytest
 
-from mooncake.auth import TOKEN_HEADER
 from tests.cluster.test_etcd_cluster import PREFILLS, EtcdCluster, complete, words
 from tests.conftest import MODEL_NAME
 from tests.etcd_server import EtcdServer
@@ -47,8 +46,7 @@ class Replicas(EtcdCluster):
 
     def running_on(self, worker_port: int) -> int:
         """Requests in the worker's engine now (its internal API asks for the cluster token)."""
-        token = open(self.token_file).read().strip()
-        resp = httpx.get(f"http://127.0.0.1:{worker_port}/internal/load", timeout=5, headers={TOKEN_HEADER: token})
+        resp = httpx.get(f"http://127.0.0.1:{worker_port}/internal/load", timeout=5, headers=self.internal_headers)
         assert resp.status_code == 200, resp.text
         return resp.json()["running_requests"]
 
