@@ -45,7 +45,8 @@ def create_app(config: ConductorConfig) -> FastAPI:
         pool, index = WorkerPool(), PrefixIndex()
         for url in (*config.prefill_urls, *config.decode_urls):
             pool.add(url, static=True)
-        client = WorkerClient(token_timeout_s=config.token_timeout_s, cluster_token=config.cluster_token)
+        client = WorkerClient(token_timeout_s=config.token_timeout_s, cluster_token=config.cluster_token,
+                              health_timeouts_tolerated=config.health_timeouts_tolerated)
         profile = resolve_profile(config.profile, config.dtype)
         log.info("pricing with profile table %s", profile)
         app.state.profile = profile

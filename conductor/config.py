@@ -94,6 +94,12 @@ class ConductorConfig:
     kv_wait_timeout_s: float = 30.0
     """How long a decode worker waits for pushed KV before recomputing the prompt itself."""
     health_interval_s: float = 1.0
+    health_timeouts_tolerated: int = 2
+    """A ready worker whose /health times out this many polls in a row is still routed to; the next
+    one takes it out of rotation. A busy engine can starve its server's event loop for a few
+    seconds (vLLM's own /health is known to answer late under load), and taking it out would move
+    its traffic, and its cached prefixes, elsewhere. A refused connection or an error answer takes
+    it out at once; a worker that stays frozen fails its requests at token_timeout_s anyway."""
     registry_url: str | None = None
     """etcd://HOST:PORT to follow an etcd cluster; None hosts the embedded registry on this
     server (workers register with --registry embedded+http://THIS_HOST:PORT)."""
@@ -130,3 +136,5 @@ class ConductorConfig:
             raise ValueError("timeouts and intervals must be positive")
         if self.drain_timeout_s < 0:
             raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
+        if self.health_timeouts_tolerated < 0:
+            raise ValueError(f"health_timeouts_tolerated must be >= 0, got {self.health_timeouts_tolerated}")

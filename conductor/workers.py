@@ -49,6 +49,7 @@ class WorkerHandle:
     status: str = "unknown"
     last_error: str | None = None
     last_seen: float = 0.0
+    slow_health: int = 0  # health polls in a row that timed out (WorkerClient.check)
     in_flight: int = 0
     queued_prefill_tokens: int = 0
     block_size: int = 0  # from the registry (0: not known yet)
@@ -88,7 +89,11 @@ class WorkerPool:
 
 
 class WorkerClient:
-    def __init__(self, token_timeout_s: float, connect_timeout_s: float = 5.0, cluster_token: str | None = None):
+    def __init__(self, token_timeout_s: float, connect_timeout_s: float = 5.0, cluster_token: str | None = None,
+                 health_timeouts_tolerated: int = 0):
+        """`health_timeouts_tolerated`: /health polls in a row that may time out before a ready
+        worker is taken out of rotation (ConductorConfig's docstring says why)."""
+        self._health_timeouts_tolerated = health_timeouts_tolerated
         # `read` bounds the silence between two lines of a worker's answer: a stalled or
         # frozen worker becomes an error after token_timeout_s instead of a hung stream.
         # Every call carries the cluster token: the workers' /internal/* routes refuse calls without it.
@@ -120,10 +125,17 @@ class WorkerClient:
                 handle.last_error = (f"the worker refuses this conductor's cluster token: give both the same "
                                      f"--cluster-token-file or {TOKEN_ENV}")
         except (httpx.HTTPError, ValueError) as exc:
+            handle.last_error = f"{type(exc).__name__}: {exc}"
+            slow = isinstance(exc, httpx.TimeoutException) and not isinstance(exc, httpx.ConnectTimeout)
+            handle.slow_health = handle.slow_health + 1 if slow else 0
+            if handle.ready and slow and handle.slow_health <= self._health_timeouts_tolerated:
+                log.info("worker %s answered /health slowly (%d in a row); still routed to", handle.name,
+                         handle.slow_health)
+                return
             handle.ready = False
             handle.status = "unreachable"
-            handle.last_error = f"{type(exc).__name__}: {exc}"
             return
+        handle.slow_health = 0
         if handle.ready and handle.serves("prefill"):
             await self._measure_push_bandwidth(handle)
 

@@ -159,7 +159,7 @@ def tcp_faulty_cluster(model_path, log_dir):
         while min(httpx.get(base + "/health").json()["ready"].values()) < 1:
             assert time.monotonic() < deadline, "the conductor never saw both workers ready"
             time.sleep(0.5)
-        yield base + "/v1", workers, {"X-Mooncake-Cluster-Token": token_file.read_text().strip()}
+        yield base + "/v1", workers, {"X-Mooncake-Cluster-Token": token_file.read_text().strip()}, conductor
     finally:
         if conductor is not None:
             conductor.stop()
@@ -167,7 +167,7 @@ def tcp_faulty_cluster(model_path, log_dir):
 
 
 def test_tcp_greedy_identical_and_a_flipped_byte_is_caught(tcp_faulty_cluster, colocated_server):
-    api, workers, headers = tcp_faulty_cluster
+    api, workers, headers, conductor = tcp_faulty_cluster
     prompt = COMPLETION_PROMPTS[-1]  # longer than one chunk
     reference = complete(colocated_server, prompt).json()["choices"][0]["text"]
 
@@ -184,6 +184,9 @@ def test_tcp_greedy_identical_and_a_flipped_byte_is_caught(tcp_faulty_cluster, c
     second = complete(api, prompt)
     assert second.json()["choices"][0]["text"] == reference
     decode = kv_stats(workers["decode"], headers)
-    assert decode["stats"]["loaded_transfers"] == 1 and decode["stats"]["load_failures"] == 0
+    route = {k: v for k, v in second.headers.items() if k.startswith("x-mooncake-")}
+    why = f"route {route}, decode stats {decode['stats']}, conductor log:\n{conductor.log_tail(30)}"
+    assert route["x-mooncake-prefill"] != route["x-mooncake-decode"], why  # pushed, not colocated
+    assert decode["stats"]["loaded_transfers"] == 1 and decode["stats"]["load_failures"] == 0, why
     transports = [t for t in decode["messenger"] if t != "lane"]  # "lane": its calls (messenger/call_lane.py)
     assert transports == ["tcp"] and decode["messenger"]["tcp"]["received_bytes"] > 0

@@ -65,6 +65,12 @@ def test_an_attachment_lands_in_the_callers_buffers_and_is_released_once(lanes):
         assert np.array_equal(landing, np.concatenate([blocks[0], blocks[1][:500], blocks[2]]))
         flat = p.sender.call("receiver", b"r")  # no sink: the attachment follows the body
         assert bytes(flat) == b"head:r" + landing.tobytes()
+        # The callee releases an attachment once its send returns, which may be just after the
+        # caller has read the reply: wait a moment for the second, then check none came twice.
+        deadline = time.monotonic() + 5.0
+        while len(released) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.05)
         assert released == [1, 1]
     finally:
         _close(p)

@@ -262,3 +262,43 @@ def test_a_malformed_worker_line_is_a_worker_error(line):
         assert got == [GenerateChunk([1])] and err.value.started
         await client.close()
     asyncio.run(main())
+
+
+def test_a_slow_health_answer_keeps_a_worker_routed_until_it_stays_slow_and_a_refusal_does_not():
+    import asyncio
+
+    import httpx
+
+    from conductor.workers import WorkerClient, WorkerHandle
+
+    answers: list = []
+
+    def reply(request: httpx.Request) -> httpx.Response:
+        answer = answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return httpx.Response(answer, json={"instance_id": "w", "role": "decode", "status": "ready"})
+
+    async def main():
+        client = WorkerClient(token_timeout_s=5.0, health_timeouts_tolerated=2)
+        await client._http.aclose()
+        client._http = httpx.AsyncClient(transport=httpx.MockTransport(reply))
+        handle = WorkerHandle(http_url="http://w")
+        slow = httpx.ReadTimeout("no answer in 2 s")
+
+        async def poll(*outcomes) -> list[bool]:
+            answers.extend(outcomes)
+            seen = []
+            for _ in outcomes:
+                await client.check(handle)
+                seen.append(handle.ready)
+            return seen
+
+        assert await poll(slow) == [False]  # never seen ready: nothing to keep
+        assert await poll(200, slow, slow, slow) == [True, True, True, False]  # the third in a row takes it out
+        assert handle.status == "unreachable" and "ReadTimeout" in handle.last_error
+        assert await poll(200, slow, 200, slow, slow) == [True] * 5  # an answer in between starts the count again
+        assert await poll(httpx.ConnectError("refused")) == [False]  # a dead process leaves at once
+        assert await poll(200, 503) == [True, False]  # as does one that says it cannot serve
+        await client.close()
+    asyncio.run(main())
