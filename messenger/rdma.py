@@ -427,12 +427,13 @@ class RdmaTransport:
         if c.status != 0:
             self._break(link, f"rdma link to {link.peer!r}: {describe_completion_error(c.status, c.vendor_err)}")
             return
-        _, request = self._book.request_done(c.wr_id)
-        if request is not None:
+        def count(request) -> None:
             if request.opcode is Direction.WRITE:
                 self._stats.moved(sent=request.length)
             else:
                 self._stats.moved(received=request.length)
+
+        self._book.request_done(c.wr_id, counted=count)
         self._post(link, lambda: link.sendq.completed(1))
 
     def _post(self, link: _Link, release: Callable[[], list]) -> None:

@@ -270,18 +270,25 @@ class BatchBook:
             self._pending[seq] = _Pending(batch, peer, len(numbered), awaits_ack, wr_ids=[r.wr_id for r in numbered])
         return seq, numbered
 
-    def request_done(self, wr_id: int, error: TransferError | None = None) -> tuple[Batch | None, WorkRequest | None]:
+    def request_done(self, wr_id: int, error: TransferError | None = None,
+                     counted: Callable[[WorkRequest], None] | None = None) -> tuple[Batch | None, WorkRequest | None]:
         """A work request completed. Returns (its batch if that is now complete, the request;
-        None for a request whose batch already ended: timed out, failed, peer lost)."""
+        None for a request whose batch already ended: timed out, failed, peer lost). `counted`
+        gets the request before its batch completes, so whoever waited on the batch finds it in
+        the stats."""
         with self._lock:
             seq, request = self._owner.pop(wr_id, (None, None))
             entry = self._pending.get(seq) if seq is not None else None
             if entry is None:
                 return None, None
             entry.remaining -= 1
-            if error is None and (entry.remaining > 0 or (entry.awaits_ack and not entry.acked)):
-                return None, request
-            self._forget(seq)
+            ends = not (error is None and (entry.remaining > 0 or (entry.awaits_ack and not entry.acked)))
+            if ends:
+                self._forget(seq)
+        if counted is not None:
+            counted(request)
+        if not ends:
+            return None, request
         entry.batch.complete(error)
         return entry.batch, request
 

@@ -83,7 +83,7 @@ def by_index(doc):
 
 def test_timings_retry_after_and_errors_are_captured(server, tmp_path):
     app, url = server
-    rc, doc = run(tmp_path, url, "--retry-after", "--ttft-slo", "1.0", "--tbt-slo", "0.2")
+    rc, doc = run(tmp_path, url, "--retry-after", "--ttft-slo", "1.0", "--tbt-slo", "1.0")
     assert rc == 0
     ok, limited, failed = (by_index(doc)[i] for i in range(3))
     assert ok["status"] == "ok" and ok["tokens"] == TOKENS and ok["attempts"] == 1

@@ -269,14 +269,19 @@ def test_stats_count_bytes_batches_and_failures(pair):
     for _ in range(3):
         pair.sender.write("receiver", [Slice("src", 0, "dst", 0, MiB)], b"s").wait(10)
     sent = pair.sender.stats()["tcp"]
-    received = pair.receiver.stats()["tcp"]
-    assert sent["request_seconds"]["count"] == 3 and sent["failures"] == {}
-    assert 3 * MiB < sent["sent_bytes"] < 3 * MiB + 4096  # headers are a few dozen bytes a frame
-    # Both ends count every frame: what one sent, the other received (acks counted just after they land).
+    assert sent["request_seconds"]["count"] == 3 and sent["failures"] == {}  # counted before wait() returns
+    # Both ends count every frame: what one sent, the other received. A stream counts a frame once
+    # its send returned, which may be after the peer's ack completed the batch; acks are counted
+    # just after they land.
     deadline = time.monotonic() + 5
-    while time.monotonic() < deadline and (pair.sender.stats()["tcp"]["received_bytes"] < 3 * ENGINE_PREFIX_SIZE
-                                           or pair.receiver.stats()["tcp"]["sent_bytes"] < 3 * ENGINE_PREFIX_SIZE):
+    while True:
+        sent, received = pair.sender.stats()["tcp"], pair.receiver.stats()["tcp"]
+        settled = (received["received_bytes"] == sent["sent_bytes"] and sent["received_bytes"] >= 3 * ENGINE_PREFIX_SIZE
+                   and received["sent_bytes"] >= 3 * ENGINE_PREFIX_SIZE)
+        if settled or time.monotonic() > deadline:
+            break
         time.sleep(0.01)
+    assert 3 * MiB < sent["sent_bytes"] < 3 * MiB + 4096  # headers are a few dozen bytes a frame
     assert received["received_bytes"] == sent["sent_bytes"]
     assert pair.sender.stats()["tcp"]["received_bytes"] == pair.receiver.stats()["tcp"]["sent_bytes"] == 3 * ENGINE_PREFIX_SIZE
     with pytest.raises(TransferError):

@@ -90,7 +90,7 @@ def test_a_silent_peer_fails_within_the_timeout():
         for batch in batches:
             with pytest.raises(TransferError):
                 batch.wait(3 * timeout_s)
-        assert time.monotonic() - started < timeout_s + 2
+        assert time.monotonic() - started < timeout_s + 4  # the timeout, and a margin for a loaded machine
         assert engine.stats()["nixl"]["failures"].get("timeout", 0) >= 4
     finally:
         os.kill(child.process.pid, signal.SIGCONT)

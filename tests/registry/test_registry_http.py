@@ -78,9 +78,9 @@ def test_workers_register_expire_and_survive_conductor_restart() -> None:
 
         # w2 stops heartbeating (as if it crashed): gone within about one TTL.
         await w2.close()
-        waited = await wait_until(lambda: conductor.ids() == {"p0"}, timeout=3.0,
+        waited = await wait_until(lambda: conductor.ids() == {"p0"}, timeout=4.0,
                                   what="d0 to expire")
-        assert waited < cfg.ttl_s + 1.0, waited
+        assert waited < cfg.ttl_s + 1.5, waited  # its TTL, the sweep, and a loaded machine's margin
         await asyncio.sleep(2 * cfg.keepalive_interval_s)
         assert conductor.ids() == {"p0"}, "the live worker must not expire"
 

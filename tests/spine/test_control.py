@@ -50,20 +50,23 @@ def test_no_connector_is_a_clear_error():
 
 def test_a_waiting_call_does_not_hold_up_the_others():
     # push_outcome waits for acknowledgements; stats scrapes must still be answered meanwhile.
+    waiting, release = threading.Event(), threading.Event()
+
     def handler(req):
         if req["op"] == "push_outcome":
-            time.sleep(1.5)
+            waiting.set()
+            release.wait(10)
         return {"ok": True, "op": req["op"]}
 
     endpoint = ControlEndpoint.new()
     server = ControlServer(endpoint, handler).start()
     try:
-        slow = threading.Thread(target=control_call, args=(endpoint, {"op": "push_outcome"}, 5.0))
+        slow = threading.Thread(target=control_call, args=(endpoint, {"op": "push_outcome"}, 15.0))
         slow.start()
-        time.sleep(0.1)
-        start = time.monotonic()
-        assert control_call(endpoint, {"op": "stats"})["op"] == "stats"
-        assert time.monotonic() - start < 0.5
+        assert waiting.wait(10)  # the slow call is in its handler
+        assert control_call(endpoint, {"op": "stats"}, 5.0)["op"] == "stats"  # answered meanwhile
+        assert slow.is_alive()
+        release.set()
         slow.join()
     finally:
         server.close()

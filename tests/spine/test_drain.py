@@ -148,6 +148,10 @@ SERVER = textwrap.dedent("""
     async def health():
         return JSONResponse({"draining": drain.active}, status_code=503 if drain.active else 200)
 
+    @app.get("/busy")
+    async def busy_now():
+        return {"busy": busy[0]}
+
     @app.get("/slow")
     async def slow():
         busy[0] += 1
@@ -188,12 +192,15 @@ def _slow_in_background(url: str) -> tuple[threading.Thread, list]:
     out: list = []
     thread = threading.Thread(target=lambda: out.append(httpx.get(url + "/slow", timeout=30)), daemon=True)
     thread.start()
-    time.sleep(0.3)  # the request is in the handler now
+    deadline = time.monotonic() + 10
+    while httpx.get(url + "/busy", timeout=2).json()["busy"] < 1:  # the request is in the handler now
+        assert time.monotonic() < deadline, "the slow request never reached its handler"
+        time.sleep(0.02)
     return thread, out
 
 
 def test_sigterm_drains_a_real_uvicorn_server_before_it_exits(tmp_path):
-    proc, url = _start_server(tmp_path, slow_s=2.0)
+    proc, url = _start_server(tmp_path, slow_s=4.0)
     try:
         thread, out = _slow_in_background(url)
         os.kill(proc.pid, signal.SIGTERM)

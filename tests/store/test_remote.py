@@ -128,12 +128,14 @@ def test_slots_of_a_failed_transfer_are_quarantined_before_reuse():
     """A peer that answers late could still write into the slots: they stay reserved a while."""
     from messenger.engine import EngineConfig
 
-    local = local_pool(1 << 20, 2, engine_config=EngineConfig(transports=("tcp",), timeout_s=0.2, checksums=False))
+    local = local_pool(1 << 20, 2, engine_config=EngineConfig(transports=("tcp",), timeout_s=0.5, checksums=False))
     try:
         local.remote._quarantine([k for k, _ in local.reserve([5, 6])])
         assert local.reserve([7]) == []  # both slots still held
-        time.sleep(0.6)
-        assert [k for k, _ in local.reserve([7])] == [7]
+        deadline = time.monotonic() + 5  # they come back after twice the timeout (1 s)
+        while not (got := local.reserve([7])) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert [k for k, _ in got] == [7]
     finally:
         local.close()
 
@@ -259,7 +261,9 @@ def test_released_pins_ride_the_next_call_or_go_on_their_own():
         releases.add("a", 2)
         assert releases.take("a") == [1, 2]  # a call carried them
         releases.add("b", 3)
-        time.sleep(RELEASE_AFTER_S * 10)
+        deadline = time.monotonic() + RELEASE_AFTER_S * 100
+        while not sent and time.monotonic() < deadline:  # its timer, RELEASE_AFTER_S from now
+            time.sleep(RELEASE_AFTER_S / 5)
         assert sent == [("b", [3])] and releases.take("b") == []
     finally:
         releases.close()
