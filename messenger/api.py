@@ -151,7 +151,14 @@ class Batch:
         self._done = threading.Event()
         self._error: TransferError | None = None
         self._callbacks: list[Callable[[Batch], None]] = []
+        self._outcome: Callable[[TransferError | None], None] | None = None
         self._lock = threading.Lock()
+
+    def on_outcome(self, record: Callable[[TransferError | None], None]) -> None:
+        """`record(error)` runs in the call that completes the batch, before any waiter wakes, so
+        a waiter finds what it recorded (the engine's stats). Set it before the batch is submitted;
+        it must be quick and must not touch this batch."""
+        self._outcome = record
 
     def complete(self, error: TransferError | None = None) -> None:
         """Called by the transport (or the engine's timeout watchdog); later calls are ignored."""
@@ -159,6 +166,8 @@ class Batch:
             if self._done.is_set():
                 return
             self._error = error
+            if self._outcome is not None:
+                self._outcome(error)
             self._done.set()
             callbacks, self._callbacks = self._callbacks, []
         for callback in callbacks:

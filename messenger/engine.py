@@ -317,11 +317,8 @@ class TransferEngine:
         error kinds, counts stats, and the watchdog bounds the user's batch either way."""
         inner = Batch(batch.nbytes, batch.num_slices)
         stats, started = self._stats[peer.transport.name], time.perf_counter()
-        counted = threading.Lock()  # taken by whichever callback counts the outcome, once
 
-        def count(error: TransferError | None) -> None:
-            if not counted.acquire(blocking=False):
-                return
+        def count(error: TransferError | None) -> None:  # the outcome the user's batch ends with
             if error is None:
                 stats.request(time.perf_counter() - started)
             else:
@@ -333,13 +330,12 @@ class TransferEngine:
             if error is not None and not isinstance(error, ChecksumError) \
                     and f"{CHECKSUM_ERROR_PREFIX}:" in str(error):
                 error = ChecksumError(str(error))
-            count(error)  # before the user's batch completes: whoever waited on it reads the stats next
             batch.complete(error)
 
         def ended(done: Batch) -> None:
             inner.complete(done.error)  # a timed-out batch lets the transport drop its state
-            count(done.error)  # the watchdog's or a refused submit's outcome, unless counted above
 
+        batch.on_outcome(count)  # counted before a waiter wakes: it reads the stats next
         inner.add_done_callback(finished)
         batch.add_done_callback(ended)
         self._watchdog.watch(batch, self.config.timeout_s, what)

@@ -274,21 +274,19 @@ class BatchBook:
                      counted: Callable[[WorkRequest], None] | None = None) -> tuple[Batch | None, WorkRequest | None]:
         """A work request completed. Returns (its batch if that is now complete, the request;
         None for a request whose batch already ended: timed out, failed, peer lost). `counted`
-        gets the request before its batch completes, so whoever waited on the batch finds it in
-        the stats."""
+        gets the request before its batch can complete (it runs under the book's lock: it must be
+        quick and take no lock but its own), so whoever waited on the batch finds it counted."""
         with self._lock:
             seq, request = self._owner.pop(wr_id, (None, None))
             entry = self._pending.get(seq) if seq is not None else None
             if entry is None:
                 return None, None
+            if counted is not None:  # under the lock: the peer's ack (acked) may end the batch next
+                counted(request)
             entry.remaining -= 1
-            ends = not (error is None and (entry.remaining > 0 or (entry.awaits_ack and not entry.acked)))
-            if ends:
-                self._forget(seq)
-        if counted is not None:
-            counted(request)
-        if not ends:
-            return None, request
+            if error is None and (entry.remaining > 0 or (entry.awaits_ack and not entry.acked)):
+                return None, request
+            self._forget(seq)
         entry.batch.complete(error)
         return entry.batch, request
 

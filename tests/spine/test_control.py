@@ -66,9 +66,9 @@ def test_a_waiting_call_does_not_hold_up_the_others():
         assert waiting.wait(10)  # the slow call is in its handler
         assert control_call(endpoint, {"op": "stats"}, 5.0)["op"] == "stats"  # answered meanwhile
         assert slow.is_alive()
-        release.set()
-        slow.join()
     finally:
+        release.set()
+        slow.join(15)
         server.close()
 
 

@@ -299,6 +299,7 @@ def test_a_slow_health_answer_keeps_a_worker_routed_until_it_stays_slow_and_a_re
         assert handle.status == "unreachable" and "ReadTimeout" in handle.last_error
         assert await poll(200, slow, 200, slow, slow) == [True] * 5  # an answer in between starts the count again
         assert await poll(httpx.ConnectError("refused")) == [False]  # a dead process leaves at once
+        assert await poll(200, httpx.ConnectTimeout("no SYN-ACK")) == [True, False]  # as does a host that is gone
         assert await poll(200, 503) == [True, False]  # as does one that says it cannot serve
         await client.close()
     asyncio.run(main())
