@@ -97,8 +97,12 @@ class WorkerClient:
         # `read` bounds the silence between two lines of a worker's answer: a stalled or
         # frozen worker becomes an error after token_timeout_s instead of a hung stream.
         # Every call carries the cluster token: the workers' /internal/* routes refuse calls without it.
+        # No limit on connections: each request in flight holds one stream per worker it is on
+        # (bounded by ConductorConfig.max_in_flight), and httpx's default of 100 would queue the
+        # rest, and the health polls behind them, until they failed with PoolTimeout.
         self._http = httpx.AsyncClient(timeout=httpx.Timeout(
             connect=connect_timeout_s, read=token_timeout_s, write=30.0, pool=connect_timeout_s),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
             headers=token_headers(cluster_token))
 
     async def close(self) -> None:
