@@ -3,15 +3,14 @@ timing capture, Retry-After, errors mid-run, and a down endpoint."""
 
 import asyncio
 import json
-import threading
 import time
 
 import pytest
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from mooncake.bench.cli import main
+from tests.http_server import served
 from tests.processes import free_port
 
 FIRST_TOKEN_S, GAP_S, TOKENS, RETRY_AFTER_S = 0.3, 0.1, 4, 1
@@ -55,17 +54,9 @@ def fake_app() -> FastAPI:
 
 @pytest.fixture
 def server():
-    app, port = fake_app(), free_port()
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not srv.started and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert srv.started
-    yield app, f"http://127.0.0.1:{port}/v1"
-    srv.should_exit = True
-    thread.join(5)
+    app = fake_app()
+    with served(app) as url:
+        yield app, url + "/v1"
 
 
 def run(tmp_path, url, *extra):

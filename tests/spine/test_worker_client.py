@@ -9,13 +9,12 @@ import time
 
 import httpx
 import pytest
-import uvicorn
 from fastapi import FastAPI
 from fastapi.responses import StreamingResponse
 
 from conductor.workers import WorkerClient, WorkerHandle
-from mooncake.net import free_port
 from mooncake.protocol import ENCODER, GenerateChunk, GenerateRequest, Sampling
+from tests.http_server import served
 
 
 def test_a_slow_health_answer_keeps_a_worker_routed_until_it_stays_slow_and_a_refusal_does_not():
@@ -77,19 +76,11 @@ def slow_worker(release: threading.Event, streaming: list) -> FastAPI:
 @pytest.fixture
 def worker():
     release, streaming = threading.Event(), []
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(slow_worker(release, streaming), host="127.0.0.1", port=port,
-                                           log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert server.started
-    yield f"http://127.0.0.1:{port}", release, streaming
-    release.set()
-    server.should_exit = True
-    thread.join(5)
+    try:
+        with served(slow_worker(release, streaming)) as url:
+            yield url, release, streaming
+    finally:
+        release.set()  # before the server stops: its streams end
 
 
 def test_more_streams_than_an_http_pool_holds_run_at_once_and_health_is_still_answered(worker):
