@@ -3,7 +3,6 @@ timing capture, Retry-After, errors mid-run, and a down endpoint."""
 
 import asyncio
 import json
-import time
 
 import pytest
 from fastapi import FastAPI, Request
