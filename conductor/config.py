@@ -94,7 +94,7 @@ class ConductorConfig:
     kv_wait_timeout_s: float = 30.0
     """How long a decode worker waits for pushed KV before recomputing the prompt itself."""
     health_interval_s: float = 1.0
-    health_timeouts_tolerated: int = 2
+    health_timeouts_tolerated: int = defaults.HEALTH_TIMEOUTS_TOLERATED
     """A ready worker whose /health times out this many polls in a row is still routed to; the next
     one takes it out of rotation. A busy engine can starve its server's event loop for a few
     seconds (vLLM's own /health is known to answer late under load), and taking it out would move

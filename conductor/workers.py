@@ -20,7 +20,7 @@ import msgspec
 from conductor.bandwidth import PushBandwidthMeter
 from conductor.ledger import Ledger
 from mooncake.auth import TOKEN_ENV, token_headers
-from mooncake.defaults import WorkerRole
+from mooncake.defaults import HEALTH_TIMEOUTS_TOLERATED, WorkerRole
 from mooncake.protocol import CHUNK_DECODER, ENCODER, HEALTH_DECODER, GenerateChunk, GenerateRequest
 
 log = logging.getLogger(__name__)
@@ -90,7 +90,7 @@ class WorkerPool:
 
 class WorkerClient:
     def __init__(self, token_timeout_s: float, connect_timeout_s: float = 5.0, cluster_token: str | None = None,
-                 health_timeouts_tolerated: int = 0):
+                 health_timeouts_tolerated: int = HEALTH_TIMEOUTS_TOLERATED):
         """`health_timeouts_tolerated`: /health polls in a row that may time out before a ready
         worker is taken out of rotation (ConductorConfig's docstring says why)."""
         self._health_timeouts_tolerated = health_timeouts_tolerated

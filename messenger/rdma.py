@@ -427,14 +427,15 @@ class RdmaTransport:
         if c.status != 0:
             self._break(link, f"rdma link to {link.peer!r}: {describe_completion_error(c.status, c.vendor_err)}")
             return
-        def count(request) -> None:
-            if request.opcode is Direction.WRITE:
-                self._stats.moved(sent=request.length)
-            else:
-                self._stats.moved(received=request.length)
-
-        self._book.request_done(c.wr_id, counted=count)
+        self._book.request_done(c.wr_id, counted=self._count_request)
         self._post(link, lambda: link.sendq.completed(1))
+
+    def _count_request(self, request) -> None:
+        """A work request of ours completed (BatchBook.request_done calls it before its batch can end)."""
+        if request.opcode is Direction.WRITE:
+            self._stats.moved(sent=request.length)
+        else:
+            self._stats.moved(received=request.length)
 
     def _post(self, link: _Link, release: Callable[[], list]) -> None:
         """Post what the send queue releases, in order (under the link's lock); a refused post

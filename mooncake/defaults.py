@@ -73,6 +73,9 @@ MAX_BODY_BYTES = 16 << 20
 DRAIN_TIMEOUT_S = 20.0
 """On SIGTERM a worker or conductor stops taking work and waits this long at most for the
 requests in flight (mooncake/drain.py); keep an orchestrator's kill grace above it + 10 s."""
+HEALTH_TIMEOUTS_TOLERATED = 2
+"""/health polls in a row that may time out before the conductor stops routing to a ready
+worker (ConductorConfig.health_timeouts_tolerated says why)."""
 KV_PUSH_ACK_TIMEOUT_S = 30.0
 """A prefill that pushed KV sends its last line once the decode worker acknowledged every layer;
 a push not decided by then is reported failed (the decode worker then recomputes)."""
