@@ -99,7 +99,8 @@ class ConductorConfig:
     one takes it out of rotation. A busy engine can starve its server's event loop for a few
     seconds (vLLM's own /health is known to answer late under load), and taking it out would move
     its traffic, and its cached prefixes, elsewhere. A refused connection or an error answer takes
-    it out at once; a worker that stays frozen fails its requests at token_timeout_s anyway."""
+    it out at once. When timeouts take it out, its streams that went silent are given up (an
+    error, or a retry elsewhere before the first token) rather than wait token_timeout_s."""
     registry_url: str | None = None
     """etcd://HOST:PORT to follow an etcd cluster; None hosts the embedded registry on this
     server (workers register with --registry embedded+http://THIS_HOST:PORT)."""

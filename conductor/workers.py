@@ -34,6 +34,24 @@ class WorkerError(RuntimeError):
         self.started = started  # True when tokens were already relayed before the failure
 
 
+class StreamWatch:
+    """One request's stream from a worker, as the health poller sees it: whether the worker sent
+    anything lately, and how to end the wait for its next line when the worker is found frozen."""
+
+    def __init__(self, now: float):
+        self.task: asyncio.Task | None = None  # the task awaiting the next line (callers may read each line in a task of its own)
+        self.last_line_at = now
+        self.waiting = False  # the task is awaiting the worker's next line (not busy with the last)
+        self.lost: str | None = None  # why the stream was given up
+        self.cancelled = False  # `task` was cancelled by abandon() rather than by its own caller
+
+    def abandon(self, reason: str) -> None:
+        self.lost = reason
+        if self.waiting and self.task is not None:  # else the reader sees `lost` before it waits again
+            self.cancelled = True
+            self.task.cancel()
+
+
 class RequestRefused(WorkerError):
     """The worker's engine refused the request itself as invalid (a regex it cannot compile...):
     a client error, the same on every worker, so it is answered with a 400 and never retried."""
@@ -60,6 +78,17 @@ class WorkerHandle:
     static: bool = False  # given by --prefill-url/--decode-url: kept even when not registered
     push_bandwidth: PushBandwidthMeter = field(default_factory=PushBandwidthMeter)
     pool_peer: str | None = None  # where other workers fetch from its KVCache pool (None: they cannot)
+    streams: set[StreamWatch] = field(default_factory=set)  # requests streaming from it now
+
+    def abandon_silent_streams(self, silent_since: float, reason: str) -> int:
+        """Give up the streams that have sent nothing since `silent_since`, once the worker has
+        stopped answering /health in time: a frozen process or a host gone from the network sends
+        no reset, and they would wait token_timeout_s. Streams still sending are left alone: the
+        worker is alive."""
+        silent = [w for w in self.streams if w.lost is None and w.last_line_at < silent_since]
+        for watch in silent:
+            watch.abandon(reason)
+        return len(silent)
 
     @property
     def name(self) -> str:
@@ -90,10 +119,12 @@ class WorkerPool:
 
 class WorkerClient:
     def __init__(self, token_timeout_s: float, connect_timeout_s: float = 5.0, cluster_token: str | None = None,
-                 health_timeouts_tolerated: int = HEALTH_TIMEOUTS_TOLERATED):
+                 health_timeouts_tolerated: int = HEALTH_TIMEOUTS_TOLERATED, health_timeout_s: float = 2.0):
         """`health_timeouts_tolerated`: /health polls in a row that may time out before a ready
-        worker is taken out of rotation (ConductorConfig's docstring says why)."""
+        worker is taken out of rotation (ConductorConfig's docstring says why); the next one also
+        gives up its streams that sent nothing meanwhile. `health_timeout_s`: one poll's limit."""
         self._health_timeouts_tolerated = health_timeouts_tolerated
+        self._health_timeout_s = health_timeout_s
         # `read` bounds the silence between two lines of a worker's answer: a stalled or
         # frozen worker becomes an error after token_timeout_s instead of a hung stream.
         # Every call carries the cluster token: the workers' /internal/* routes refuse calls without it.
@@ -110,8 +141,9 @@ class WorkerClient:
 
     async def check(self, handle: WorkerHandle) -> None:
         """Refresh one handle from the worker's /health."""
+        polled_at = time.monotonic()
         try:
-            resp = await self._http.get(f"{handle.http_url}/health", timeout=2.0)
+            resp = await self._http.get(f"{handle.http_url}/health", timeout=self._health_timeout_s)
             health = HEALTH_DECODER.decode(resp.content)
             handle.role = health.role or handle.role
             handle.instance_id = health.instance_id or handle.instance_id
@@ -130,14 +162,28 @@ class WorkerClient:
                                      f"--cluster-token-file or {TOKEN_ENV}")
         except (httpx.HTTPError, ValueError) as exc:
             handle.last_error = f"{type(exc).__name__}: {exc}"
-            slow = isinstance(exc, httpx.TimeoutException) and not isinstance(exc, httpx.ConnectTimeout)
-            handle.slow_health = handle.slow_health + 1 if slow else 0
+            # Only a timeout says a process is frozen or its host gone: a refused connection comes
+            # from a live host, whose kernel resets the streams of a process that died (and a
+            # draining server closes its listener while it finishes its streams).
+            timed_out = isinstance(exc, httpx.TimeoutException)
+            handle.slow_health = handle.slow_health + 1 if timed_out else 0
+            # A connect timeout is a host gone rather than a busy server: out of rotation at once.
+            slow = timed_out and not isinstance(exc, httpx.ConnectTimeout)
             if handle.ready and slow and handle.slow_health <= self._health_timeouts_tolerated:
                 log.info("worker %s answered /health slowly (%d in a row); still routed to", handle.name,
                          handle.slow_health)
                 return
             handle.ready = False
             handle.status = "unreachable"
+            if timed_out and handle.slow_health > self._health_timeouts_tolerated:
+                # Each poll of the run looks again: a stream that sent its last line while the
+                # first poll waited is given up at the next.
+                given_up = handle.abandon_silent_streams(polled_at, (
+                    f"{handle.name} stopped answering: {handle.slow_health} /health polls in a row timed out, "
+                    f"and the request's stream has been silent since the last one began"))
+                if given_up:
+                    log.warning("gave up %d stream(s) from %s, silent since it stopped answering /health",
+                                given_up, handle.name)
             return
         handle.slow_health = 0
         if handle.ready and handle.serves("prefill"):
@@ -152,11 +198,17 @@ class WorkerClient:
             log.debug("no KV push counters from %s: %s", handle.name, exc)
 
     async def generate(self, handle: WorkerHandle, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
-        """Stream a request's chunks. Raises WorkerError on any failure; closing the iterator
+        """Stream a request's chunks. Raises WorkerError on any failure, including the health
+        poller giving the stream up (WorkerHandle.abandon_silent_streams); closing the iterator
         early aborts the request on the worker."""
         started = False
+        watch = StreamWatch(time.monotonic())
         handle.in_flight += 1
+        handle.streams.add(watch)
         try:
+            # The task waits on the worker from here (its headers may come only with the first
+            # token) to the end, except while a chunk is with the caller.
+            watch.task, watch.waiting = asyncio.current_task(), True
             async with self._http.stream("POST", f"{handle.http_url}/internal/generate",
                                          content=ENCODER.encode(request),
                                          headers={"content-type": "application/json"}) as resp:
@@ -164,6 +216,7 @@ class WorkerClient:
                     body = (await resp.aread()).decode(errors="replace")[:500]
                     raise WorkerError(f"{handle.name} answered {resp.status_code}: {body}")
                 async for line in resp.aiter_lines():
+                    watch.last_line_at = time.monotonic()
                     if not line:
                         continue
                     chunk = CHUNK_DECODER.decode(line)
@@ -172,20 +225,32 @@ class WorkerClient:
                     if chunk.error:
                         raise WorkerError(f"{handle.name}: {chunk.error}", started=started)
                     started = started or bool(chunk.token_ids)
+                    watch.waiting = False
                     yield chunk
                     if chunk.finish_reason is not None:
                         return
+                    if watch.lost:  # given up while the chunk was with the caller
+                        raise WorkerError(watch.lost, started=started)
+                    watch.task, watch.waiting = asyncio.current_task(), True
             raise WorkerError(f"{handle.name} ended the stream without finishing", started=started)
         except httpx.ReadTimeout as exc:
             await self.abort(handle, request.request_id)
             raise WorkerError(f"{handle.name} sent nothing for too long", started=started) from exc
         except (httpx.HTTPError, msgspec.DecodeError) as exc:  # a bad line: msgspec names the field
             raise WorkerError(f"{handle.name} failed: {type(exc).__name__}: {exc}", started=started) from exc
-        except (asyncio.CancelledError, GeneratorExit):
-            # The client went away or a stop string matched: free the worker's slot now.
+        except asyncio.CancelledError:
+            # The client went away, or the health poller gave the stream up: free the worker's slot
+            # (if it ever thaws). The poller's cancel is an error like any other failure of the
+            # worker, unless the caller was cancelled too.
+            asyncio.ensure_future(self.abort(handle, request.request_id))
+            if watch.cancelled and watch.task is not None and watch.task.uncancel() == 0:
+                raise WorkerError(watch.lost or f"{handle.name} stopped answering", started=started) from None
+            raise
+        except GeneratorExit:  # a stop string matched, or the caller closed the stream early
             asyncio.ensure_future(self.abort(handle, request.request_id))
             raise
         finally:
+            handle.streams.discard(watch)
             handle.in_flight -= 1
 
     async def abort(self, handle: WorkerHandle, request_id: str) -> None:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import psutil
 
 from mooncake.net import free_port, free_port_block
 
@@ -83,6 +84,15 @@ def wait_http(proc: Proc, url: str, timeout_s: float, want: int = 200) -> None:
             pass
         time.sleep(1.0)
     raise RuntimeError(f"{proc.name} not ready at {url} after {timeout_s:.0f} s:\n{proc.log_tail()}")
+
+
+def worker_process(serve_pid: int, port: str) -> psutil.Process:
+    """The worker process that `mooncake serve` (pid `serve_pid`) started on `port`."""
+    for child in psutil.Process(serve_pid).children():
+        args = child.cmdline()
+        if any(a == "--port" and b == port for a, b in zip(args, args[1:])):
+            return child
+    raise AssertionError(f"no worker process on port {port} under serve (pid {serve_pid})")
 
 
 def wait_workers_seen(base: str, timeout_s: float = 120, role: str | None = None) -> None:

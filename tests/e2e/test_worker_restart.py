@@ -13,17 +13,9 @@ import pytest
 
 from mooncake.supervisor import group_running
 from tests.conftest import MODEL_NAME
-from tests.processes import wait_workers_seen
+from tests.processes import wait_workers_seen, worker_process
 
 pytestmark = pytest.mark.vllm
-
-
-def worker_process(serve_pid: int, port: str) -> psutil.Process:
-    for child in psutil.Process(serve_pid).children():
-        args = child.cmdline()
-        if any(a == "--port" and b == port for a, b in zip(args, args[1:])):
-            return child
-    raise AssertionError(f"no worker process on port {port} under serve (pid {serve_pid})")
 
 
 def test_a_killed_worker_is_restarted_its_engine_processes_reaped_and_served_again(spine_cluster, disaggregated_api):

@@ -12,7 +12,7 @@ import pytest
 from fastapi import FastAPI
 from fastapi.responses import StreamingResponse
 
-from conductor.workers import WorkerClient, WorkerHandle
+from conductor.workers import WorkerClient, WorkerError, WorkerHandle
 from mooncake.protocol import ENCODER, GenerateChunk, GenerateRequest, Sampling
 from tests.http_server import served
 
@@ -52,21 +52,34 @@ def test_a_slow_health_answer_keeps_a_worker_routed_until_it_stays_slow_and_a_re
     asyncio.run(main())
 
 
-def slow_worker(release: threading.Event, streaming: list) -> FastAPI:
-    """A worker whose /internal/generate sends one token, then the last once `release` is set."""
+def slow_worker(release: threading.Event, streaming: list, frozen: threading.Event) -> FastAPI:
+    """A worker whose /internal/generate sends one token (none for a prompt of [0]; a token every
+    50 ms for [2]; not even its headers for [3]), then the last once `release` is set; its /health
+    answers nothing while `frozen` is set, as a frozen process or a host gone would."""
     app = FastAPI()
 
     @app.get("/health")
     async def health():
+        while frozen.is_set():
+            await asyncio.sleep(0.02)
         return {"instance_id": "w", "role": "decode", "status": "ready"}
 
     @app.post("/internal/generate")
-    async def generate():
-        async def lines():
+    async def generate(body: dict):
+        if body["prompt_token_ids"] == [3]:
             streaming.append(1)
-            yield ENCODER.encode(GenerateChunk([1])) + b"\n"
             while not release.is_set():
-                await asyncio.sleep(0.02)
+                await asyncio.sleep(0.05)
+
+        async def lines():
+            if body["prompt_token_ids"] != [3]:
+                streaming.append(1)
+            if body["prompt_token_ids"] not in ([0], [3]):
+                yield ENCODER.encode(GenerateChunk([1])) + b"\n"
+            while not release.is_set():
+                await asyncio.sleep(0.05)
+                if body["prompt_token_ids"] == [2]:
+                    yield ENCODER.encode(GenerateChunk([1])) + b"\n"
             yield ENCODER.encode(GenerateChunk([2], finish_reason="length")) + b"\n"
         return StreamingResponse(lines(), media_type="application/x-ndjson")
 
@@ -75,18 +88,99 @@ def slow_worker(release: threading.Event, streaming: list) -> FastAPI:
 
 @pytest.fixture
 def worker():
-    release, streaming = threading.Event(), []
+    release, streaming, frozen = threading.Event(), [], threading.Event()
     try:
-        with served(slow_worker(release, streaming)) as url:
-            yield url, release, streaming
+        with served(slow_worker(release, streaming, frozen)) as url:
+            yield url, release, streaming, frozen
     finally:
+        frozen.clear()
         release.set()  # before the server stops: its streams end
+
+
+def test_a_worker_that_stops_answering_has_its_silent_streams_given_up_and_its_live_ones_kept(worker):
+    # A frozen process or a host gone sends no reset: without this its streams wait token_timeout_s.
+    url, release, streaming, frozen = worker
+
+    async def read(client: WorkerClient, handle: WorkerHandle, prompt: int, task_per_line: bool):
+        stream = client.generate(handle, GenerateRequest(f"r{prompt}{task_per_line}", [prompt], Sampling(max_tokens=9)))
+        chunks = []
+        while True:  # the conductor's merge of several streams reads each line in a task of its own
+            line = asyncio.ensure_future(anext(stream, None)) if task_per_line else anext(stream, None)
+            chunk = await line
+            if chunk is None:
+                return chunks
+            chunks.append(chunk)
+
+    async def main():
+        client = WorkerClient(token_timeout_s=60.0, health_timeouts_tolerated=1, health_timeout_s=0.3)
+        handle = WorkerHandle(http_url=url)
+        await client.check(handle)
+        assert handle.ready
+        # started; started, read with a task per line; no token; not even headers; live
+        kinds = [(1, False), (1, True), (0, False), (3, False), (2, False)]
+        tasks = [asyncio.create_task(read(client, handle, p, t)) for p, t in kinds]
+        deadline = time.monotonic() + 10
+        while len(streaming) < len(kinds):
+            assert time.monotonic() < deadline and not any(t.done() for t in tasks)
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(0.2)
+        frozen.set()
+        await client.check(handle)  # tolerated: still routed, nothing given up
+        assert handle.ready and handle.slow_health == 1 and not any(t.done() for t in tasks)
+        await client.check(handle)
+        assert not handle.ready and handle.status == "unreachable"
+        done, _ = await asyncio.wait(tasks[:4], timeout=5)
+        assert len(done) == 4, "the streams that went silent were not given up"
+        for task, started in zip(tasks[:4], (True, True, False, False)):
+            exc = task.exception()
+            assert isinstance(exc, WorkerError) and "stopped answering" in str(exc), exc
+            assert exc.started is started  # so the conductor retries elsewhere only a stream with no token yet
+        assert not tasks[4].done()  # it is still sending: the worker is alive
+        frozen.clear()
+        await client.check(handle)
+        assert handle.ready and handle.slow_health == 0
+        release.set()
+        chunks = await asyncio.wait_for(tasks[4], 10)
+        assert chunks[-1].finish_reason == "length"
+        assert handle.streams == set() and handle.in_flight == 0
+        await client.close()
+    asyncio.run(main())
+
+
+def test_a_stream_given_up_while_its_reader_is_busy_fails_at_its_next_line_and_a_cancelled_caller_stays_cancelled(worker):
+    url, release, streaming, frozen = worker
+
+    async def main():
+        client = WorkerClient(token_timeout_s=60.0, health_timeouts_tolerated=0, health_timeout_s=0.3)
+        handle = WorkerHandle(http_url=url)
+        stream = client.generate(handle, GenerateRequest("busy", [1], Sampling(max_tokens=9)))
+        assert (await anext(stream)).token_ids == [1]
+        (watch,) = handle.streams
+        assert not watch.waiting  # the chunk is with its reader: abandoning must not cancel the reader
+        frozen.set()
+        await client.check(handle)
+        with pytest.raises(WorkerError, match="stopped answering"):
+            await anext(stream)
+
+        # A caller cancelled at the same time as the poller gives its stream up stays cancelled.
+        reader = asyncio.create_task(anext(client.generate(handle, GenerateRequest("both", [0], Sampling(max_tokens=9)))))
+        while not any(w.waiting for w in handle.streams):
+            await asyncio.sleep(0.02)
+        (watch,) = handle.streams
+        watch.abandon("gone")
+        reader.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await reader
+        frozen.clear()
+        await asyncio.sleep(0.3)  # the aborts sent to the worker, in tasks of their own, end
+        await client.close()
+    asyncio.run(main())
 
 
 def test_more_streams_than_an_http_pool_holds_run_at_once_and_health_is_still_answered(worker):
     # httpx's default pool holds 100 connections: the 101st stream, and every health poll, would
     # wait for one until PoolTimeout. The conductor admits up to max_in_flight (256) requests.
-    url, release, streaming = worker
+    url, release, streaming, _ = worker
     streams = 150
 
     async def one(client: WorkerClient, handle: WorkerHandle, i: int) -> list[GenerateChunk]:
