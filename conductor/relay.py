@@ -38,6 +38,7 @@ class RelayStats:
     computed_cached_tokens: int = 0  # prompt tokens prefill_instance did not compute
     prefill_s: float | None = None  # prefill_instance's time for the prompt (None: not measured)
     prefill_concurrent: int | None = None  # other prompts it computed meanwhile (0: a calibration sample)
+    prefill_loaded_tokens: int = 0  # prompt tokens it loaded from a KVCache pool (their load is in prefill_s)
     decode_step_s: float | None = None  # decode_instance's mean step (None: fewer than 2 tokens there)
     decode_concurrent: int | None = None  # other prompts it computed meanwhile (0: a calibration sample)
     # n > 1: the prompt tokens each further sample found cached on the decode worker (its prefix
@@ -75,6 +76,7 @@ class Relay:
                 stats.prefill_cached_tokens = stats.computed_cached_tokens = chunk.num_cached_tokens
             if chunk.prefill_s is not None:
                 stats.prefill_s, stats.prefill_concurrent = chunk.prefill_s, chunk.prefill_concurrent
+                stats.prefill_loaded_tokens = chunk.prefill_loaded_tokens or 0
             first = joined(first, chunk)
         pull = PullParams(transfer_id=request_id, num_tokens=len(prompt), wait_timeout_s=self._kv_wait_timeout_s)
         if first.kv_error is not None:  # the KV did not land: D computes the prompt, waiting for nothing
@@ -184,6 +186,7 @@ class Relay:
                         # elsewhere than prefill_instance, so it is not counted.)
                         stats.computed_cached_tokens = stats.decode_cached_tokens or 0
                         stats.prefill_s, stats.prefill_concurrent = chunk.prefill_s, chunk.prefill_concurrent
+                        stats.prefill_loaded_tokens = chunk.prefill_loaded_tokens or 0
                     yield chunk
                 return
             except RequestRefused:  # any other worker would refuse it too

@@ -200,9 +200,11 @@ class Router:
         ledger says that decode instance carries (call before `finished` removes this request
         from it: the load it decoded in includes itself). Time shared with a batch of other
         prompts measures the batch, not the hardware (the queue model prices the wait), so it is
-        left out (PREFILL_SAMPLE_MAX_CONCURRENT)."""
+        left out (PREFILL_SAMPLE_MAX_CONCURRENT). So is a prefill that loaded part of its prompt
+        from a KVCache pool: its time includes the load, which the estimators price apart (by
+        tier), and would teach the compute fit a slower host than it is."""
         handles = {h.name: h for h in self.pool.all()}
-        if (stats.prefill_s is not None and stats.prefill_instance in handles
+        if (stats.prefill_s is not None and stats.prefill_instance in handles and not stats.prefill_loaded_tokens
                 and _at_most(stats.prefill_concurrent, PREFILL_SAMPLE_MAX_CONCURRENT)):
             self.calibration.instance(stats.prefill_instance).observe_prefill(
                 stats.prompt_tokens, stats.computed_cached_tokens, stats.prefill_s)

@@ -11,6 +11,8 @@ A second connector beside MooncakeServeConnector, composed with it by vLLM's Mul
   connector's behaviour is unchanged (it sees its own metadata only).
 - request_finished: MultiConnector keeps the blocks if either connector asks (this one does while
   its saves are in flight); the serve connector never does, so there is no second async save.
+  Its kv_transfer_params (merged by MultiConnector, handed to the worker on the last output) say
+  how many prompt tokens came from the pool (LOADED_TOKENS_KEY).
 - get_transfer_results: finished sending/receiving and failures of both are merged.
 
 Settings come from `kv_connector_extra_config`:
@@ -36,6 +38,7 @@ from kv_connector.pool_copier import PoolCopier
 from kv_connector.pool_planner import PoolLoad, PoolPlanner, PoolSave
 from mooncake.kv_layout import num_blocks_of
 from mooncake.control import ControlEndpoint
+from mooncake.protocol import LOADED_TOKENS_KEY
 from store.channel import PoolClient
 
 if TYPE_CHECKING:
@@ -140,4 +143,6 @@ class MooncakePoolConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self._planner is not None
-        return self._planner.finished(request), None
+        keep, loaded = self._planner.finished(request)
+        # Reported so that the conductor does not take this prefill's time for compute alone.
+        return keep, ({LOADED_TOKENS_KEY: loaded} if loaded else None)

@@ -103,6 +103,7 @@ class PoolPlanner:
         self._tracked: dict[str, _Tracked] = {}
         self._saving: set[str] = set()  # requests with saves handed to the worker half
         self._waited: set[str] = set()  # requests that had an asynchronous load: never offered twice
+        self._loaded: dict[str, int] = {}  # prompt tokens each request loaded from the pool
         self.stats = PlannerStats()
 
     def bind_kv_cache_manager(self, manager: "KVCacheManager") -> None:
@@ -162,6 +163,7 @@ class PoolPlanner:
         if not hit.in_dram:
             self._waited.add(request.request_id)
         self.stats.hit_blocks += count
+        self._loaded[request.request_id] = self._loaded.get(request.request_id, 0) + count * self._block_size
         if hit.in_dram:
             self.stats.sync_loads += 1
         else:
@@ -214,16 +216,18 @@ class PoolPlanner:
         return PoolSave(request.request_id, tuple(k for k, _, _ in picked), tuple(b for _, b, _ in picked),
                         tuple(s for _, _, s in picked))
 
-    def finished(self, request: "Request") -> bool:
-        """True: keep the request's blocks until the worker half reports its saves copied."""
+    def finished(self, request: "Request") -> tuple[bool, int]:
+        """(keep: True to keep the request's blocks until the worker half reports its saves
+        copied, the prompt tokens it loaded from the pool)."""
         req_id = request.request_id
         self._hits.pop(req_id, None)
         self._waited.discard(req_id)
         self._tracked.pop(req_id, None)
+        loaded = self._loaded.pop(req_id, 0)
         if req_id in self._saving:
             self._saving.discard(req_id)
-            return True
-        return False
+            return True, loaded
+        return False, loaded
 
     # -- helpers --------------------------------------------------------------------------
 

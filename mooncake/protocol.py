@@ -73,6 +73,9 @@ class GenerateChunk(msgspec.Struct, frozen=True, omit_defaults=True):
     # Other prompts this engine was computing during that prefill (mooncake/engine/prefill_overlap.py):
     # prefill_s is a calibration sample only when this is 0. None: not counted.
     prefill_concurrent: int | None = None
+    # Prompt tokens loaded from a KVCache pool (this node's or a peer's), counted in
+    # num_cached_tokens: prefill_s includes their load, so it is no sample of compute alone.
+    prefill_loaded_tokens: int | None = None
     decode_step_s: float | None = None  # mean time per generated token after the first
     decode_concurrent: int | None = None  # the same for the decode steps (first to last token)
     # Only when the request asked for them (omitted otherwise: no wire cost). One entry per
@@ -137,6 +140,9 @@ def encode_chunk_line(chunk: GenerateChunk) -> bytes:
 PRODUCER_KEY = "mooncake_push"
 CONSUMER_KEY = "mooncake_pull"
 FETCH_KEY = "mooncake_fetch"
+# Back from the pool connector when a request finishes (vLLM hands it to the worker on the last
+# RequestOutput): the prompt tokens it loaded from a KVCache pool, this node's or a peer's.
+LOADED_TOKENS_KEY = "mooncake_loaded_tokens"
 
 
 class BadTransferParams(ValueError):

@@ -12,7 +12,7 @@ from mooncake.control import ControlEndpoint
 from mooncake.engine.config import WorkerConfig
 from mooncake.engine.kv_events import publisher_endpoint
 from mooncake.engine.prefill_overlap import PrefillOverlap
-from mooncake.protocol import CONSUMER_KEY, GenerateChunk, GenerateRequest
+from mooncake.protocol import CONSUMER_KEY, LOADED_TOKENS_KEY, GenerateChunk, GenerateRequest
 
 if TYPE_CHECKING:
     from vllm.v1.engine.async_llm import AsyncLLM
@@ -159,6 +159,8 @@ async def run_request(engine: "AsyncLLM", request: GenerateRequest,
                 overlap.first_output(rid, time.monotonic())
             completion = output.outputs[0]
             times = measured_times(output.metrics, overlap, rid) if output.finished else {}
+            if output.finished and (loaded := (output.kv_transfer_params or {}).get(LOADED_TOKENS_KEY)):
+                times["prefill_loaded_tokens"] = int(loaded)
             logprobs = None
             if request.sampling.logprobs is not None:
                 logprobs = [position_logprobs(p) for p in completion.logprobs or ()]

@@ -36,6 +36,7 @@ class PoolWorker:
 
     def __init__(self, log_dir: Path, ssd_dir: Path):
         self.log_dir, self.ssd_dir = log_dir, ssd_dir
+        self.loaded_tokens: int | None = None  # what the last generate's worker loaded from a pool
         self.token_file = log_dir / "pool-token"
         if not self.token_file.exists():
             self.token_file.write_text(secrets.token_urlsafe(32))
@@ -61,7 +62,7 @@ class PoolWorker:
                  kv_transfer_params: dict | None = None) -> tuple[list[int], int]:
         body = {"request_id": uuid.uuid4().hex, "prompt_token_ids": prompt, "kv_transfer_params": kv_transfer_params or {},
                 "sampling": {"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}}
-        tokens, cached = [], None
+        tokens, cached, self.loaded_tokens = [], None, None
         with httpx.stream("POST", self.url + "/internal/generate", json=body, headers=self.headers,
                           timeout=300) as resp:
             assert resp.status_code == 200, resp.read()
@@ -71,6 +72,8 @@ class PoolWorker:
                 tokens += chunk["token_ids"]
                 if chunk.get("num_cached_tokens") is not None and cached is None:
                     cached = chunk["num_cached_tokens"]
+                if chunk.get("finish_reason"):  # what the pool loaded: the conductor's calibration skips these
+                    self.loaded_tokens = chunk.get("prefill_loaded_tokens", 0)
         return tokens, cached
 
     def forget(self) -> None:
@@ -141,6 +144,7 @@ def test_prefix_from_dram_computes_only_the_suffix(pool_worker, colocated_server
     first, second = prefix + prompt_of(11, 40), prefix + prompt_of(12, 70)
     out, cached = pool_worker.generate(first)
     assert out == cold(colocated_server, first)
+    assert pool_worker.loaded_tokens == 0
     pool_worker.forget()
     # The conductor's view (its prefix index, priced by tier): the prefix is still held, only in
     # DRAM. vLLM publishes the reset with its next step's events, so one short request runs first.
@@ -149,6 +153,7 @@ def test_prefix_from_dram_computes_only_the_suffix(pool_worker, colocated_server
     wait_for(lambda: all(pool_worker.events()["pool_tiers"].get(k) == "dram" for k in keys), what="pool tiers")
     out, cached = pool_worker.generate(second)
     assert cached == 6 * BLOCK  # the shared prefix came from the pool, the rest was computed
+    assert pool_worker.loaded_tokens == 6 * BLOCK  # and the worker says so on its last line
     # Loaded back into the engine's cache: free to reuse again.
     wait_for(lambda: not any(k in pool_worker.events()["pool_tiers"] for k in keys), what="blocks back in the engine")
     assert out == cold(colocated_server, second)
@@ -237,7 +242,7 @@ def test_prefix_on_another_instance_is_fetched_from_its_pool_and_kept(pool_worke
         second = prefix + prompt_of(62, 40)
         fetch = {"mooncake_fetch": {"peer": holder["pool_peer"], "num_tokens": len(prefix)}}
         out, cached = other.generate(second, kv_transfer_params=fetch)
-        assert cached == 5 * BLOCK  # fetched, not computed
+        assert cached == 5 * BLOCK == other.loaded_tokens  # fetched, not computed
         assert out == cold(colocated_server, second)
         assert other.metric("mooncake_store_events_total", kind="remote_fetched_blocks") >= 5
         # Kept after: the same prefix hits the second worker's own pool now.

@@ -36,16 +36,18 @@ class MeasuringClient:
     """Stands in for WorkerClient: 8 tokens per request, the last chunk carrying the measured
     prefill time (times `slow` on the named instances) and decode step."""
 
-    def __init__(self, slow: dict[str, float] | None = None, concurrent: int = 0):
+    def __init__(self, slow: dict[str, float] | None = None, concurrent: int = 0, loaded: int = 0):
         self.slow = slow or {}
         self.concurrent = concurrent  # other prompts each prefill shared the engine with
+        self.loaded = loaded  # prompt tokens each prefill loaded from a KVCache pool
 
     async def generate(self, handle, request):
         n = request.sampling.max_tokens
         k = self.slow.get(handle.name, 1.0)
         yield GenerateChunk([1], num_cached_tokens=0)
         await asyncio.sleep(0)
-        times = {"prefill_s": PREFILL_S * k, "queued_s": 0.001, "prefill_concurrent": self.concurrent}
+        times = {"prefill_s": PREFILL_S * k, "queued_s": 0.001, "prefill_concurrent": self.concurrent,
+                 "prefill_loaded_tokens": self.loaded or None}
         if n >= 2:
             times.update(decode_step_s=STEP_S * k, decode_concurrent=self.concurrent)
         yield GenerateChunk([2] * (n - 1), finish_reason="length", **times)
@@ -120,6 +122,21 @@ def test_a_prefill_shared_with_other_prompts_is_not_a_sample():
     assert asyncio.run(complete(service, 2500)).status_code == 200
     assert r.calibration.instance("p1").prefill.samples == 2
     assert r.calibration.instance("d1").decode_step.samples == 1
+
+
+@pytest.mark.parametrize("specs", [(("p1", "prefill"), ("d1", "decode")), (("d1", "decode"),)],
+                         ids=["disaggregated", "colocated"])
+def test_a_prefill_that_loaded_from_a_kvcache_pool_is_not_a_sample_of_compute(specs):
+    # Its time includes the load (priced apart, by tier): a fit on it would learn a slow host.
+    client = MeasuringClient({"p1": 20.0, "d1": 20.0}, loaded=1024)
+    service = service_for(specs, client)
+    computed_on = service.router.calibration.instance(specs[0][0])
+    for _ in range(2):
+        assert asyncio.run(complete(service, 2500)).status_code == 200
+    assert computed_on.prefill.samples == 0 and computed_on.prefill.scale == 1.0
+    client.loaded = 0  # computed whole: a sample
+    assert asyncio.run(complete(service, 2500)).status_code == 200
+    assert computed_on.prefill.samples == 1 and computed_on.prefill.scale != 1.0
 
 
 # This fake answers in a millisecond whatever prefill time it reports, so here the TTFT residual

@@ -3,6 +3,7 @@ counters (messenger/stats.py) as they reach /metrics. The stat logger gets stand
 vLLM's SchedulerStats and IterationStats (importing vLLM takes tens of seconds); the real engine
 feeds it in tests/e2e/test_metrics_counts.py. The messenger is the real one, on loopback."""
 
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -75,7 +76,14 @@ def test_a_real_engine_write_is_counted_on_both_sides_and_rendered():
         sender.add_peer(receiver.start())
         for _ in range(2):
             sender.write("r", [Slice("src", 0, "dst", 0, 16384)], b"note").wait(5)
-        sent, received = sender.stats()["tcp"], receiver.stats()["tcp"]
+        # A frame's bytes are counted by the thread that sent it once its send returns, which
+        # may be after the peer's acknowledgement has completed the write.
+        deadline = time.monotonic() + 5
+        while True:
+            sent, received = sender.stats()["tcp"], receiver.stats()["tcp"]
+            if min(sent["sent_bytes"], received["received_bytes"]) >= 2 * 16384 or time.monotonic() > deadline:
+                break
+            time.sleep(0.01)
     finally:
         sender.close()
         receiver.close()

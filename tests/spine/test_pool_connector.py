@@ -106,7 +106,7 @@ def test_saved_blocks_are_committed_then_loaded_layer_by_layer_into_another_engi
     assert loads == [] and flush == ()
     assert [s.block_ids for s in saves] == [(5, 9, 2)]  # full blocks only
     save_step(writer, saves, source)
-    assert planner.finished(req) is True  # blocks kept until the copies are done...
+    assert planner.finished(req) == (True, 0)  # blocks kept until the copies are done...
     writer.flush(["a"])  # (both save stages done)
     assert writer.finished_saving({"a"}) == {"a"}  # ...which they are now
     keys = hash_prompt_blocks(tokens, BS)
