@@ -53,7 +53,8 @@ def _step(req: str, computed: int, scheduled: int):
 
 
 def _request(req: str, tokens: list[int]):
-    return SimpleNamespace(request_id=req, all_token_ids=tokens, kv_transfer_params=None, num_tokens=len(tokens))
+    return SimpleNamespace(request_id=req, all_token_ids=tokens, kv_transfer_params=None, num_tokens=len(tokens),
+                           num_output_tokens=0)
 
 
 def _blocks(ids):

@@ -45,8 +45,10 @@ def create_app(config: ConductorConfig) -> FastAPI:
         pool, index = WorkerPool(), PrefixIndex()
         for url in (*config.prefill_urls, *config.decode_urls):
             pool.add(url, static=True)
+        given_up = app.state.metrics.streams_given_up
         client = WorkerClient(token_timeout_s=config.token_timeout_s, cluster_token=config.cluster_token,
-                              health_timeouts_tolerated=config.health_timeouts_tolerated)
+                              health_timeouts_tolerated=config.health_timeouts_tolerated,
+                              on_streams_given_up=lambda name, n: given_up.labels(instance=name).inc(n))
         profile = resolve_profile(config.profile, config.dtype)
         log.info("pricing with profile table %s", profile)
         app.state.profile = profile

@@ -68,9 +68,10 @@ async def follow_registry(registry: Registry, view: ClusterView, pool: WorkerPoo
 
 async def poll_health(pool: WorkerPool, client: WorkerClient, index: PrefixIndex, interval_s: float) -> None:
     while True:
-        before = {h.http_url: h.ready for h in pool.all()}
-        await asyncio.gather(*(client.check(h) for h in pool.all()))
-        for h in pool.all():
+        polled = pool.polled()
+        before = {h.http_url: h.ready for h in polled}
+        await asyncio.gather(*(client.check(h) for h in polled))
+        for h in polled:
             if before.get(h.http_url) and not h.ready:
                 log.warning("worker %s is %s: %s", h.name, h.status, h.last_error)
                 h.events_seq = -1  # when it comes back, take a full snapshot of its blocks

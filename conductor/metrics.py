@@ -141,6 +141,9 @@ class ConductorMetrics:
             registry=r)
         self.retries = Counter("mooncake_retries", "Requests moved to another worker after a failure, by stage.",
                                ["stage"], registry=r)
+        self.streams_given_up = Counter(
+            "mooncake_worker_streams_given_up", "Request streams from a worker that stopped answering /health "
+            "(frozen, or its host gone), ended without waiting token_timeout_s, by instance.", ["instance"], registry=r)
         self.prompt_tokens = Counter("mooncake_prompt_tokens", "Prompt tokens received (tokens).", registry=r)
         self.cached_prompt_tokens = Counter("mooncake_cached_prompt_tokens",
                                             "Prompt tokens served from a prefix cache (tokens).", registry=r)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import httpx
@@ -24,6 +24,10 @@ from mooncake.defaults import HEALTH_TIMEOUTS_TOLERATED, WorkerRole
 from mooncake.protocol import CHUNK_DECODER, ENCODER, HEALTH_DECODER, GenerateChunk, GenerateRequest
 
 log = logging.getLogger(__name__)
+
+LATE_TIMEOUT_SLACK_S = 1.0
+"""A /health poll that timed out more than this after its limit was held up by the conductor's
+own event loop, not the worker: it is not counted (WorkerClient.check)."""
 
 
 class WorkerError(RuntimeError):
@@ -101,14 +105,28 @@ class WorkerHandle:
 @dataclass
 class WorkerPool:
     handles: dict[str, WorkerHandle] = field(default_factory=dict)  # by http_url
+    # Left the registry with streams still open: not routed to, but still polled until they end,
+    # so that a frozen worker's streams are given up though its lease expired first.
+    departed: dict[str, WorkerHandle] = field(default_factory=dict)  # by http_url
 
     def add(self, url: str, static: bool = False) -> WorkerHandle:
-        handle = self.handles.setdefault(url.rstrip("/"), WorkerHandle(http_url=url.rstrip("/")))
+        url = url.rstrip("/")
+        handle = self.handles.get(url) or self.departed.pop(url, None) or WorkerHandle(http_url=url)
+        self.handles[url] = handle
         handle.static = handle.static or static
         return handle
 
     def remove(self, url: str) -> None:
-        self.handles.pop(url.rstrip("/"), None)
+        handle = self.handles.pop(url.rstrip("/"), None)
+        if handle is not None and handle.streams:
+            handle.ready, handle.status, handle.events_seq = False, "departed", -1
+            self.departed[handle.http_url] = handle
+
+    def polled(self) -> list[WorkerHandle]:
+        """The handles whose /health is polled: the pool's, and the departed still streaming."""
+        for url in [url for url, h in self.departed.items() if not h.streams]:
+            del self.departed[url]
+        return [*self.handles.values(), *self.departed.values()]
 
     def ready(self, role: str) -> list[WorkerHandle]:
         return [h for h in self.handles.values() if h.ready and h.serves(role)]
@@ -119,12 +137,15 @@ class WorkerPool:
 
 class WorkerClient:
     def __init__(self, token_timeout_s: float, connect_timeout_s: float = 5.0, cluster_token: str | None = None,
-                 health_timeouts_tolerated: int = HEALTH_TIMEOUTS_TOLERATED, health_timeout_s: float = 2.0):
+                 health_timeouts_tolerated: int = HEALTH_TIMEOUTS_TOLERATED, health_timeout_s: float = 2.0,
+                 on_streams_given_up: Callable[[str, int], None] | None = None):
         """`health_timeouts_tolerated`: /health polls in a row that may time out before a ready
         worker is taken out of rotation (ConductorConfig's docstring says why); the next one also
-        gives up its streams that sent nothing meanwhile. `health_timeout_s`: one poll's limit."""
+        gives up its streams that sent nothing meanwhile, and tells `on_streams_given_up` (the
+        worker's name, how many). `health_timeout_s`: one poll's limit."""
         self._health_timeouts_tolerated = health_timeouts_tolerated
         self._health_timeout_s = health_timeout_s
+        self._on_streams_given_up = on_streams_given_up
         # `read` bounds the silence between two lines of a worker's answer: a stalled or
         # frozen worker becomes an error after token_timeout_s instead of a hung stream.
         # Every call carries the cluster token: the workers' /internal/* routes refuse calls without it.
@@ -161,6 +182,13 @@ class WorkerClient:
                 handle.last_error = (f"the worker refuses this conductor's cluster token: give both the same "
                                      f"--cluster-token-file or {TOKEN_ENV}")
         except (httpx.HTTPError, ValueError) as exc:
+            if (isinstance(exc, httpx.TimeoutException)
+                    and time.monotonic() - polled_at > self._health_timeout_s + LATE_TIMEOUT_SLACK_S):
+                # The timeout fired late: this conductor's own event loop was held up, so the
+                # worker's silence says nothing (and the lines it sent may wait unread).
+                log.info("a /health poll of %s timed out %.1f s late: this conductor is overloaded; not counted",
+                         handle.name, time.monotonic() - polled_at - self._health_timeout_s)
+                return
             handle.last_error = f"{type(exc).__name__}: {exc}"
             # Only a timeout says a process is frozen or its host gone: a refused connection comes
             # from a live host, whose kernel resets the streams of a process that died (and a
@@ -184,6 +212,8 @@ class WorkerClient:
                 if given_up:
                     log.warning("gave up %d stream(s) from %s, silent since it stopped answering /health",
                                 given_up, handle.name)
+                    if self._on_streams_given_up is not None:
+                        self._on_streams_given_up(handle.name, given_up)
             return
         handle.slow_health = 0
         if handle.ready and handle.serves("prefill"):
@@ -206,16 +236,28 @@ class WorkerClient:
         handle.in_flight += 1
         handle.streams.add(watch)
         try:
-            # The task waits on the worker from here (its headers may come only with the first
-            # token) to the end, except while a chunk is with the caller.
+            # `waiting` only while this task awaits the worker (its headers may come only with the
+            # first token, then each line): the poller's cancel must land in one of those awaits.
             watch.task, watch.waiting = asyncio.current_task(), True
             async with self._http.stream("POST", f"{handle.http_url}/internal/generate",
                                          content=ENCODER.encode(request),
                                          headers={"content-type": "application/json"}) as resp:
                 if resp.status_code != 200:
                     body = (await resp.aread()).decode(errors="replace")[:500]
+                    watch.waiting = False
                     raise WorkerError(f"{handle.name} answered {resp.status_code}: {body}")
-                async for line in resp.aiter_lines():
+                watch.waiting = False
+                lines = resp.aiter_lines()
+                while True:
+                    if watch.lost:  # given up while this task was busy elsewhere
+                        raise WorkerError(watch.lost, started=started)
+                    watch.task, watch.waiting = asyncio.current_task(), True
+                    try:
+                        line = await anext(lines, None)
+                    finally:
+                        watch.waiting = False
+                    if line is None:
+                        break
                     watch.last_line_at = time.monotonic()
                     if not line:
                         continue
@@ -225,15 +267,12 @@ class WorkerClient:
                     if chunk.error:
                         raise WorkerError(f"{handle.name}: {chunk.error}", started=started)
                     started = started or bool(chunk.token_ids)
-                    watch.waiting = False
                     yield chunk
                     if chunk.finish_reason is not None:
                         return
-                    if watch.lost:  # given up while the chunk was with the caller
-                        raise WorkerError(watch.lost, started=started)
-                    watch.task, watch.waiting = asyncio.current_task(), True
             raise WorkerError(f"{handle.name} ended the stream without finishing", started=started)
         except httpx.ReadTimeout as exc:
+            watch.waiting = False  # (a timeout waiting for the headers): the abort below is no read
             await self.abort(handle, request.request_id)
             raise WorkerError(f"{handle.name} sent nothing for too long", started=started) from exc
         except (httpx.HTTPError, msgspec.DecodeError) as exc:  # a bad line: msgspec names the field

@@ -163,7 +163,8 @@ class PoolPlanner:
         if not hit.in_dram:
             self._waited.add(request.request_id)
         self.stats.hit_blocks += count
-        self._loaded[request.request_id] = self._loaded.get(request.request_id, 0) + count * self._block_size
+        if request.num_output_tokens == 0:  # a load after the first token (a preempted request's) is no prefill's
+            self._loaded[request.request_id] = max(self._loaded.get(request.request_id, 0), count * self._block_size)
         if hit.in_dram:
             self.stats.sync_loads += 1
         else:

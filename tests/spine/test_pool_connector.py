@@ -32,6 +32,8 @@ class FakeRequest:
     all_token_ids: list[int]
     kv_transfer_params: dict | None = None
 
+    num_output_tokens: int = 0
+
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
@@ -217,6 +219,12 @@ def test_a_fetch_instruction_loads_the_other_pools_prefix_asynchronously_once(se
     loads, _, _ = planner.plan(step())
     assert [(l.block_ids, l.sync, l.peer) for l in loads] == [((0, 1, 2), False, "{}")]
     assert planner.matched_tokens(req, 0) == (0, False)  # after a failed load vLLM recomputes: no retry
+    assert planner.finished(req) == (False, 3 * BS)  # what it loaded: its prefill time is no compute sample
+    # A request preempted after its first token loads again, but its prefill was measured before.
+    resumed = FakeRequest("g", list(range(4 * BS)), params, num_output_tokens=2)
+    assert planner.matched_tokens(resumed, 0) == (3 * BS, True)
+    planner.after_alloc(resumed, blocks_of([4, 5, 6, 7]), 3 * BS)
+    assert planner.finished(resumed) == (False, 0)
 
 
 def test_the_conductor_fetches_only_from_a_holder_whose_pool_it_can_reach():

@@ -12,7 +12,7 @@ import pytest
 from fastapi import FastAPI
 from fastapi.responses import StreamingResponse
 
-from conductor.workers import WorkerClient, WorkerError, WorkerHandle
+from conductor.workers import StreamWatch, WorkerClient, WorkerError, WorkerHandle, WorkerPool
 from mooncake.protocol import ENCODER, GenerateChunk, GenerateRequest, Sampling
 from tests.http_server import served
 
@@ -50,6 +50,39 @@ def test_a_slow_health_answer_keeps_a_worker_routed_until_it_stays_slow_and_a_re
         assert await poll(200, 503) == [True, False]  # as does one that says it cannot serve
         await client.close()
     asyncio.run(main())
+
+
+def test_a_health_timeout_that_fired_late_is_the_conductors_delay_and_is_not_counted():
+    def reply(request: httpx.Request) -> httpx.Response:
+        time.sleep(1.4)  # holds the conductor's event loop, as an overloaded conductor would
+        raise httpx.ReadTimeout("no answer")
+
+    async def main():
+        client = WorkerClient(token_timeout_s=5.0, health_timeouts_tolerated=0, health_timeout_s=0.2)
+        await client._http.aclose()
+        client._http = httpx.AsyncClient(transport=httpx.MockTransport(reply))
+        handle = WorkerHandle(http_url="http://w", ready=True, status="ready")
+        await client.check(handle)
+        assert handle.ready and handle.slow_health == 0  # tolerating none, it would be out
+        await client.close()
+    asyncio.run(main())
+
+
+def test_a_worker_that_leaves_the_registry_mid_stream_is_polled_until_its_streams_end():
+    # A frozen worker's lease expires before enough polls time out to give its streams up.
+    pool = WorkerPool()
+    quiet, streaming = pool.add("http://quiet"), pool.add("http://streaming/")
+    streaming.streams.add(StreamWatch(now=0.0))
+    streaming.ready = True
+    pool.remove("http://quiet")
+    pool.remove("http://streaming")
+    assert pool.all() == [] and pool.ready("decode") == []  # neither is routed to
+    assert pool.polled() == [streaming] and not streaming.ready and streaming.events_seq == -1
+    assert pool.add("http://streaming") is streaming  # back in the registry: the same handle, streams and all
+    pool.remove("http://streaming")
+    streaming.streams.clear()
+    assert pool.polled() == [] and pool.departed == {}
+    assert pool.add("http://quiet") is not quiet
 
 
 def slow_worker(release: threading.Event, streaming: list, frozen: threading.Event) -> FastAPI:
@@ -112,7 +145,9 @@ def test_a_worker_that_stops_answering_has_its_silent_streams_given_up_and_its_l
             chunks.append(chunk)
 
     async def main():
-        client = WorkerClient(token_timeout_s=60.0, health_timeouts_tolerated=1, health_timeout_s=0.3)
+        given_up = []
+        client = WorkerClient(token_timeout_s=60.0, health_timeouts_tolerated=1, health_timeout_s=0.3,
+                              on_streams_given_up=lambda name, n: given_up.append((name, n)))
         handle = WorkerHandle(http_url=url)
         await client.check(handle)
         assert handle.ready
@@ -136,6 +171,7 @@ def test_a_worker_that_stops_answering_has_its_silent_streams_given_up_and_its_l
             assert isinstance(exc, WorkerError) and "stopped answering" in str(exc), exc
             assert exc.started is started  # so the conductor retries elsewhere only a stream with no token yet
         assert not tasks[4].done()  # it is still sending: the worker is alive
+        assert given_up == [("w", 4)]  # counted on /metrics (mooncake_worker_streams_given_up_total)
         frozen.clear()
         await client.check(handle)
         assert handle.ready and handle.slow_health == 0
