@@ -45,6 +45,11 @@ class RelayStats:
     # cache holds the KV the first sample loaded), in the order they started.
     sibling_cached_tokens: list[int] = field(default_factory=list)
 
+    def prefill_measured(self, chunk: GenerateChunk) -> None:
+        """Take the prefill figures of the last chunk of the worker that computed the prompt."""
+        self.prefill_s, self.prefill_concurrent = chunk.prefill_s, chunk.prefill_concurrent
+        self.prefill_loaded_tokens = chunk.prefill_loaded_tokens or 0
+
 
 class Relay:
     def __init__(self, client: WorkerClient, kv_wait_timeout_s: float,
@@ -75,8 +80,7 @@ class Relay:
             if chunk.num_cached_tokens is not None:
                 stats.prefill_cached_tokens = stats.computed_cached_tokens = chunk.num_cached_tokens
             if chunk.prefill_s is not None:
-                stats.prefill_s, stats.prefill_concurrent = chunk.prefill_s, chunk.prefill_concurrent
-                stats.prefill_loaded_tokens = chunk.prefill_loaded_tokens or 0
+                stats.prefill_measured(chunk)
             first = joined(first, chunk)
         pull = PullParams(transfer_id=request_id, num_tokens=len(prompt), wait_timeout_s=self._kv_wait_timeout_s)
         if first.kv_error is not None:  # the KV did not land: D computes the prompt, waiting for nothing
@@ -185,8 +189,7 @@ class Relay:
                         # Colocated: this worker computed the prompt too. (A retry's prompt ran
                         # elsewhere than prefill_instance, so it is not counted.)
                         stats.computed_cached_tokens = stats.decode_cached_tokens or 0
-                        stats.prefill_s, stats.prefill_concurrent = chunk.prefill_s, chunk.prefill_concurrent
-                        stats.prefill_loaded_tokens = chunk.prefill_loaded_tokens or 0
+                        stats.prefill_measured(chunk)
                     yield chunk
                 return
             except RequestRefused:  # any other worker would refuse it too

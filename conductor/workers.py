@@ -123,7 +123,8 @@ class WorkerPool:
             self.departed[handle.http_url] = handle
 
     def polled(self) -> list[WorkerHandle]:
-        """The handles whose /health is polled: the pool's, and the departed still streaming."""
+        """The handles whose /health is polled: the pool's, and the departed still streaming (a
+        departed one whose streams have all ended is dropped here)."""
         for url in [url for url, h in self.departed.items() if not h.streams]:
             del self.departed[url]
         return [*self.handles.values(), *self.departed.values()]
