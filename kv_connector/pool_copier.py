@@ -7,7 +7,10 @@ maps it once, so a copy is one index_select/index_copy_ per layer, never a socke
 
 - Synchronous loads (a DRAM hit): start_load_kv hands the step's loads to a copy thread that
   copies layer 0, then 1, ...; wait_for_layer_load(layer) waits for that layer only, so the copy
-  of layer i+1 runs while layer i computes. The blocks are unpinned once copied.
+  of layer i+1 runs while layer i computes. The blocks are unpinned once copied. Each block's
+  bytes are hashed as they are copied (xxh3-64, layer by layer); one that does not match the
+  checksum it was committed with is reported with the last layer (vLLM recomputes it) and the
+  pool forgets it.
 - Asynchronous loads (a hit with SSD blocks): a thread asks the pool to bring the blocks to DRAM
   (it reads the files and checks each block's checksum), copies them in, unpins them, and the
   request is reported finished receiving; a block the pool cannot read (corrupt, gone) fails the
@@ -35,6 +38,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import torch
+import xxhash
 
 from kv_connector.pool_planner import PoolLoad, PoolSave
 from messenger.cma import in_parallel
@@ -97,6 +101,23 @@ class _StepLoads:
     layers_done: threading.Semaphore = field(default_factory=lambda: threading.Semaphore(0))
     waited: int = 0  # layers the forward pass has already waited for
     failed_blocks: set[int] = field(default_factory=set)
+
+
+class _Read:
+    """Blocks a load read (pinned) from the pool, and the running checksum of the bytes copied
+    out of each: a block changed in DRAM since it was committed is caught, never computed on."""
+
+    def __init__(self, load: PoolLoad, got: list[tuple[int, int, int]]):
+        self.keys = [k for k, _, _ in got]
+        self.slots = [s for _, s, _ in got]
+        self.expected = [c for _, _, c in got]
+        self.block_ids = load.block_ids[:len(got)]
+        self.digests = [xxhash.xxh3_64() for _ in got]
+
+    def corrupt(self) -> list[int]:
+        """Positions of the blocks whose copied bytes do not match their checksum (call once
+        every layer is copied)."""
+        return [i for i, (d, c) in enumerate(zip(self.digests, self.expected)) if d.intdigest() != c]
 
 
 @dataclass
@@ -198,29 +219,36 @@ class PoolCopier:
         layer after layer, releasing the forward pass one layer at a time."""
         start = time.perf_counter()
         assert self._layout is not None
-        plans: list[tuple[PoolLoad, list, list[int]]] = []  # (load, its read keys, slots)
+        plans: list[_Read] = []
         try:
             for load in step.loads:
                 got = self._sync_client.read(load.keys)  # pinned on this line; SSD blocks promoted
-                plans.append((load, [k for k, _, _ in got], [s for _, s, _ in got]))
+                plans.append(_Read(load, got))
                 step.failed_blocks.update(load.block_ids[len(got):])
         except Exception as exc:  # noqa: BLE001 - nothing read: vLLM recomputes these blocks
             log.warning("pool read failed (%s); recomputing %d requests' prefixes", exc, len(step.loads))
             step.failed_blocks.update(b for load in step.loads for b in load.block_ids)
+        last = len(self._layout.names) - 1
         for index, name in enumerate(self._layout.names):
             try:
-                for load, keys, slots in plans:
-                    if keys:
-                        self._copy_in(name, index, load.block_ids[:len(keys)], slots)
+                for read in plans:
+                    if read.keys:
+                        self._copy_in(name, index, read.block_ids, read.slots, read.digests)
+                if index == last:  # every byte copied in is checked before the forward uses the last layer
+                    for read in plans:
+                        step.failed_blocks.update(read.block_ids[i] for i in read.corrupt())
             except Exception as exc:  # noqa: BLE001 - reported as invalid blocks: vLLM recomputes them
                 log.exception("pool load failed on layer %s: %s", name, exc)
-                step.failed_blocks.update(b for load, keys, _ in plans for b in load.block_ids[:len(keys)])
+                step.failed_blocks.update(b for read in plans for b in read.block_ids)
+                for read in plans:
+                    self._release(self._sync_client, read.keys)
                 plans = []
             step.layers_done.release()
-        for _, keys, _ in plans:
-            self._release(self._sync_client, keys)
+        for read in plans:
+            self._release(self._sync_client, read.keys)
+            self._discard(self._sync_client, [read.keys[i] for i in read.corrupt()])
         with self._lock:
-            self.stats.loaded_blocks += sum(len(keys) for _, keys, _ in plans)
+            self.stats.loaded_blocks += sum(len(read.keys) for read in plans)
             self.stats.load_failures += len(step.failed_blocks)
             self.stats.load_seconds += time.perf_counter() - start
 
@@ -235,25 +263,36 @@ class PoolCopier:
             held = self._async_client.fetch_remote(load.peer.encode(), load.keys)
             with self._lock:
                 self.stats.fetched_blocks += held
-        got = self._async_client.read(load.keys)
-        keys = [k for k, _, _ in got]
+        read = _Read(load, self._async_client.read(load.keys))
+        corrupt: list[int] = []
         try:
-            if len(got) < len(load.keys):
-                raise LookupError(f"the pool could read {len(got)} of {len(load.keys)} blocks (evicted or corrupt)")
+            if len(read.keys) < len(load.keys):
+                raise LookupError(f"the pool could read {len(read.keys)} of {len(load.keys)} blocks (evicted or corrupt)")
             for index, name in enumerate(self._layout.names):
-                self._copy_in(name, index, load.block_ids, [s for _, s, _ in got])
+                self._copy_in(name, index, read.block_ids, read.slots, read.digests)
+            corrupt = read.corrupt()
+            if corrupt:
+                raise LookupError(f"{len(corrupt)} of {len(read.keys)} blocks failed their checksum in DRAM")
         finally:
-            self._release(self._async_client, keys)
+            self._release(self._async_client, read.keys)
+            self._discard(self._async_client, [read.keys[i] for i in corrupt])
+        keys = read.keys
         with self._lock:
             self.stats.loaded_blocks += len(keys)
             self.stats.load_seconds += time.perf_counter() - start
 
-    def _copy_in(self, name: str, index: int, block_ids, slots) -> None:
+    def _copy_in(self, name: str, index: int, block_ids, slots, digests=None) -> None:
+        """Copy layer `index` of the slots into the cache's blocks; `digests`: one running xxh3
+        per block, fed the bytes copied (layers in slot order make the block's checksum)."""
         assert self._layout is not None and self._arena is not None
         cache = self._caches[name]
         shape = (len(block_ids), *cache.shape[1:])
         rows = torch.empty((len(block_ids), self._layout.sizes[index]), dtype=torch.uint8, pin_memory=cache.is_cuda)
         self._arena_rows(index, slots, rows.numpy(), into_arena=False)
+        if digests is not None:
+            flat = rows.numpy()
+            for digest, row in zip(digests, flat):
+                digest.update(row)
         if not cache.is_cuda:
             cache.index_copy_(0, torch.tensor(block_ids, dtype=torch.long), rows.view(cache.dtype).view(shape))
             return
@@ -382,6 +421,16 @@ class PoolCopier:
     def stats_dict(self) -> dict:
         with self._lock:
             return asdict(self.stats)
+
+    @staticmethod
+    def _discard(client: PoolClient, keys) -> None:
+        if not keys:
+            return
+        log.warning("%d pool block(s) failed their checksum; vLLM recomputes them", len(keys))
+        try:
+            client.discard(list(keys))
+        except PoolUnavailable as exc:
+            log.warning("pool discard failed: %s", exc)
 
     @staticmethod
     def _release(client: PoolClient, keys) -> None:

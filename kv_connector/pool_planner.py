@@ -13,9 +13,9 @@ pool promotes its blocks to DRAM and the worker copies them in; nothing else wai
 
 Saves. Every step, each scheduled request's full blocks not yet handed to the pool (computed in
 this step, or earlier: a prefix hit of vLLM's own cache, KV pulled from a prefill worker, the
-answer's tokens as they are decoded) get reserved slots in the arena; the worker half copies each
-layer into them as soon as that layer has been computed, on a background thread, and commits them
-after the last layer. A request with saves in flight keeps its blocks when it finishes (vLLM's
+answer's tokens as they are decoded; never the blocks it loaded from the pool) get reserved slots
+in the arena; the worker half copies each layer into them as soon as that layer has been
+computed, on a background thread, and commits them after the last layer. A request with saves in flight keeps its blocks when it finishes (vLLM's
 delayed free: request_finished returns True) until the worker half reports the copies done.
 
 Everything here runs inside vLLM's scheduler, so a pool that does not answer costs a cache miss
@@ -81,6 +81,7 @@ class _Tracked:
     request: "Request"
     keys: list[BlockHash] = field(default_factory=list)  # chained keys of its full blocks so far
     handed: int = 0  # blocks [0, handed) were offered to the pool (saved, or found there)
+    loaded: range = range(0)  # blocks loaded from the pool: never saved (see after_alloc)
 
 
 @dataclass
@@ -153,11 +154,15 @@ class PoolPlanner:
         return len(hit.keys) * self._block_size, not hit.in_dram
 
     def after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
-        self._tracked.setdefault(request.request_id, _Tracked(request))
+        tracked = self._tracked.setdefault(request.request_id, _Tracked(request))
         hit = self._hits.pop(request.request_id, None)
         if hit is None or num_external_tokens <= 0:  # another connector loads it, or no hit
             return
         count = num_external_tokens // self._block_size
+        # The loaded blocks are the pool's already, and never saved back: a load that fails (the
+        # block was evicted since the lookup) leaves the engine's block as it was, old KV of another
+        # request, which a save in the same step would copy into the pool as this prefix's.
+        tracked.loaded = range(hit.start_block, hit.start_block + count)
         block_ids = blocks.get_block_ids()[0][hit.start_block: hit.start_block + count]
         self._loads.append(PoolLoad(request.request_id, hit.keys[:count], tuple(block_ids), hit.in_dram, hit.peer))
         if not hit.in_dram:
@@ -179,7 +184,7 @@ class PoolPlanner:
         for req_id in preempted:  # its blocks were freed; it starts over when resumed
             tracked = self._tracked.get(req_id)
             if tracked is not None:
-                tracked.handed = 0
+                tracked.handed, tracked.loaded = 0, range(0)
         progress: dict[str, int] = {new.req_id: new.num_computed_tokens for new in scheduler_output.scheduled_new_reqs}
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
@@ -200,9 +205,12 @@ class PoolPlanner:
         full = min(done_tokens, request.num_tokens) // self._block_size
         if full <= tracked.handed:
             return None
-        keys = self._keys(request, full)[tracked.handed:full]
-        block_ids = self._block_ids(request.request_id)[tracked.handed:full]
+        wanted = [i for i in range(tracked.handed, full) if i not in tracked.loaded]
         tracked.handed = full  # not offered again, whatever the pool answers (it is a cache)
+        if not wanted:
+            return None
+        all_keys, all_ids = self._keys(request, full), self._block_ids(request.request_id)
+        keys, block_ids = [all_keys[i] for i in wanted], [all_ids[i] for i in wanted]
         try:
             reserved = dict(self._client.reserve(keys))  # key -> slot, for the keys it lacks
         except PoolUnavailable as exc:

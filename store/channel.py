@@ -112,6 +112,11 @@ class PoolClient:
         """Unpin; sent without waiting for an answer (there is nothing to answer)."""
         self._send({"op": "release", "keys": pack_keys(keys)})
 
+    def discard(self, keys: Sequence[int]) -> None:
+        """Blocks a reader found failing their checksum: the pool forgets them in every tier
+        (counted as corrupt). Sent without an answer, after the reader's release on this line."""
+        self._send({"op": "discard", "keys": pack_keys(keys)})
+
     def fetch_remote(self, peer_json: bytes, keys: Sequence[int]) -> int:
         """Bring `keys` from another node's pool into this one (its PeerInfo as msgspec JSON).
         Returns how many leading keys this node holds after."""

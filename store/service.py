@@ -185,6 +185,14 @@ class PoolService:
                 self._execute(self.pool.remove(keys))
             self._flush_events()
 
+    def discard(self, keys: Sequence[int]) -> None:
+        """A reader found these blocks failing their checksum in DRAM: forget them. One another
+        reader still pins stays (remove() never takes a pinned slot); every reader verifies what
+        it reads, so it is a miss for them too, and goes at their discard."""
+        self.counters["corrupt_dram"] += len(keys)
+        log.warning("KV pool: %d block(s) failed their checksum in DRAM; forgotten, recomputed", len(keys))
+        self.remove(keys)
+
     def fetch_remote(self, peer, keys: Sequence[int]) -> int:
         """Bring `keys` from another node's pool (its messenger PeerInfo) into this one; the
         leading keys this node holds after. Raises messenger TransferError if the peer fails."""
@@ -370,6 +378,9 @@ class PoolService:
             held = [k for k in keys if pins[k] > 0]
             pins.subtract(held)
             self.release(held)
+            return {}
+        if op == "discard":
+            self.discard(keys)
             return {}
         if op == "fetch_remote":
             import msgspec

@@ -189,6 +189,96 @@ def test_a_block_evicted_before_the_worker_reads_it_is_reported_for_recompute(se
         c.shutdown()
 
 
+def test_blocks_loaded_from_the_pool_are_never_saved_back(service):
+    """A hit evicted between the lookup and the step fails its load, which leaves the engine's
+    blocks holding another request's KV: saving them in the same step would store that KV under
+    this prefix. Blocks before the hit (vLLM's own cache) are still saved."""
+    tokens = list(range(50, 50 + 3 * BS + 1))
+    keys = hash_prompt_blocks(tokens, BS)
+    source = caches()
+    writer = PoolCopier(connect(service), BS)
+    writer.register_kv_caches(source)
+    planner = PoolPlanner(PoolClient(service.endpoint), BS)
+    planner.bind_kv_cache_manager(FakeManager({"a": [0, 1, 2, 3]}))
+    req = FakeRequest("a", tokens)
+    planner.matched_tokens(req, 0)
+    planner.after_alloc(req, blocks_of([0, 1, 2, 3]), 0)
+    _, saves, _ = planner.plan(step(new={"a": 0}, scheduled={"a": len(tokens)}))
+    save_step(writer, saves, source)
+    writer.flush(["a"])
+    good = {k: service.arena.slot(s).tobytes() for k, s, _ in service.read(keys[:3])}
+    service.release(keys[:3])
+    service.pool.remove([keys[0]])  # vLLM's cache holds block 0 here; the pool lost it
+
+    planner2 = PoolPlanner(PoolClient(service.endpoint), BS)
+    planner2.bind_kv_cache_manager(FakeManager({"b": [8, 9, 10, 11]}))
+    req2 = FakeRequest("b", tokens)
+    assert planner2.matched_tokens(req2, BS) == (2 * BS, False)  # blocks 1-2 from the pool
+    service.pool.remove(keys[1:3])  # evicted before the step runs
+    planner2.after_alloc(req2, blocks_of([8, 9, 10, 11]), 2 * BS)
+    loads, saves, _ = planner2.plan(step(new={"b": 3 * BS}, scheduled={"b": 1}))
+    assert [s.block_ids for s in saves] == [(8,)]  # vLLM's cached block 0, not the loaded 9 and 10
+    stale = caches(fill=7.0)
+    for name in stale:
+        stale[name][8] = source[name][0]  # what vLLM's cache holds
+    reader = PoolCopier(connect(service), BS)
+    reader.register_kv_caches(stale)
+    reader.start_loads(loads)
+    for name in stale:
+        reader.wait_for_layer(name)
+    assert reader.take_invalid_blocks() == {9, 10}  # vLLM recomputes them
+    save_step(reader, saves, stale)
+    reader.flush(["b"])
+    assert service.lookup(keys) == ["dram"]  # block 0 saved again; nothing stale stored
+    got = service.read(keys[:1])
+    assert service.arena.slot(got[0][1]).tobytes() == good[keys[0]]
+    for c in (writer, reader):
+        c.shutdown()
+
+
+@pytest.mark.parametrize("sync", [True, False], ids=["dram", "promoted"])
+def test_a_block_changed_in_dram_after_its_commit_is_caught_and_forgotten(service, sync):
+    tokens = list(range(60, 60 + 2 * BS + 1))
+    keys = hash_prompt_blocks(tokens, BS)
+    source = caches()
+    writer = PoolCopier(connect(service), BS)
+    writer.register_kv_caches(source)
+    planner = PoolPlanner(PoolClient(service.endpoint), BS)
+    planner.bind_kv_cache_manager(FakeManager({"a": [0, 1, 2]}))
+    req = FakeRequest("a", tokens)
+    planner.matched_tokens(req, 0)
+    planner.after_alloc(req, blocks_of([0, 1, 2]), 0)
+    _, saves, _ = planner.plan(step(new={"a": 0}, scheduled={"a": len(tokens)}))
+    save_step(writer, saves, source)
+    writer.flush(["a"])
+    (_, slot, _), = service.read(keys[1:2])
+    service.release(keys[1:2])
+    service.arena.slot(slot)[100] ^= 0xFF  # a stray write into a committed block
+
+    from kv_connector.pool_planner import PoolLoad
+    load = PoolLoad("b", tuple(keys[:2]), (8, 9), sync)
+    target = caches(fill=0.0)
+    reader = PoolCopier(connect(service), BS)
+    reader.register_kv_caches(target)
+    reader.start_loads([load])
+    if sync:
+        for name in target:
+            reader.wait_for_layer(name)
+        assert reader.take_invalid_blocks() == {9}  # vLLM recomputes from there
+    else:
+        deadline = time.monotonic() + 10
+        while not (done := reader.collect_loads())[0] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert done == ({"b"}, {"b"})  # the load fails: vLLM recomputes the prompt
+    deadline = time.monotonic() + 5  # the discard is sent without an answer
+    while service.lookup(keys) != ["dram"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert service.lookup(keys) == ["dram"]  # the changed block is forgotten, block 0 kept
+    assert service.stats()["counters"]["corrupt_dram"] == 1
+    for c in (writer, reader):
+        c.shutdown()
+
+
 def test_a_preempted_requests_saves_land_before_its_blocks_are_reused(service):
     service.configure(LAYERS * int(torch.zeros(BLOCK_SHAPE).numel() * 4), "x")
     planner = PoolPlanner(PoolClient(service.endpoint), BS)
