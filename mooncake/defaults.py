@@ -100,6 +100,11 @@ POOL_POLICIES = ("lru", "fifo")  # store/policy.py POLICIES has one class per na
 """Eviction policy of both tiers (store/policy.py names the others)."""
 POOL_PIN_LEASE_S = 30.0
 """A block pinned for a remote reader that never releases it is unpinned after this."""
+POOL_RESERVE_LEASE_S = 300.0
+"""A slot reserved for a save that is neither committed nor aborted in this long is given back
+(its writer died, or never heard the reply). Far beyond any save's seconds: a writer still
+copying into a slot that was given back could only spoil another block, which its reader's
+checksum then catches (a miss, never wrong KV)."""
 
 # --- ports ---------------------------------------------------------------------------------
 CONDUCTOR_PORT = 8000

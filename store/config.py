@@ -18,6 +18,7 @@ class PoolConfig:
     block_bytes: bytes of one block, all layers. 0 = not known yet: the pool service takes it
                 from the first connector that attaches (the engine's KV layout decides it).
     pin_lease_s: how long a peer's pins on blocks here last if it never releases them.
+    reserve_lease_s: how long a reserved slot waits for its commit or abort before it is freed.
     map_same_host_peers: copy a same-host peer's blocks straight out of its arena
                 (store/peer_arena.py); False: over the messenger, as from another host.
     """
@@ -28,6 +29,7 @@ class PoolConfig:
     policy: str = defaults.POOL_POLICY
     block_bytes: int = 0
     pin_lease_s: float = defaults.POOL_PIN_LEASE_S
+    reserve_lease_s: float = defaults.POOL_RESERVE_LEASE_S
     map_same_host_peers: bool = True
 
     def __post_init__(self) -> None:
@@ -41,8 +43,9 @@ class PoolConfig:
         if self.block_bytes and self.dram_bytes and self.dram_bytes < self.block_bytes:
             raise ValueError(f"the pool's DRAM tier ({self.dram_bytes} B) cannot hold one block "
                              f"of {self.block_bytes} B; give it at least that, or 0 to turn the pool off")
-        if self.pin_lease_s <= 0:
-            raise ValueError(f"pin_lease_s must be > 0, got {self.pin_lease_s}")
+        if self.pin_lease_s <= 0 or self.reserve_lease_s <= 0:
+            raise ValueError(f"pin_lease_s and reserve_lease_s must be > 0, got {self.pin_lease_s} "
+                             f"and {self.reserve_lease_s}")
 
     @property
     def dram_slots(self) -> int:

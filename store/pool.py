@@ -9,6 +9,8 @@ The life of a block:
   reserve(keys)  -> a DRAM slot per missing key, state RESERVED: never returned by lookup or
                     read, never evicted. The writer fills the slot, then
   commit(keys, checksums) -> COMMITTED (xxh3-64 of the slot's bytes), or abort(keys) -> freed.
+                    A reservation neither committed nor aborted within reserve_lease_s (its
+                    writer died) is freed by the next reserve.
   read(key)      -> (slot, checksum), pinned: never evicted until unpin(key). A block only on
                     SSD gets a DRAM slot (state LOADING) and the plan says load it; the owner
                     reads the file (or, for a spill not yet on disk, its copy) into the slot,
@@ -126,8 +128,9 @@ class BlockPool:
         self._dram_order = make_policy(config.policy)
         self._ssd_order = make_policy(config.policy)
         self._events: list[Event] = []
+        self._reserved_at: dict[int, float] = {}  # key -> when reserved, oldest first
         self.counters = {"spills": 0, "promotions": 0, "corrupt": 0, "dram_evictions": 0, "ssd_evictions": 0,
-                         "spill_failures": 0}
+                         "spill_failures": 0, "reservations_expired": 0}
 
     # --- queries -------------------------------------------------------------------------
     def lookup(self, keys: Sequence[int]) -> list[Tier]:
@@ -177,6 +180,7 @@ class BlockPool:
         slots: list[tuple[int, int]] = []
         plan = Plan()
         with self._lock:
+            self._expire_reservations(now)
             for key in keys:
                 if key in self._dram or key in self._ssd:
                     continue
@@ -184,6 +188,7 @@ class BlockPool:
                 if slot is None:
                     break
                 self._dram[key] = _DramEntry(slot, State.RESERVED)
+                self._reserved_at[key] = now
                 slots.append((key, slot))
         return Reservation(slots, plan)
 
@@ -198,6 +203,7 @@ class BlockPool:
                 entry = self._dram.get(key)
                 if entry is None or entry.state is not State.RESERVED:
                     continue
+                self._reserved_at.pop(key, None)
                 entry.state, entry.checksum = State.COMMITTED, digest
                 self._dram_order.insert(key, now)
                 self._events.append(("stored", key, Tier.DRAM.value))
@@ -210,8 +216,7 @@ class BlockPool:
             for key in keys:
                 entry = self._dram.get(key)
                 if entry is not None and entry.state is State.RESERVED:
-                    del self._dram[key]
-                    heapq.heappush(self._free_slots, entry.slot)
+                    self._free_reserved(key)
 
     # --- reading -------------------------------------------------------------------------
     def read(self, key: int, now: float, pin: bool = True) -> ReadPlan | None:
@@ -344,6 +349,20 @@ class BlockPool:
         return plan
 
     # --- internals (under the lock) ----------------------------------------------------------
+    def _expire_reservations(self, now: float) -> None:
+        horizon = now - self.config.reserve_lease_s
+        while self._reserved_at:
+            key, since = next(iter(self._reserved_at.items()))
+            if since > horizon:
+                return
+            self._free_reserved(key)
+            self.counters["reservations_expired"] += 1
+
+    def _free_reserved(self, key: int) -> None:
+        entry = self._dram.pop(key)
+        self._reserved_at.pop(key, None)
+        heapq.heappush(self._free_slots, entry.slot)
+
     def _take_slot(self, plan: Plan) -> int | None:
         if self._free_slots:
             return heapq.heappop(self._free_slots)

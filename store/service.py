@@ -350,6 +350,8 @@ class PoolService:
                 try:
                     conn.send_bytes(channel.encode(reply))
                 except OSError:
+                    if request.get("op") == "reserve" and reply["ok"]:  # nobody will fill them
+                        self.abort(channel.unpack_keys(reply["keys"]))
                     return
         finally:
             conn.close()

@@ -71,6 +71,18 @@ def test_abort_frees_the_slot_and_commit_of_unknown_keys_is_skipped():
         pool.commit([1, 2], [0], 0.0)
 
 
+def test_a_reservation_nobody_commits_is_freed_after_its_lease():
+    pool = BlockPool(PoolConfig(dram_bytes=2 * BB, ssd_dir=None, block_bytes=BB, reserve_lease_s=60.0))
+    pool.reserve([1], 0.0)  # its writer dies
+    pool.reserve([2], 50.0)
+    assert pool.reserve([3], 59.0).slots == []  # both slots still reserved: no room
+    got = pool.reserve([3], 61.0).slots  # 1's lease ran out: its slot is free again
+    assert [k for k, _ in got] == [3] and pool.counters["reservations_expired"] == 1
+    assert pool.commit([1, 2], [0, 0], 61.0) == [2]  # the late commit of 1 is skipped
+    assert [k for k, _ in pool.reserve([1], 200.0).slots] == [1]  # 3's lease ran out too: its slot, not 2's
+    assert pool.lookup([2]) == [Tier.DRAM] and pool.counters["reservations_expired"] == 2
+
+
 def test_lru_evicts_least_recently_used_and_never_pinned():
     pool = make(dram_blocks=3)
     put(pool, [1, 2, 3], now=1.0)
