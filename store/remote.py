@@ -265,6 +265,7 @@ class RemotePool:
     def _on_call(self, peer: str, request: bytes) -> bytes | CallReply:
         try:
             message = channel.decode(request)
+            self.expire_leases()
             if message.get("op") == "get":
                 return self._get_inline(channel.unpack_keys(message["keys"]))
             reply = {"ok": True, **self._answer(peer, message)}
@@ -289,7 +290,6 @@ class RemotePool:
     def _answer(self, peer: str, message: dict) -> dict:
         service = self._service
         op = message.get("op")
-        self._expire_leases()
         if op == "push":
             if "who" in message:
                 self.engine.add_peer(msgspec.json.decode(message["who"], type=PeerInfo))
@@ -330,7 +330,9 @@ class RemotePool:
             keys = [k for lease in leases for k in self._leases.pop(int(lease), ([], 0.0))[0]]
         self._service.release(keys)
 
-    def _expire_leases(self) -> None:
+    def expire_leases(self) -> None:
+        """Unpin what peers pinned and never released within the lease (called on every peer call
+        and every local reserve, so a dead peer's pins go even when only gets or saves follow)."""
         now = self._service._clock()
         with self._lock:
             expired = [lease for lease, (_, until) in self._leases.items() if until <= now]

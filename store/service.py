@@ -134,6 +134,8 @@ class PoolService:
     def reserve(self, keys: Sequence[int]) -> list[tuple[int, int]]:
         if self.pool is None:
             return []
+        if self.remote is not None:  # saves come every step: a dead peer's pins do not outlive their lease
+            self.remote.expire_leases()
         with self._io_lock:
             reservation = self.pool.reserve(keys, self._clock())
             self._execute(reservation.plan)  # spills leave the slots before anyone may write them

@@ -156,6 +156,15 @@ def test_pins_of_a_peer_that_never_releases_expire():
         clock[0] = 6.0
         server.remote._on_call("peer", channel.encode({"op": "unpin", "leases": [999]}))  # any call sweeps
         assert server.pool.pins(7) == 0
+        # ...a get (answered inline, apart from the other calls) too, and the local saves' reserve
+        for sweep in (lambda: server.remote._on_call("peer", channel.encode(
+                          {"op": "get", "keys": channel.pack_keys([8])})).done(),
+                      lambda: server.reserve([9])):
+            server.remote._on_call("peer", channel.encode({"op": "pin", "keys": channel.pack_keys([7])}))
+            assert server.pool.pins(7) == 1
+            clock[0] += 6.0
+            sweep()
+            assert server.pool.pins(7) == 0
         bad = channel.decode(server.remote._on_call("peer", b"\x01garbage"))
         assert not bad["ok"]
     finally:
