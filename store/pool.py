@@ -70,7 +70,9 @@ class Spill:
 
 @dataclass
 class Plan:
-    """The I/O a call asks of its owner: spills first (in order), then file deletions."""
+    """The I/O a call asks of its owner: file deletions first, then spills (in order). A delete
+    names a file from before the plan (a spill still in flight is never evicted), and the same
+    plan may spill that key again: evicted from SSD, then from DRAM."""
 
     spills: list[Spill] = field(default_factory=list)
     ssd_deletes: list[int] = field(default_factory=list)
@@ -238,10 +240,11 @@ class BlockPool:
             if ssd is None:
                 return None
             plan = Plan()
+            ssd.readers += 1  # before a slot is found: the SSD tier must not evict this very file for it
             slot = self._take_slot(plan)
             if slot is None:
+                ssd.readers -= 1
                 return None
-            ssd.readers += 1
             self._ssd_order.touch(key, now)
             self._dram[key] = _DramEntry(slot, State.LOADING, ssd.checksum, pins=int(pin))
             return ReadPlan(key, slot, ssd.checksum, True, plan)

@@ -255,6 +255,9 @@ class PoolService:
         """Carry out a plan: copy spills out of their slots and queue the file operations. The
         caller holds _io_lock from the pool call that made the plan until this returns, so file
         operations are queued in the order the index decided them."""
+        for key in plan.ssd_deletes:  # first: they name files from before this plan, which a spill
+            if self.ssd is not None and self._writer is not None:  # in it may write again (same key)
+                self._writer.delete(key)  # in order with the writes (store/ssd.py, SpillWriter)
         for spill in plan.spills:
             if self._writer is None:
                 self.pool.ssd_written(spill.key, False)
@@ -265,9 +268,6 @@ class PoolService:
                 self.counters["spills_dropped"] += 1
                 self._execute(self.pool.ssd_written(spill.key, False))
                 self._spilling.pop(spill.key, None)
-        for key in plan.ssd_deletes:
-            if self.ssd is not None and self._writer is not None:
-                self._writer.delete(key)  # in order with the writes (store/ssd.py, SpillWriter)
 
     def _spill_done(self, key: int, error: OSError | None) -> None:
         with self._io_lock:

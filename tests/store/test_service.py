@@ -135,6 +135,28 @@ def test_eviction_spills_and_a_read_promotes_the_same_bytes(svc):
     assert svc.stats()["counters"]["promotions"] >= 6
 
 
+@pytest.mark.parametrize("policy", ["fifo", "lru"])
+def test_tiers_under_pressure_never_lose_a_block_the_index_holds(tmp_path, policy):
+    """Both tiers small and full, so one call evicts from SSD and spills again, and promotions
+    find the SSD tier's own victim: whatever the index still holds reads back intact. (Deletes
+    were queued after the plan's spills, which removed a file just written again; a promotion
+    could evict the very file it read.)"""
+    config = PoolConfig(dram_bytes=2 * BB, ssd_dir=str(tmp_path / "ssd"), ssd_bytes=2 * BB, policy=policy)
+    s = PoolService(config, remote=False).start()
+    s.configure(BB, LAYOUT)
+    try:
+        for round_ in range(12):
+            put(s, [round_ * 2 + 1, round_ * 2 + 2])
+            s.flush()
+            for key in range(1, round_ * 2 + 3):
+                if s.lookup([key]):
+                    assert held_bytes(s, [key]) == [True], (policy, round_, key)
+                    s.flush()
+        assert s.stats()["counters"]["corrupt"] == 0
+    finally:
+        s.close()
+
+
 def test_restart_rebuilds_the_ssd_index(tmp_path):
     first = service(tmp_path)
     for key in range(1, 9):
