@@ -164,15 +164,20 @@ class PoolService:
         if self.pool is None:
             return []
         out = []
-        for key in keys:
-            with self._io_lock:
-                plan = self.pool.read(key, self._clock())
-                if plan is None:
+        try:
+            for key in keys:
+                with self._io_lock:
+                    plan = self.pool.read(key, self._clock())
+                    if plan is None:
+                        break
+                    out.append((key, plan.slot, plan.checksum))  # pinned: released below if this fails
+                    self._execute(plan.plan)
+                if plan.load_from_ssd and not self._promote(key, plan.slot, plan.checksum):
+                    out.pop()  # a failed promotion holds no pin (loaded() dropped the slot)
                     break
-                self._execute(plan.plan)
-            if plan.load_from_ssd and not self._promote(key, plan.slot, plan.checksum):
-                break
-            out.append((key, plan.slot, plan.checksum))
+        except BaseException:
+            self.release([k for k, _, _ in out])
+            raise
         self._flush_events()
         return out
 
@@ -283,20 +288,22 @@ class PoolService:
 
     def _promote(self, key: int, slot: int, digest: int) -> bool:
         pending = self._spilling.get(key)
+        ssd = self.ssd  # read once: the spill writer's thread may turn the tier off meanwhile
+        ok = False
         try:
             if pending is not None:  # spilled moments ago, not on disk yet
                 self.arena.slot(slot)[:] = memoryview(pending)
                 ok = checksum(self.arena.slot(slot)) == digest
             else:
-                ok = self.ssd is not None and self.ssd.read_into(key, self.arena.slot(slot), digest)
+                ok = ssd is not None and ssd.read_into(key, self.arena.slot(slot), digest)
         except OSError as exc:
             log.warning("KV pool: reading block %x from SSD failed: %s", key, exc)
             self.counters["ssd_errors_io"] += 1
-            ok = False
-        if not ok and self.ssd is not None:
-            log.warning("KV pool: block %x on SSD is missing or fails its checksum; recomputed", key)
-        with self._io_lock:
-            self._execute(self.pool.loaded(key, ok, self._clock()))
+        finally:  # whatever happened, the slot leaves LOADING
+            if not ok and ssd is not None:
+                log.warning("KV pool: block %x on SSD is missing or fails its checksum; recomputed", key)
+            with self._io_lock:
+                self._execute(self.pool.loaded(key, ok, self._clock()))
         return ok
 
     def _degrade(self, exc: OSError, what: str) -> None:

@@ -29,6 +29,7 @@ import os
 import queue
 import struct
 import threading
+from stat import S_ISREG
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -133,7 +134,11 @@ class SsdTier:
 
     def _check(self, path: str, name: str) -> FoundBlock | None:
         try:
-            stat = os.stat(path)
+            stat = os.lstat(path)
+            if not S_ISREG(stat.st_mode):  # a FIFO would block the open; links and devices are not ours
+                self.skipped["foreign"] += 1
+                log.warning("pool SSD tier: %s is not a regular file (foreign); skipped", path)
+                return None
             with open(path, "rb") as f:
                 head = f.read(HEADER.size)
         except OSError as exc:

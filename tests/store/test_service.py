@@ -157,6 +157,23 @@ def test_tiers_under_pressure_never_lose_a_block_the_index_holds(tmp_path, polic
         s.close()
 
 
+def test_a_promotion_that_raises_leaves_no_slot_loading_and_no_pin(svc, monkeypatch):
+    """Anything a promotion raises (the tier turned off under it, a bug) ends the read with the
+    error, but the slot leaves LOADING and the blocks read before it are unpinned."""
+    keys = list(range(1, 9))
+    for key in keys:
+        put(svc, [key])
+    svc.flush()
+    assert svc.lookup(keys[:2]) == ["ssd", "ssd"] and svc.lookup(keys[4:]) == ["dram"] * 4
+    real = svc.ssd.read_into
+    monkeypatch.setattr(svc.ssd, "read_into", lambda *a: (_ for _ in ()).throw(RuntimeError("boom")))
+    with pytest.raises(RuntimeError):
+        svc.read([keys[4], keys[0]])  # a DRAM block, then one that must be promoted
+    assert svc.pool.pins(keys[4]) == 0
+    monkeypatch.setattr(svc.ssd, "read_into", real)
+    assert held_bytes(svc, keys[4:]) == [True] * 4  # every slot usable: nothing stuck pinned or loading
+
+
 def test_restart_rebuilds_the_ssd_index(tmp_path):
     first = service(tmp_path)
     for key in range(1, 9):

@@ -67,10 +67,12 @@ def test_truncated_foreign_and_other_layout_files_are_skipped_with_a_warning(tmp
     os.rename(t.path(3), renamed)
     with open(t.path(4) + ".123.tmp", "wb") as f:
         os.makedirs(os.path.dirname(t.path(4)), exist_ok=True)
+    os.mkfifo(os.path.join(t.root, "ab", "a-fifo"))  # opening it would block the start-up
+    os.symlink(t.path(2), t.path(5))  # a link to a block, under another block's name
     with caplog.at_level(logging.WARNING):
         found = tier(tmp_path).scan()
     assert [b.key for b in found] == [2]
-    assert "truncated" in caplog.text and "foreign" in caplog.text
+    assert "truncated" in caplog.text and "foreign" in caplog.text and "not a regular file" in caplog.text
     assert not os.path.exists(t.path(1))  # ours and broken: deleted
     assert os.path.exists(foreign)  # not ours: left alone
     assert tier(tmp_path, layout="model-b").scan() == []  # another layout sees none of them
