@@ -169,7 +169,7 @@ class PoolCopier:
             self._mapping = Arena.attach(info)
         except (PoolUnavailable, OSError, ValueError) as exc:
             # No arena (shared memory full, a pool of another layout...): the engine runs without
-            # the pool rather than not at all. The pool then holds nothing, so nothing is planned.
+            # the pool rather than not at all. Loads fail (vLLM recomputes); saves are given back.
             log.error("KVCache pool unavailable, running without it: %s", exc)
             return
         self._arena = torch.from_numpy(self._mapping.array).view(info.slots, info.block_bytes)
@@ -342,7 +342,11 @@ class PoolCopier:
     # -- saves ----------------------------------------------------------------------------
 
     def save_layer(self, saves: list[PoolSave], layer_name: str) -> None:
-        if not saves or self._arena is None:
+        if not saves:
+            return
+        if self._arena is None:  # no arena mapped here: the planner's reservations are given back
+            if self._layer_of.get(layer_name) == 0:
+                self._drop_saves(saves)
             return
         index = self._layer_of[layer_name]
         written = None
@@ -400,6 +404,18 @@ class PoolCopier:
                 self.stats.save_failures += 1
             self._saves_left[save.request_id] = self._saves_left.get(save.request_id, 0) - 1
             self._lock.notify_all()
+
+    def _drop_saves(self, saves: list[PoolSave]) -> None:
+        """Saves this worker cannot copy (called at their first layer): abort their slots, and
+        still report the request finished sending when vLLM finishes it (the planner asked vLLM
+        to keep its blocks for them)."""
+        with self._lock:
+            self._has_saves.update(save.request_id for save in saves)
+        for save in saves:
+            try:
+                self._client.abort(save.keys)
+            except PoolUnavailable as exc:  # the pool's reservation lease frees them in the end
+                log.warning("pool abort failed: %s", exc)
 
     def flush(self, request_ids) -> None:
         """Wait until the saves of these requests are copied (their blocks are about to be reused)."""

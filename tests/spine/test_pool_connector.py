@@ -279,6 +279,36 @@ def test_a_block_changed_in_dram_after_its_commit_is_caught_and_forgotten(servic
         c.shutdown()
 
 
+def test_a_worker_without_the_arena_gives_its_saves_back_and_frees_the_blocks(service, monkeypatch):
+    """The arena could not be mapped in vLLM's worker (after the pool was configured): the
+    planner still reserves and asks vLLM to keep the request's blocks, so the worker must give
+    the slots back and still report the request finished sending, or both leak for good."""
+    import kv_connector.pool_copier as pool_copier
+
+    def refuse(info, readonly=False):
+        raise PermissionError(13, "Permission denied", info.path)
+
+    monkeypatch.setattr(pool_copier.Arena, "attach", staticmethod(refuse))
+    worker = PoolCopier(connect(service), BS)
+    source = caches()
+    worker.register_kv_caches(source)
+    planner = PoolPlanner(PoolClient(service.endpoint), BS)
+    planner.bind_kv_cache_manager(FakeManager({"a": [0, 1, 2]}))
+    req = FakeRequest("a", list(range(2 * BS + 1)))
+    planner.matched_tokens(req, 0)
+    planner.after_alloc(req, blocks_of([0, 1, 2]), 0)
+    _, saves, _ = planner.plan(step(new={"a": 0}, scheduled={"a": 2 * BS + 1}))
+    assert saves and service.pool.reserved_slots(list(saves[0].keys))
+    save_step(worker, saves, source)
+    assert planner.finished(req)[0] is True
+    assert worker.finished_saving({"a"}) == {"a"}  # vLLM may free the blocks
+    deadline = time.monotonic() + 5  # the abort is sent without an answer
+    while service.pool.reserved_slots(list(saves[0].keys)) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert service.pool.reserved_slots(list(saves[0].keys)) == []
+    worker.shutdown()
+
+
 def test_a_preempted_requests_saves_land_before_its_blocks_are_reused(service):
     service.configure(LAYERS * int(torch.zeros(BLOCK_SHAPE).numel() * 4), "x")
     planner = PoolPlanner(PoolClient(service.endpoint), BS)
