@@ -15,6 +15,7 @@ segment left by a shell that was SIGKILLed is removed by the next one to start.
 
 from __future__ import annotations
 
+import errno
 import glob
 import logging
 import mmap
@@ -60,6 +61,7 @@ class Arena:
             raise ValueError(f"an arena needs slots > 0 and block_bytes > 0, got {slots} x {block_bytes}")
         directory = directory or (SHM_DIR if os.path.isdir(SHM_DIR) else "/tmp")
         remove_stale(directory)
+        slots = fitting_slots(directory, slots, block_bytes)
         path = os.path.join(directory, f"{PREFIX}{os.getpid()}-{secrets.token_hex(4)}")
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
@@ -108,6 +110,31 @@ class Arena:
                 os.unlink(self.info.path)
             except FileNotFoundError:
                 pass
+
+
+SHM_HEADROOM = 0.1
+"""Share of the free shared memory an arena leaves to others (vLLM's own shared-memory queues)."""
+
+
+def fitting_slots(directory: str, slots: int, block_bytes: int) -> int:
+    """As many of `slots` as the filesystem has room for now. The file is sparse, so creating it
+    always succeeds; a write past what tmpfs can hold kills the writer with SIGBUS (a container's
+    /dev/shm is 64 MiB unless set, the pool's default 2 GiB). Fewer slots, said once, instead."""
+    try:
+        fs = os.statvfs(directory)
+    except OSError:
+        return slots
+    free = int(fs.f_bavail * fs.f_frsize * (1 - SHM_HEADROOM))
+    if slots * block_bytes <= free:
+        return slots
+    fit = free // block_bytes
+    if fit < 1:
+        raise OSError(errno.ENOSPC, f"{directory} has {fs.f_bavail * fs.f_frsize} B free, less than one "
+                                    f"KV block of {block_bytes} B: no KVCache pool (raise the container's shm size)")
+    log.warning("KV pool: %s has room for %d of the %d blocks asked (%d B free); the DRAM tier is smaller "
+                "(raise the container's shm size, or --pool-dram-gib to fit)", directory, fit, slots,
+                fs.f_bavail * fs.f_frsize)
+    return fit
 
 
 def remove_stale(directory: str) -> None:

@@ -99,6 +99,8 @@ class PoolService:
             if config.dram_slots < 1:
                 raise ValueError(f"the pool's DRAM tier ({config.dram_bytes} B) cannot hold a block of {block_bytes} B")
             arena = Arena.create(config.dram_slots, block_bytes)
+            if arena.slots < config.dram_slots:  # the shared memory had room for fewer (store/arena.py)
+                config = replace(config, dram_bytes=arena.slots * block_bytes)
             self.config, self.layout, self.arena = config, layout, arena
             self.pool = BlockPool(config)
             self._open_ssd()

@@ -300,6 +300,28 @@ def test_events_page_orders_stored_and_removed_per_tier(svc):
     assert later.events.index(("removed", 1, "dram")) < later.events.index(("stored", 1, "ssd"))
 
 
+def test_an_arena_larger_than_the_free_shared_memory_shrinks_to_fit(tmp_path, monkeypatch, caplog):
+    """A write past what tmpfs holds would kill the writer with SIGBUS (the file is sparse, so
+    creating it succeeds): the arena takes the slots that fit, and a pool with room for none is
+    an error its connectors run without."""
+    import types
+
+    import store.arena as arena_module
+
+    free = [int(4.5 * BB / (1 - arena_module.SHM_HEADROOM)) + 1]  # room for 4 blocks, with the headroom
+    real = os.statvfs
+    monkeypatch.setattr(arena_module.os, "statvfs", lambda d: types.SimpleNamespace(
+        f_bavail=free[0], f_frsize=1) if d == str(tmp_path) else real(d))
+    with caplog.at_level(logging.WARNING):
+        arena = Arena.create(16, BB, directory=str(tmp_path))
+    assert arena.slots == 4 and "room for 4 of the 16" in caplog.text
+    arena.slot(3)[:] = 1  # the last slot is writable
+    arena.close()
+    free[0] = BB // 2
+    with pytest.raises(OSError, match="less than one"):
+        Arena.create(16, BB, directory=str(tmp_path))
+
+
 def test_stale_arena_of_a_dead_process_is_removed(tmp_path):
     from store.arena import PREFIX, remove_stale
 
