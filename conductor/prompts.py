@@ -63,6 +63,8 @@ def tokenize_request(data: Any) -> TokenizeChatRequest | TokenizeCompletionReque
     not by a union in the route's signature, so an error names the body's own field."""
     if not isinstance(data, dict):
         raise APIError(400, "the body must be a JSON object with a prompt or messages", code="invalid_value")
+    if "messages" in data and "prompt" in data:  # unknown fields are ignored, but not this ambiguity
+        raise APIError(400, "give either prompt or messages, not both", param="prompt", code="invalid_value")
     model = TokenizeChatRequest if "messages" in data else TokenizeCompletionRequest
     try:
         return model.model_validate(data)

@@ -72,7 +72,7 @@ class Relay:
         push = PushParams(transfer_id=request_id, dest=route.decode.kv_address, num_tokens=len(prompt),
                           skip_blocks=route.decode_held_blocks)
         first_sampling = replace(sampling, max_tokens=1, min_tokens=min(sampling.min_tokens, 1),
-                                 structured=None)  # with a grammar, P's token is not used (below)
+                                 structured=None)  # with a grammar (and more), P's token is not used (below)
         first = GenerateChunk([])
         async for chunk in self._client.generate(
             route.prefill, GenerateRequest(f"{request_id}-p", prompt, first_sampling, {**push.to_params(), **fetch})
@@ -89,9 +89,10 @@ class Relay:
             await self._client.drop_transfer(route.decode, request_id)
             pull, stats.retried = None, True  # D's prompt time is not P's: keep P's measurement
         rest = replace(sampling, prompt_logprobs=None)  # the prompt's came from the prefill worker
-        if sampling.structured is not None:
-            # A grammar's state cannot cross workers: P's token is dropped and D, which loads the
-            # whole prompt's KV (it recomputes only the last prompt token), samples from the start.
+        if sampling.first_token_on_decode():
+            # A grammar's state, output-token penalties and a seeded generator cannot cross
+            # workers: P's token is dropped and D, which loads the whole prompt's KV (it recomputes
+            # only the last prompt token), samples from the start, as one engine would.
             chunks = self._whole(route.decode, request_id, prompt, rest, stats, pull)
             async for chunk in chunks:
                 if first.prompt_logprobs:

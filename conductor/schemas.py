@@ -98,6 +98,13 @@ class _SamplingFields(BaseModel):
     # Known options this server does not implement. They are named here so that a request
     # using one is refused (see unsupported_option), not silently served without it.
     best_of: int | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    allowed_token_ids: list[Any] | None = None
+    bad_words: list[Any] | None = None
+    truncate_prompt_tokens: int | None = None
+    logits_processors: Any = None
     tools: list[Any] | None = None
     tool_choice: Any = None
     functions: list[Any] | None = None
@@ -154,6 +161,11 @@ class _SamplingFields(BaseModel):
             ("best_of", self.best_of not in (None, 1), "best_of is not supported; use n for several samples"),
             ("prompt_logprobs", self.prompt_logprobs is not None and self.stream,
              "prompt_logprobs are not available when stream=True"),
+            *((name, getattr(self, name) not in (None, default), f"{name} is not supported by this server")
+              for name, default in (("include_stop_str_in_output", False), ("skip_special_tokens", True),
+                                    ("spaces_between_special_tokens", True), ("allowed_token_ids", None),
+                                    ("bad_words", None), ("truncate_prompt_tokens", None),
+                                    ("logits_processors", None))),
             # tool_choice "none": the tools only go into the prompt (the chat template's), as vLLM does.
             ("tools", bool(self.tools) and not (self.TOOLS_IN_PROMPT and self.tool_choice == "none"),
              tools + (" (tool_choice \"none\" is)" if self.TOOLS_IN_PROMPT else "")),
@@ -217,10 +229,14 @@ class _SamplingFields(BaseModel):
         return list(self.stop or [])  # type: ignore[arg-type]
 
 
+COMPLETION_DEFAULT_MAX_TOKENS = 16
+"""max_tokens of a completion that does not set it, or sets it to null (OpenAI's and vLLM's)."""
+
+
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     add_special_tokens: bool = True  # the tokenizer's (a BOS, for models that have one); vLLM's default
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(COMPLETION_DEFAULT_MAX_TOKENS, ge=1)
     echo: bool = False
     suffix: str | None = None
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # top logprobs per token
@@ -262,7 +278,7 @@ class ChatMessage(BaseModel):
             if part.get("type") != "text":
                 raise ValueError(f"content part of type {part.get('type')!r} is not supported (text only)")
             parts.append(str(part.get("text", "")))
-        return "".join(parts)
+        return "\n".join(parts)  # as vLLM renders several text parts of one message
 
 
 class ChatTemplateFields(BaseModel):
@@ -303,7 +319,7 @@ class ChatCompletionRequest(ChatTemplateFields, _SamplingFields):
 
 class TokenizeCompletionRequest(BaseModel):
     """POST /tokenize with a prompt (vLLM's)."""
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="ignore")  # as vLLM's: fields it does not know are ignored
     model: str | None = None
     prompt: str
     add_special_tokens: bool = True
@@ -312,7 +328,7 @@ class TokenizeCompletionRequest(BaseModel):
 
 class TokenizeChatRequest(ChatTemplateFields):
     """POST /tokenize with chat messages (vLLM's): the prompt a chat completion would run."""
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="ignore")  # as vLLM's: fields it does not know are ignored
     model: str | None = None
     messages: list[ChatMessage] = Field(min_length=1)
     tools: list[dict[str, Any]] | None = None
@@ -321,6 +337,6 @@ class TokenizeChatRequest(ChatTemplateFields):
 
 class DetokenizeRequest(BaseModel):
     """POST /detokenize (vLLM's)."""
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="ignore")  # as vLLM's: fields it does not know are ignored
     model: str | None = None
     tokens: list[Annotated[int, Field(ge=0)]]

@@ -24,7 +24,7 @@ from conductor.metrics import ConductorMetrics
 from conductor.prompts import chat_prompt_ids, completion_prompt_ids
 from conductor.relay import Relay, RelayStats, sample_zero
 from conductor.routing import Router
-from conductor.schemas import ChatCompletionRequest, CompletionRequest
+from conductor.schemas import COMPLETION_DEFAULT_MAX_TOKENS, ChatCompletionRequest, CompletionRequest
 from conductor.logprobs import TokenText, prompt_logprobs_body
 from conductor.slo import RequestSLO, SLOError, SLOPolicy
 from conductor.workers import RequestRefused, WorkerError
@@ -123,12 +123,17 @@ class CompletionService:
             raise APIError(400, f"This model's maximum context length is {limit} tokens. However, your "
                                 f"prompt has {len(prompt)} tokens.", param="messages" if chat else "prompt",
                            code="context_length_exceeded")
-        max_tokens = max_tokens or limit - len(prompt)
-        if len(prompt) + max_tokens > limit:
+        if max_tokens is None:  # an explicit null: vLLM's (and OpenAI's) 16 for completions, the room left for chat
+            max_tokens = limit - len(prompt) if chat else COMPLETION_DEFAULT_MAX_TOKENS
+        if max_tokens > limit:
             raise APIError(400, f"This model's maximum context length is {limit} tokens. However, you "
                                 f"requested {len(prompt) + max_tokens} tokens ({len(prompt)} in the prompt, "
                                 f"{max_tokens} for the completion).", param="max_tokens",
                            code="context_length_exceeded")
+        # As vLLM's server: a completion that fits the context by itself but not after this prompt
+        # is cut to the room left (clients that always ask for a large max_tokens keep working as a
+        # conversation grows); it ends with finish_reason "length".
+        max_tokens = min(max_tokens, limit - len(prompt))
         sampling = Sampling(
             max_tokens=max_tokens,
             temperature=1.0 if body.temperature is None else body.temperature,

@@ -41,11 +41,12 @@ class IncrementalDetokenizer:
         return ""
 
     def flush(self) -> str:
-        """Whatever is still held back (an incomplete character at the very end)."""
+        """What is still held back, less an incomplete character at the very end: the bytes of a
+        character cut by max_tokens decode to U+FFFD, which vLLM's detokenizer never emits."""
         prefix = self._decode(self._ids[self._prefix_offset:self._read_offset])
         full = self._decode(self._ids[self._prefix_offset:])
         self._prefix_offset = self._read_offset = len(self._ids)
-        return full[len(prefix):]
+        return full[len(prefix):].rstrip("\ufffd")
 
     def _decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=self._skip) if ids else ""

@@ -37,6 +37,16 @@ class Sampling(msgspec.Struct, frozen=True):
     # "{}" for any JSON object), "regex", "choice" (spec: a JSON list) or "grammar" (EBNF).
     structured: tuple[str, str] | None = None
 
+    def first_token_on_decode(self) -> bool:
+        """Whether a disaggregated request's decode worker samples its first token too (the
+        prefill worker's is dropped), because what it samples depends on every token it
+        generated, which an engine knows only of the tokens it generated itself: a grammar's
+        state; frequency and presence penalties, which count output tokens only (the prefill's
+        token would be prompt to the decode engine); a seed, whose generator would start again
+        at the second token."""
+        return (self.structured is not None or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or (self.seed is not None and self.temperature > 0.0))
+
 
 # One position's logprobs, in vLLM's order: the chosen token first, then the top-k by rank
 # (a top token equal to the chosen one is not repeated). Entries are (token id, logprob, rank),

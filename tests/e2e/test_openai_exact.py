@@ -123,3 +123,22 @@ def test_logit_bias_applies_on_both_sides_as_colocated(colocated_server, spine_c
         texts.append(r.choices[0].text)
     assert texts[0] == texts[1]
     assert texts[1].startswith(" banana"), texts
+
+
+@pytest.mark.parametrize("options", [{"frequency_penalty": 1.5}, {"presence_penalty": 1.2},
+                                     {"temperature": 1.0, "seed": 1234}],
+                         ids=["frequency_penalty", "presence_penalty", "seed"])
+def test_sampling_that_depends_on_every_generated_token_matches_colocated(colocated_server, disaggregated_api,
+                                                                          options):
+    """Output-token penalties and a seeded generator must see the first token as generated: the
+    decode worker samples it itself (the prefill worker's is dropped), as one engine would."""
+    texts = []
+    for base in (colocated_server, disaggregated_api):
+        client = openai.OpenAI(base_url=base, api_key="unused", max_retries=0, timeout=300)
+        raw = client.completions.with_raw_response.create(
+            model=MODEL_NAME, prompt="one one one one one one, two two two, and then", max_tokens=24,
+            **{"temperature": 0, **options})
+        if base == disaggregated_api:
+            assert_disaggregated(raw.headers, str(options))
+        texts.append(raw.parse().choices[0].text)
+    assert texts[0] == texts[1]

@@ -10,6 +10,7 @@ import pytest
 from pydantic import ValidationError
 
 from conductor.choices import Choice, Echo, LogprobsWanted
+from conductor.errors import APIError
 from conductor.logprobs import CompletionLogprobs, TokenText, chat_content, prompt_logprobs_body
 from conductor.relay import Relay, RelayStats
 from conductor.routing import Route
@@ -67,6 +68,11 @@ def test_logit_bias_keys_must_be_ascii_token_ids(key):
     ("chat", {"echo": True}, "echo"),
     ("chat", {"tools": [{"type": "function"}]}, "tools"),
     ("chat", {"tool_choice": "auto"}, "tool_choice"),
+    ("completions", {"include_stop_str_in_output": True}, "include_stop_str_in_output"),
+    ("completions", {"allowed_token_ids": [28]}, "allowed_token_ids"),
+    ("chat", {"truncate_prompt_tokens": 3}, "truncate_prompt_tokens"),
+    ("chat", {"skip_special_tokens": False}, "skip_special_tokens"),
+    ("completions", {"bad_words": ["x"]}, "bad_words"),
 ])
 def test_options_not_implemented_are_named(endpoint, fields, param):
     body = CompletionRequest(model="m", prompt="a", **fields) if endpoint == "completions" else \
@@ -75,7 +81,8 @@ def test_options_not_implemented_are_named(endpoint, fields, param):
 
 
 def test_supported_options_pass_and_map_to_engine_values():
-    body = CompletionRequest(model="m", prompt="a", n=3, logprobs=2, echo=True, prompt_logprobs=0)
+    body = CompletionRequest(model="m", prompt="a", n=3, logprobs=2, echo=True, prompt_logprobs=0,
+                             include_stop_str_in_output=False, skip_special_tokens=True)  # their defaults
     assert body.unsupported_option() is None
     assert body.logprobs_top() == 2 and body.prompt_logprobs_top() == 0
     assert CompletionRequest(model="m", prompt="a", echo=True, logprobs=4).prompt_logprobs_top() == 4
@@ -238,7 +245,8 @@ def test_n_samples_prefill_once_and_siblings_wait_for_the_decode_worker():
                 assert request.kv_transfer_params == {} and request.sampling.seed == 10 + index
                 assert request.sampling.prompt_logprobs is None
         by_index = {i: [t for j, c in seen if j == i for t in c.token_ids] for i in range(3)}
-        assert by_index == {0: [7, 1, 2, 3], 1: [1, 2, 3], 2: [1, 2, 3]}
+        # Seeded: the decode worker samples sample 0's first token too (P's 7 is dropped).
+        assert by_index == {0: [1, 2, 3], 1: [1, 2, 3], 2: [1, 2, 3]}
         assert stats.sibling_cached_tokens == [300, 300]
     asyncio.run(main())
 
@@ -338,3 +346,42 @@ def test_a_request_the_engine_refuses_is_a_400_tried_on_no_other_worker(monkeypa
         assert info.value.status == 503 and len(seen) > 2, seen
         await client.close()
     asyncio.run(main())
+
+
+def test_max_tokens_null_and_beyond_the_room_left_are_served_as_vllm_does():
+    asyncio.run(_max_tokens_null_and_beyond_the_room_left())
+
+
+async def _max_tokens_null_and_beyond_the_room_left():
+    """null on a completion is 16 tokens (OpenAI's and vLLM's default), not the whole context;
+    a max_tokens that fits the context alone but not after the prompt is cut to the room left;
+    only one beyond the context itself is a 400."""
+    from tests.spine.test_lifecycle import PROMPT, ScriptedRelay, make_service
+
+    service = make_service(ScriptedRelay([1]))
+    limit = service.config.max_model_len
+    null = await service.prepare(CompletionRequest(model="m", prompt=PROMPT, max_tokens=None))
+    assert null.sampling.max_tokens == 16
+    big = await service.prepare(CompletionRequest(model="m", prompt=PROMPT, max_tokens=limit - 10))
+    assert big.sampling.max_tokens == limit - len(PROMPT)
+    with pytest.raises(APIError) as info:
+        await service.prepare(CompletionRequest(model="m", prompt=PROMPT, max_tokens=limit + 1))
+    assert info.value.status == 400 and info.value.code == "context_length_exceeded"
+
+
+def test_text_parts_of_a_message_are_joined_by_newlines_as_vllm_renders_them():
+    from conductor.schemas import ChatMessage
+
+    message = ChatMessage(role="user", content=[{"type": "text", "text": "Hello"}, {"type": "text", "text": "world"}])
+    assert message.text() == "Hello\nworld"
+
+
+def test_sampling_that_needs_every_generated_token_is_sampled_whole_on_the_decode_worker():
+    from mooncake.protocol import Sampling
+
+    assert not Sampling(max_tokens=4).first_token_on_decode()
+    assert not Sampling(max_tokens=4, temperature=0.0, seed=3).first_token_on_decode()  # greedy: no draws
+    assert not Sampling(max_tokens=4, repetition_penalty=1.3).first_token_on_decode()  # prompt and output alike
+    for changed in ({"frequency_penalty": 0.5}, {"presence_penalty": -0.5}, {"seed": 3},
+                    {"structured": ("regex", "a+")}):
+        assert Sampling(max_tokens=4, **changed).first_token_on_decode(), changed

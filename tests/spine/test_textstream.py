@@ -19,11 +19,13 @@ def test_detokenizer_holds_back_split_characters():
     assert "\ufffd" not in out
 
 
-def test_detokenizer_flushes_truncated_character():
+def test_detokenizer_drops_a_character_cut_at_the_end_as_vllm_does():
     detok = IncrementalDetokenizer(ByteTokenizer())
     out = detok.push(list("ab".encode())) + detok.push([0xE2, 0x82])  # first 2 bytes of "€"
     assert out == "ab"
-    assert detok.flush() == "\ufffd"
+    assert detok.flush() == ""  # not U+FFFD (max_tokens cut the character)
+    detok.push(list("c€".encode()))
+    assert detok.flush() == ""  # nothing held back any more
 
 
 def test_stop_string_split_across_pushes_is_cut_and_not_emitted():
