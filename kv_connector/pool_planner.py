@@ -15,8 +15,9 @@ Saves. Every step, each scheduled request's full blocks not yet handed to the po
 this step, or earlier: a prefix hit of vLLM's own cache, KV pulled from a prefill worker, the
 answer's tokens as they are decoded; never the blocks it loaded from the pool) get reserved slots
 in the arena; the worker half copies each layer into them as soon as that layer has been
-computed, on a background thread, and commits them after the last layer. A request with saves in flight keeps its blocks when it finishes (vLLM's
-delayed free: request_finished returns True) until the worker half reports the copies done.
+computed, on a background thread, and commits them after the last layer. A request with saves in
+flight keeps its blocks when it finishes (vLLM's delayed free: request_finished returns True)
+until the worker half reports the copies done.
 
 Everything here runs inside vLLM's scheduler, so a pool that does not answer costs a cache miss
 (the prompt is computed), never a stuck engine: the client's calls are bounded by a timeout.

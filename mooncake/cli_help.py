@@ -12,6 +12,7 @@ class DefaultsHelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.Argum
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
         text = action.help or ""
-        if action.default in (None, False, []) or "default" in text:
+        # `is False`: 0 == False, and a default of 0 is worth showing.
+        if action.default is None or action.default is False or action.default == [] or "default" in text:
             return action.help
         return super()._get_help_string(action)

@@ -19,7 +19,8 @@ QUIET_PREFIXES = ("/internal/", "/health", "/metrics")
 
 def configure_logging(level: int = logging.INFO) -> None:
     logging.basicConfig(level=level, format=FORMAT)
-    for name in ("httpx", "httpcore"):  # one INFO line per outgoing request, polls included
+    for name in ("httpx", "httpcore", "httpx2"):  # one INFO line per outgoing request, polls included
+        # (httpx2: the name the openai SDK's own copy of httpx logs under, in its 3.x releases)
         logging.getLogger(name).setLevel(logging.WARNING)
 
 

@@ -88,3 +88,16 @@ def block_count_mismatches(records: list[TraceRecord], block_size: int) -> list[
 def fitting_block_sizes(records: list[TraceRecord], candidates=(16, 32, 64, 128, 256, 512, 1024, 2048)) -> list[int]:
     """The candidate block sizes that every record's hash_ids count agrees with."""
     return [b for b in candidates if not block_count_mismatches(records, b)]
+
+
+def block_size_warning(records: list[TraceRecord], block_size: int, flag: str) -> str | None:
+    """A warning for the records whose hash_ids do not fit `block_size` (None when all do), with
+    the block size that would fit every line, as the command's `flag`."""
+    bad = block_count_mismatches(records, block_size)
+    if not bad:
+        return None
+    fits = fitting_block_sizes(records)
+    hint = f"; {flag} {fits[0]} fits every line" if fits else ""
+    first = min(r.line for r in bad)
+    return (f"warning: {len(bad)} of {len(records)} lines (first: line {first}) do not have "
+            f"ceil(input_length / {block_size}) hash_ids{hint}")

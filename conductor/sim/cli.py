@@ -16,7 +16,8 @@ from conductor.core.scheduler import Scheduler
 from conductor.sim.cost_model import CostModel, CostModelConfig
 from conductor.sim.engine import FLEXIBLE_ROLES_UNSUPPORTED, SimConfig, Simulation
 from conductor.sim.report import SimResult, summarize
-from conductor.sim.trace import TraceError, TraceRecord, block_count_mismatches, fitting_block_sizes, load_trace
+from conductor.sim.trace import TraceError, TraceRecord, load_trace
+from mooncake.trace import block_size_warning
 from mooncake.cli_help import DefaultsHelpFormatter
 
 DEFAULT_PROFILE = "paper-70b-8gpu"
@@ -135,14 +136,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def warn_block_size(trace: list[TraceRecord], block_size: int) -> None:
-    bad = block_count_mismatches(trace, block_size)
-    if not bad:
-        return
-    fits = fitting_block_sizes(trace)
-    hint = f"; --block-size {fits[0]} fits every line" if fits else ""
-    first = min(r.line for r in bad)
-    print(f"mooncake sim: warning: {len(bad)} of {len(trace)} lines (first: line {first}) do not have "
-          f"ceil(input_length / {block_size}) hash_ids{hint}", file=sys.stderr)
+    warning = block_size_warning(trace, block_size, "--block-size")
+    if warning:
+        print(f"mooncake sim: {warning}", file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:

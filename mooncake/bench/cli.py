@@ -24,7 +24,7 @@ from mooncake.bench.runner import ClientOptions, EndpointError, make_client, pre
 from mooncake.bench.stats import RequestRecord, slo_capacity, summarize
 from mooncake.cli_help import DefaultsHelpFormatter
 from mooncake.paths import unusable_directory
-from mooncake.trace import TraceError, load_trace
+from mooncake.trace import TraceError, block_size_warning, load_trace
 
 WARMUP_SALT = 1_000_000  # run i uses salt i: warm-up prompts share no tokens with any measured run
 
@@ -141,8 +141,11 @@ def check(args: argparse.Namespace) -> list[str]:
 def build_specs(args: argparse.Namespace) -> list[workload.RequestSpec]:
     """The workload; raises TraceError (or PromptsFileError) naming file:line on bad input."""
     if args.trace:
-        specs = workload.trace_specs(load_trace(args.trace), max_input_len=args.max_input_len,
-                                     max_output_len=args.max_output_len)
+        records = load_trace(args.trace)
+        warning = block_size_warning(records, args.trace_block_size, "--trace-block-size")
+        if warning:  # its hash_ids would name the wrong token spans: the prefix sharing built is wrong
+            print(f"mooncake bench: {warning}", file=sys.stderr)
+        specs = workload.trace_specs(records, max_input_len=args.max_input_len, max_output_len=args.max_output_len)
     elif args.prompts_file:
         specs = workload.load_prompts_file(args.prompts_file)
     else:
@@ -212,6 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"model {model} at {args.url}; SLO: TTFT <= {args.ttft_slo} s, mean TBT <= {args.tbt_slo} s; "
           f"{len(specs)} requests per rate")
     print(report.table(summaries, capacity, args.attainment_target))
+    for line in report.error_lines(runs):
+        print(line)
     if args.out:
         config = {k: v for k, v in vars(args).items() if k != "api_key"} | {"model": model}
         report.write_json(args.out, config, runs, warm, capacity)

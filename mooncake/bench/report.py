@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import math
 import pathlib
+from collections import Counter
 from dataclasses import asdict
 
-from mooncake.bench.stats import RateSummary, RequestRecord
+from mooncake.bench.stats import ERROR, RateSummary, RequestRecord
 
 
 def _f(v: float | None, digits: int = 3) -> str:
@@ -18,7 +20,7 @@ def table(summaries: list[RateSummary], capacity: float | None, target: float) -
             "e2e p50", "p90", "attain", "goodput")
     rows = [head]
     for s in summaries:
-        rows.append((f"{s.offered_rate:.3g}", f"{s.duration_s:.1f}", str(s.completed), str(s.refused), str(s.errors),
+        rows.append((rate_text(s.offered_rate), f"{s.duration_s:.1f}", str(s.completed), str(s.refused), str(s.errors),
                      _f(s.ttft_s["p50"]), _f(s.ttft_s["p90"]), _f(s.ttft_s["p99"]),
                      _f(s.tbt_s["p50"], 4), _f(s.tbt_s["p90"], 4), _f(s.tbt_s["p99"], 4),
                      _f(s.e2e_s["p50"]), _f(s.e2e_s["p90"]), f"{s.attainment:.0%}", f"{s.goodput:.3f}"))
@@ -29,12 +31,13 @@ def table(summaries: list[RateSummary], capacity: float | None, target: float) -
     for s in summaries:
         if s.ttft_over_predicted:
             r = s.ttft_over_predicted
-            lines.append(f"at {s.offered_rate:.3g} req/s measured / predicted TTFT (server's scheduler, "
+            lines.append(f"at {rate_text(s.offered_rate)} req/s measured / predicted TTFT (server's scheduler, "
                          f"{r['n']} requests): p10 {r['p10']:.2f}, p50 {r['p50']:.2f}, p90 {r['p90']:.2f}")
         if s.short_outputs:
-            lines.append(f"note: at {s.offered_rate:.3g} req/s {s.short_outputs} outputs were shorter than max_tokens")
+            lines.append(f"note: at {rate_text(s.offered_rate)} req/s {s.short_outputs} outputs were shorter "
+                         f"than max_tokens")
         if s.max_send_lag_s > 0.1:
-            lines.append(f"note: at {s.offered_rate:.3g} req/s a send left {s.max_send_lag_s:.2f} s late "
+            lines.append(f"note: at {rate_text(s.offered_rate)} req/s a send left {s.max_send_lag_s:.2f} s late "
                          "(the client could not keep the schedule)")
     return "\n".join(lines)
 
@@ -44,7 +47,36 @@ def write_json(path: str | pathlib.Path, config: dict, runs: list[tuple[RateSumm
     doc = {"config": config, "slo_capacity": capacity,
            "warmup": [r.to_json() for r in warmup],
            "runs": [{"summary": asdict(s), "requests": [r.to_json() for r in recs]} for s, recs in runs]}
-    pathlib.Path(path).write_text(json.dumps(doc, indent=1) + "\n")
+    pathlib.Path(path).write_text(json.dumps(_finite(doc), indent=1, allow_nan=False) + "\n")
+
+
+def error_lines(runs: list[tuple[RateSummary, list[RequestRecord]]], top: int = 3) -> list[str]:
+    """Why requests failed, per rate: the commonest messages with their counts (the records in
+    --out have every one)."""
+    lines = []
+    for s, recs in runs:
+        counts = Counter(r.error for r in recs if r.status == ERROR)
+        for message, count in counts.most_common(top):
+            lines.append(f"errors at {rate_text(s.offered_rate)} req/s: {count} x {message}")
+        if len(counts) > top:
+            lines.append(f"errors at {rate_text(s.offered_rate)} req/s: ... and {len(counts) - top} other messages")
+    return lines
+
+
+def rate_text(rate: float) -> str:
+    """An offered rate for people: '-' where the schedule defines none (every arrival at once)."""
+    return f"{rate:.3g}" if math.isfinite(rate) else "-"
+
+
+def _finite(value):
+    """The document with non-finite numbers as null: JSON has no Infinity or NaN."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
 
 
 def write_plots(out_dir: str | pathlib.Path, runs: list[tuple[RateSummary, list[RequestRecord]]],
@@ -62,7 +94,7 @@ def write_plots(out_dir: str | pathlib.Path, runs: list[tuple[RateSummary, list[
         t = np.sort([r.ttft_s for r in recs if r.ttft_s is not None])
         if t.size:
             # y counts all requests sent: refused and failed ones never reach 1.0
-            ax.step(t, np.arange(1, t.size + 1) / len(recs), where="post", label=f"{s.offered_rate:.3g} req/s")
+            ax.step(t, np.arange(1, t.size + 1) / len(recs), where="post", label=f"{rate_text(s.offered_rate)} req/s")
     ax.axvline(ttft_slo_s, color="grey", ls=":", lw=1, label="TTFT SLO")
     ax.set_xlabel("TTFT (s)")
     ax.set_ylabel("fraction of requests sent")

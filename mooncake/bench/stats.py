@@ -143,5 +143,6 @@ def _ratio_percentiles(ratios: list[float | None]) -> dict:
 
 def slo_capacity(summaries: list[RateSummary], target: float) -> float | None:
     """The highest offered rate whose attainment is >= target; None when no rate meets it."""
-    met = [s.offered_rate for s in summaries if s.attainment >= target]
+    # A schedule with every arrival at one instant (a one-line trace) offers no defined rate.
+    met = [s.offered_rate for s in summaries if s.attainment >= target and math.isfinite(s.offered_rate)]
     return max(met) if met else None

@@ -97,9 +97,10 @@ def test_timings_retry_after_and_errors_are_captured(server, tmp_path):
     assert body["temperature"] == 0 and body["ignore_eos"] is True and body["max_tokens"] == TOKENS
 
 
-def test_without_retry_after_a_429_is_a_refusal_and_a_miss(server, tmp_path):
+def test_without_retry_after_a_429_is_a_refusal_and_a_miss(server, tmp_path, capsys):
     _, url = server
     rc, doc = run(tmp_path, url, "--no-ignore-eos")
+    assert "errors at 100 req/s: 1 x HTTP 500" in capsys.readouterr().out  # why, on the console too
     limited = by_index(doc)[1]
     assert rc == 0 and limited["status"] == "refused" and limited["attempts"] == 1 and limited["ttft_s"] is None
     s = doc["runs"][0]["summary"]
@@ -146,3 +147,36 @@ def test_where_the_results_go_is_checked_before_any_request(flags, needle, capsy
         main(["--url", dead, "--num-requests", "1", *flags])
     err = capsys.readouterr().err
     assert info.value.code == 2 and needle in err and "cannot reach" not in err
+
+
+def test_a_trace_whose_arrivals_are_one_instant_has_no_rate_and_valid_json(server, tmp_path, capsys):
+    """Every arrival at one timestamp offers no defined rate: no capacity is claimed from it, and
+    the results file stays JSON (no Infinity)."""
+    _, url = server
+    trace = tmp_path / "one.jsonl"
+    trace.write_text(json.dumps({"timestamp": 0, "input_length": 600, "output_length": TOKENS, "hash_ids": [1, 2]})
+                     + "\n")
+    out = tmp_path / "r.json"
+    assert main(["--url", url, "--trace", str(trace), "--arrival", "trace", "--out", str(out)]) == 0
+    doc = json.loads(out.read_text(), parse_constant=lambda c: pytest.fail(f"{c} in the JSON"))
+    assert doc["slo_capacity"] is None and doc["runs"][0]["summary"]["offered_rate"] is None
+    assert "inf" not in capsys.readouterr().out
+
+
+def test_a_long_token_prompt_reaches_the_server_whole(server, tmp_path):
+    app, url = server
+    out = tmp_path / "r.json"
+    assert main(["--url", url, "--num-requests", "1", "--input-len", "30000", "--output-len", str(TOKENS),
+                 "--rate", "10", "--max-input-len", "30000", "--out", str(out)]) == 0
+    prompt = app.state.bodies[-1]["prompt"]
+    assert isinstance(prompt, list) and len(prompt) == 30000
+
+
+def test_a_trace_written_with_another_block_size_is_warned_about(server, tmp_path, capsys):
+    _, url = server
+    trace = tmp_path / "b16.jsonl"
+    trace.write_text("".join(json.dumps({"timestamp": t, "input_length": 64, "output_length": TOKENS,
+                                         "hash_ids": ids}) + "\n" for t, ids in ((0, [1, 2, 3, 4]), (10, [1, 5, 6, 7]))))
+    assert main(["--url", url, "--trace", str(trace), "--rate", "50"]) == 0
+    err = capsys.readouterr().err
+    assert "2 of 2 lines" in err and "--trace-block-size 16 fits every line" in err
