@@ -163,21 +163,29 @@ def _records(specs, offsets, warmup: bool = False) -> list[RequestRecord]:
     return [RequestRecord(s.index, s.input_length, s.max_tokens, off, warmup=warmup) for s, off in zip(specs, offsets)]
 
 
-async def sweep(args: argparse.Namespace, specs: list[workload.RequestSpec]):
-    """Preflight, warm-up, then one run per rate. Returns (warm-up records, [(summary, records)])."""
+@dataclasses.dataclass
+class SweepResults:
+    """What a sweep measured so far (kept by the caller, so an interrupted sweep keeps its rates)."""
+
+    model: str = ""
+    warm: list[RequestRecord] = dataclasses.field(default_factory=list)
+    runs: list[tuple] = dataclasses.field(default_factory=list)  # (RateSummary, its records), finished rates
+
+
+async def sweep(args: argparse.Namespace, specs: list[workload.RequestSpec], results: SweepResults) -> None:
+    """Preflight, warm-up, then one run per rate, each added to `results` once it finished."""
     opts = ClientOptions(args.url, args.model or "", args.api_key, args.temperature, args.ignore_eos,
                          args.retry_after, args.max_retry_wait, args.request_timeout)
     client = make_client(opts)
     try:
-        model = await preflight(client, args.model)
+        model = results.model = await preflight(client, args.model)
         opts = dataclasses.replace(opts, model=model)
         rates = parse_rates(args)
-        warm: list[RequestRecord] = []
         if args.warmup:
             w_specs = specs[:args.warmup]
-            warm = _records(w_specs, workload.poisson_offsets(len(w_specs), rates[0], args.seed + 1), warmup=True)
-            await run_schedule(client, opts, _prompts(args, w_specs, WARMUP_SALT), warm, "warm-up")
-        runs = []
+            results.warm = _records(w_specs, workload.poisson_offsets(len(w_specs), rates[0], args.seed + 1),
+                                    warmup=True)
+            await run_schedule(client, opts, _prompts(args, w_specs, WARMUP_SALT), results.warm, "warm-up")
         for i, rate in enumerate(rates):
             if args.arrival == "trace":
                 offsets = workload.trace_offsets(specs, args.time_scale)
@@ -187,8 +195,7 @@ async def sweep(args: argparse.Namespace, specs: list[workload.RequestSpec]):
             recs = _records(specs, offsets)
             await run_schedule(client, opts, _prompts(args, specs, 0 if args.reuse_prompts else i), recs,
                                f"{offered:.3g} req/s")
-            runs.append((summarize(recs, offered, args.ttft_slo, args.tbt_slo), recs))
-        return model, warm, runs
+            results.runs.append((summarize(recs, offered, args.ttft_slo, args.tbt_slo), recs))
     finally:
         await client.close()
 
@@ -205,11 +212,20 @@ def main(argv: list[str] | None = None) -> int:
     except (TraceError, OSError) as exc:
         print(f"mooncake bench: {exc}", file=sys.stderr)
         return 2
+    results = SweepResults(model=args.model or "")
+    interrupted = False
     try:
-        model, warm, runs = asyncio.run(sweep(args, specs))
+        asyncio.run(sweep(args, specs, results))
     except EndpointError as exc:
         print(f"mooncake bench: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # Ctrl-C: report the rates that finished, drop the one under way
+        interrupted = True
+        print(f"\nmooncake bench: interrupted; reporting the {len(results.runs)} rate(s) that finished",
+              file=sys.stderr)
+        if not results.runs:
+            return 130
+    model, warm, runs = results.model, results.warm, results.runs
     summaries = [s for s, _ in runs]
     capacity = slo_capacity(summaries, args.attainment_target)
     print(f"model {model} at {args.url}; SLO: TTFT <= {args.ttft_slo} s, mean TBT <= {args.tbt_slo} s; "
@@ -223,5 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.plot:
         for path in report.write_plots(args.plot, runs, args.ttft_slo, args.attainment_target):
             print(f"wrote {path}")
+    if interrupted:
+        return 130
     # Refusals and slow answers are results; only a sweep in which every request failed is not.
     return 3 if all(s.errors == s.requests for s in summaries) else 0

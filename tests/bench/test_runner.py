@@ -180,3 +180,27 @@ def test_a_trace_written_with_another_block_size_is_warned_about(server, tmp_pat
     assert main(["--url", url, "--trace", str(trace), "--rate", "50"]) == 0
     err = capsys.readouterr().err
     assert "2 of 2 lines" in err and "--trace-block-size 16 fits every line" in err
+
+
+def test_ctrl_c_reports_and_saves_the_rates_that_finished(server, tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    app, url = server
+    out = tmp_path / "r.json"
+    proc = subprocess.Popen([sys.executable, "-m", "mooncake.cli", "bench", "--url", url, "--num-requests", "3",
+                             "--input-len", "5", "--output-len", str(TOKENS), "--rates", "100,0.01",
+                             "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while len(app.state.bodies) < 4 and time.monotonic() < deadline:  # the first rate, and one of the second
+        time.sleep(0.05)
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130, stderr
+    assert "interrupted; reporting the 1 rate(s) that finished" in stderr and "Traceback" not in stderr
+    assert "SLO capacity" in stdout
+    doc = json.loads(out.read_text())
+    assert [r["summary"]["offered_rate"] for r in doc["runs"]] == [100]
