@@ -30,12 +30,18 @@ class TraceRecord:
     hash_ids: tuple[int, ...]
 
 
+MAX_TOKENS = 10_000_000
+"""A length beyond any model's context: a larger one is a broken line, not a request."""
+MAX_TIMESTAMP_MS = 1e15
+"""About 30,000 years in ms: epoch timestamps fit; larger is a broken line."""
+
+
 def _int_field(obj: dict, key: str, minimum: int, path: str, line: int) -> int:
     v = obj.get(key)
     if isinstance(v, bool) or not isinstance(v, int):
         raise TraceError(path, line, f"'{key}' must be an integer, got {v!r}")
-    if v < minimum:
-        raise TraceError(path, line, f"'{key}' must be >= {minimum}, got {v}")
+    if not minimum <= v <= MAX_TOKENS:
+        raise TraceError(path, line, f"'{key}' must be in [{minimum}, {MAX_TOKENS:,}], got {v}")
     return v
 
 
@@ -53,8 +59,8 @@ def json_object_line(text: str, line: int, path: str, error: type[TraceError] = 
 def parse_line(text: str, line: int, path: str = "<trace>") -> TraceRecord:
     obj = json_object_line(text, line, path)
     ts = obj.get("timestamp")
-    if isinstance(ts, bool) or not isinstance(ts, int | float) or not math.isfinite(ts) or ts < 0:
-        raise TraceError(path, line, f"'timestamp' must be a non-negative number of ms, got {ts!r}")
+    if isinstance(ts, bool) or not isinstance(ts, int | float) or not math.isfinite(ts) or not 0 <= ts <= MAX_TIMESTAMP_MS:
+        raise TraceError(path, line, f"'timestamp' must be a number of ms in [0, {MAX_TIMESTAMP_MS:g}], got {ts!r}")
     ids = obj.get("hash_ids", [])
     if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
         raise TraceError(path, line, "'hash_ids' must be a list of integers")

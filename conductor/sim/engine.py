@@ -152,7 +152,9 @@ class Simulation:
             if kind == SAMPLE:
                 self._sample(now)
                 if self._live:
-                    self._push(now + self.config.sample_interval_s, SAMPLE, None)
+                    # Nothing changes between events: across an idle gap (a trace's quiet hours, or
+                    # timestamps far apart) the next sample waits for the next event.
+                    self._push(max(now + self.config.sample_interval_s, self._events[0][0]), SAMPLE, None)
                 continue
             self._live -= 1
             last = now

@@ -70,7 +70,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="retry a 429 after its Retry-After (latency still counts from the first attempt); "
                         "without it a 429 is a refusal")
     c.add_argument("--max-retry-wait", type=float, default=30.0, help="seconds a request may wait for retries in all")
-    c.add_argument("--request-timeout", type=float, default=600.0, help="seconds before a request is an error")
+    c.add_argument("--request-timeout", type=float, default=600.0, help="seconds a request's whole answer may take before it is an error")
     s = p.add_argument_group("SLO and output")
     s.add_argument("--ttft-slo", type=float, default=defaults.TTFT_SLO_S, help="TTFT SLO in seconds")
     s.add_argument("--tbt-slo", type=float, default=defaults.TBT_SLO_S,
@@ -163,6 +163,9 @@ def _records(specs, offsets, warmup: bool = False) -> list[RequestRecord]:
     return [RequestRecord(s.index, s.input_length, s.max_tokens, off, warmup=warmup) for s, off in zip(specs, offsets)]
 
 
+LONG_REPLAY_S = 3600.0  # a trace replay longer than this is said before it starts
+
+
 @dataclasses.dataclass
 class SweepResults:
     """What a sweep measured so far (kept by the caller, so an interrupted sweep keeps its rates)."""
@@ -212,6 +215,11 @@ def main(argv: list[str] | None = None) -> int:
     except (TraceError, OSError) as exc:
         print(f"mooncake bench: {exc}", file=sys.stderr)
         return 2
+    if args.arrival == "trace":
+        span = max(workload.trace_offsets(specs, args.time_scale), default=0.0)
+        if span > LONG_REPLAY_S:
+            print(f"mooncake bench: warning: replaying the trace's timing takes {span / 3600:,.1f} hours per "
+                  f"rate (--time-scale shrinks it; timestamps must be in ms)", file=sys.stderr)
     results = SweepResults(model=args.model or "")
     interrupted = False
     try:

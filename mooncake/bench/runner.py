@@ -103,22 +103,23 @@ async def send_one(client: AsyncOpenAI, opts: ClientOptions, prompt: str | list[
     while True:
         rec.attempts += 1
         try:
-            raw = await client.completions.with_raw_response.create(
-                model=opts.model, prompt=prompt if isinstance(prompt, str) else "", max_tokens=rec.max_tokens,
-                temperature=opts.temperature, stream=True, stream_options={"include_usage": True},
-                extra_body=extra or None)
-            rec.predicted_ttft_s = predicted_ttft_s(raw.headers)
-            stream = raw.parse()
-            text_chunks, usage_tokens = 0, None
-            async for chunk in stream:
-                if chunk.choices and chunk.choices[0].text:
-                    t = now()
-                    if rec.first_token_s is None:
-                        rec.first_token_s = t
-                    rec.chunk_s.append(t)
-                    text_chunks += 1
-                if chunk.usage is not None:
-                    usage_tokens = chunk.usage.completion_tokens
+            async with asyncio.timeout(opts.request_timeout_s):  # the whole answer, not each read
+                raw = await client.completions.with_raw_response.create(
+                    model=opts.model, prompt=prompt if isinstance(prompt, str) else "", max_tokens=rec.max_tokens,
+                    temperature=opts.temperature, stream=True, stream_options={"include_usage": True},
+                    extra_body=extra or None)
+                rec.predicted_ttft_s = predicted_ttft_s(raw.headers)
+                stream = raw.parse()
+                text_chunks, usage_tokens = 0, None
+                async for chunk in stream:
+                    if chunk.choices and chunk.choices[0].text:
+                        t = now()
+                        if rec.first_token_s is None:
+                            rec.first_token_s = t
+                        rec.chunk_s.append(t)
+                        text_chunks += 1
+                    if chunk.usage is not None:
+                        usage_tokens = chunk.usage.completion_tokens
             rec.end_s = now()
             rec.tokens = usage_tokens if usage_tokens is not None else text_chunks
             if rec.first_token_s is None:
@@ -138,6 +139,8 @@ async def send_one(client: AsyncOpenAI, opts: ClientOptions, prompt: str | list[
             rec.status, rec.error = ERROR, f"HTTP {exc.status_code}: {exc.message}"
         except openai.APIConnectionError as exc:
             rec.status, rec.error = ERROR, connection_error_text(exc)
+        except TimeoutError:
+            rec.status, rec.error = ERROR, f"no whole answer within {opts.request_timeout_s:g} s (--request-timeout)"
         except Exception as exc:  # noqa: BLE001  a broken stream mid-run is that request's error
             rec.status, rec.error = ERROR, f"{type(exc).__name__}: {exc}"
         rec.end_s = now()

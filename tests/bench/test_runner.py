@@ -204,3 +204,10 @@ def test_ctrl_c_reports_and_saves_the_rates_that_finished(server, tmp_path):
     assert "SLO capacity" in stdout
     doc = json.loads(out.read_text())
     assert [r["summary"]["offered_rate"] for r in doc["runs"]] == [100]
+
+
+def test_request_timeout_bounds_the_whole_answer_not_each_read(server, tmp_path):
+    _, url = server  # the answer takes FIRST_TOKEN_S + 3 gaps; no single read waits that long
+    rc, doc = run(tmp_path, url, "--request-timeout", str(FIRST_TOKEN_S + GAP_S * 1.5))
+    ok = by_index(doc)[0]
+    assert ok["status"] == "error" and "--request-timeout" in ok["error"] and ok["ttft_s"] is None

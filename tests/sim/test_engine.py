@@ -291,3 +291,15 @@ def test_cli_fitted_replays_a_live_clusters_calibration(tmp_path, capsys):
     (tmp_path / "bad.json").write_text("[1, 2]")
     assert main([*base, "--fitted", str(tmp_path / "bad.json")]) == 2
     assert "estimators" in capsys.readouterr().err
+
+
+def test_an_idle_gap_of_years_between_arrivals_is_crossed_at_once():
+    """Nothing changes between events: the timeline's samples wait for the next one rather than
+    tick through a gap (a trace mixing relative and epoch timestamps hung the simulator)."""
+    import time
+
+    recs = [TraceRecord(1, 0.0, 1024, 4, (1, 2)), TraceRecord(2, 1.7e12, 1024, 4, (3, 4))]
+    start = time.perf_counter()
+    res = simulate(recs, SchedulerConfig(admission="none"), PROFILE, 1, 1, noise_sigma=0.0)
+    assert time.perf_counter() - start < 10
+    assert [o.status for o in res.outcomes] == ["completed", "completed"]

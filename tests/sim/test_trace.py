@@ -95,3 +95,15 @@ def test_sim_refuses_flexible_roles(capsys):
 
     assert main(["--flexible-roles", "--trace", "no-such-trace.jsonl"]) == 2
     assert "flexible roles" in capsys.readouterr().err
+
+
+def test_absurd_lengths_and_timestamps_are_errors_naming_the_line(tmp_path):
+    from mooncake.trace import load_trace
+
+    for bad in ({"input_length": 10**30}, {"output_length": 10**12}, {"timestamp": 1e300}):
+        path = tmp_path / "t.jsonl"
+        path.write_text(json.dumps({"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [1]}) + "\n"
+                        + json.dumps({"timestamp": 5, "input_length": 10, "output_length": 1, "hash_ids": [1], **bad})
+                        + "\n")
+        with pytest.raises(TraceError, match=":2: "):
+            load_trace(path)
