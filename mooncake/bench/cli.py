@@ -39,7 +39,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                                  "output_length, hash_ids)")
     w.add_argument("--trace-block-size", type=int, default=512,
                    help="tokens per trace hash id (512 in the released Mooncake trace)")
-    w.add_argument("--max-input-len", type=int, default=None, help="truncate prompts to this many tokens")
+    w.add_argument("--max-input-len", type=int, default=None,
+                   help="truncate prompts to this many tokens (a prompts file's text prompts are sent whole)")
     w.add_argument("--max-output-len", type=int, default=None, help="cap each request's output tokens")
     w.add_argument("--prompts-file", default=None, help='JSONL of {"prompt": str | [int], "max_tokens": int}')
     w.add_argument("--num-requests", type=int, default=None,
@@ -50,7 +51,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="tokens at the start of every generated prompt that all share (0: none)")
     w.add_argument("--vocab-size", type=int, default=49152,
                    help=f"token ids are drawn from [{workload.LOW_TOKEN_ID}, this); 49152 is SmolLM2's")
-    w.add_argument("--seed", type=int, default=0, help="seeds prompt lengths, tokens and Poisson arrivals")
+    w.add_argument("--seed", type=int, default=0, help="seeds prompt lengths, tokens and Poisson arrivals (the same seed sends the "
+                        "same token ids: change it between runs to meet a cold prefix cache)")
     w.add_argument("--reuse-prompts", action="store_true",
                    help="send the very same token ids at every rate (default: same shapes, fresh ids per "
                         "rate, so no rate is served from the cache an earlier rate warmed)")
@@ -147,7 +149,11 @@ def build_specs(args: argparse.Namespace) -> list[workload.RequestSpec]:
             print(f"mooncake bench: {warning}", file=sys.stderr)
         specs = workload.trace_specs(records, max_input_len=args.max_input_len, max_output_len=args.max_output_len)
     elif args.prompts_file:
-        specs = workload.load_prompts_file(args.prompts_file)
+        specs = workload.load_prompts_file(args.prompts_file, max_input_len=args.max_input_len,
+                                           max_output_len=args.max_output_len)
+        if len(parse_rates(args)) > 1 or args.warmup:
+            print("mooncake bench: note: a prompts file's prompts are sent as written at every rate and in the "
+                  "warm-up, so a server's prefix cache serves later runs from earlier ones", file=sys.stderr)
     else:
         specs = workload.generated_specs(args.num_requests or 100, parse_input_len(args.input_len),
                                          args.output_len, args.seed, args.shared_prefix)

@@ -3,7 +3,8 @@
 A workload is a list of RequestSpec (what a request is: lengths, shared blocks, trace time);
 token ids are drawn from it per run with a salt, so every rate of a sweep sends the same shapes
 (lengths, prefix sharing, arrivals) with fresh ids: no rate is served from the prefix cache an
-earlier rate warmed, which would flatter every rate but the first.
+earlier rate warmed, which would flatter every rate but the first. (A --prompts-file's prompts
+are the exception: they are sent as written, at every rate.)
 """
 
 from __future__ import annotations
@@ -89,8 +90,11 @@ def generated_specs(n: int, input_len: tuple[int, int], output_len: int, seed: i
             for i, length in enumerate(lengths)]
 
 
-def load_prompts_file(path: str | pathlib.Path) -> list[RequestSpec]:
-    """JSONL of {"prompt": str | [int], "max_tokens": int}; a bad line raises PromptsFileError."""
+def load_prompts_file(path: str | pathlib.Path, *, max_input_len: int | None = None,
+                      max_output_len: int | None = None) -> list[RequestSpec]:
+    """JSONL of {"prompt": str | [int], "max_tokens": int}; a bad line raises PromptsFileError.
+    Token-id prompts are cut to max_input_len (a text prompt's tokens are the server's to count)
+    and every max_tokens to max_output_len."""
     specs: list[RequestSpec] = []
     with open(path, "rb") as f:
         for n, raw in enumerate(f, start=1):
@@ -102,7 +106,15 @@ def load_prompts_file(path: str | pathlib.Path) -> list[RequestSpec]:
                 specs.append(_prompt_line(text, n, str(path), len(specs)))
     if not specs:
         raise PromptsFileError(str(path), 0, "prompts file has no lines")
-    return specs
+    capped = []
+    for spec in specs:
+        ids = spec.text if isinstance(spec.text, list) else None
+        if ids is not None and max_input_len and len(ids) > max_input_len:
+            spec = RequestSpec(spec.index, max_input_len, spec.max_tokens, text=ids[:max_input_len])
+        if max_output_len and spec.max_tokens > max_output_len:
+            spec = RequestSpec(spec.index, spec.input_length, max_output_len, text=spec.text)
+        capped.append(spec)
+    return capped
 
 
 def _prompt_line(text: str, line: int, path: str, index: int) -> RequestSpec:

@@ -211,3 +211,15 @@ def test_request_timeout_bounds_the_whole_answer_not_each_read(server, tmp_path)
     rc, doc = run(tmp_path, url, "--request-timeout", str(FIRST_TOKEN_S + GAP_S * 1.5))
     ok = by_index(doc)[0]
     assert ok["status"] == "error" and "--request-timeout" in ok["error"] and ok["ttft_s"] is None
+
+
+def test_a_prompts_files_requests_are_capped_as_the_options_say(server, tmp_path, capsys):
+    app, url = server
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": list(range(1000, 1010)), "max_tokens": 50}) + "\n"
+                       + json.dumps({"prompt": "a text", "max_tokens": 2}) + "\n")
+    assert main(["--url", url, "--prompts-file", str(prompts), "--rates", "50,100", "--max-input-len", "4",
+                 "--max-output-len", "3"]) == 0
+    sent = [(b["prompt"], b["max_tokens"]) for b in app.state.bodies]
+    assert sent[:2] == [(list(range(1000, 1004)), 3), ("a text", 2)] and sent[2:] == sent[:2]
+    assert "sent as written at every rate" in capsys.readouterr().err
