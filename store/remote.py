@@ -34,6 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 import msgspec
+import xxhash
 
 from messenger.api import CallReply, PeerInfo, Slice, TransferError
 from mooncake import defaults
@@ -65,6 +66,9 @@ class RemotePool:
         from messenger.engine import EngineConfig, TransferEngine
 
         self._service = service
+        # What the blocks here are (the engine's KV layout and block bytes): a peer's must match,
+        # or its blocks would be copied into slots that mean something else (foreign KV).
+        self.layout_id = xxhash.xxh3_64_intdigest(f"{service.config.block_bytes}|{service.layout}".encode())
         # The KV path's transports unless told otherwise: NIXL's agent polls a core (defaults.py).
         config = engine_config or replace(EngineConfig(), checksums=False, transports=defaults.KV_TRANSPORTS)
         self.engine = TransferEngine(f"kv-pool-{socket.gethostname()}-{os.getpid()}", config)
@@ -122,6 +126,9 @@ class RemotePool:
                 break
         return held
 
+    def _call(self, peer: str, message: dict, **kwargs):
+        return self.engine.call(peer, channel.encode({**message, "layout": self.layout_id}), **kwargs)
+
     def _fetch_by_push(self, peer: str, keys: list[int]) -> bool:
         """True when this pool had room for all of `keys`."""
         slots = self._service.reserve(keys)
@@ -131,11 +138,11 @@ class RemotePool:
         if peer not in self._introduced:  # the peer needs our PeerInfo to write to us
             request["who"] = msgspec.json.encode(self._info)
         try:
-            reply = channel.decode(self.engine.call(peer, channel.encode(request)))
+            reply = channel.decode(self._call(peer, request))
             if not reply["ok"] and "unknown peer" in reply.get("error", "") and "who" not in request:
                 self._introduced.discard(peer)  # it restarted and forgot us
                 request["who"] = msgspec.json.encode(self._info)
-                reply = channel.decode(self.engine.call(peer, channel.encode(request)))
+                reply = channel.decode(self._call(peer, request))
         except BaseException:
             self._quarantine([k for k, _ in slots])
             raise
@@ -169,7 +176,7 @@ class RemotePool:
             return [service.arena.slot(slots[k]) if k in slots else scratch for k in got]
 
         try:
-            reply = self.engine.call(peer, channel.encode({"op": "get", "keys": channel.pack_keys(keys)}), into=into)
+            reply = self._call(peer, {"op": "get", "keys": channel.pack_keys(keys)}, into=into)
         except BaseException:
             if landed:  # the lane that carried them is closed: nothing writes these slots any more
                 service.abort(list(landed["slots"]))
@@ -182,7 +189,7 @@ class RemotePool:
 
     def _fetch_by_read(self, peer: str, keys: list[int]) -> bool:
         """True when this pool had room for all the peer holds of `keys`."""
-        reply = _checked(peer, self.engine.call(peer, channel.encode({"op": "pin", "keys": channel.pack_keys(keys)})))
+        reply = _checked(peer, self._call(peer, {"op": "pin", "keys": channel.pack_keys(keys)}))
         lease = reply["lease"]
         try:
             got = channel.unpack_keys(reply["keys"])
@@ -209,7 +216,7 @@ class RemotePool:
         if done:
             request["unpin"] = done
         try:
-            reply = _checked(peer, self.engine.call(peer, channel.encode(request)))
+            reply = _checked(peer, self._call(peer, request))
         except BaseException:
             for lease in done:  # not delivered: they go with the next call, or on their own
                 self._releases.add(peer, lease)
@@ -266,6 +273,8 @@ class RemotePool:
         try:
             message = channel.decode(request)
             self.expire_leases()
+            if message.get("op") in ("get", "pin", "push") and message.get("layout") != self.layout_id:
+                raise ValueError("the peer's KV layout (model, dtype, block size) differs from this pool's")
             if message.get("op") == "get":
                 return self._get_inline(channel.unpack_keys(message["keys"]))
             reply = {"ok": True, **self._answer(peer, message)}

@@ -75,6 +75,25 @@ def test_fetch_from_another_process(block_bytes, mapped):
         stop_peer(proc)
 
 
+@pytest.mark.parametrize("block_bytes,mapped", [(32 << 10, False), (1 << 20, False), (32 << 10, True)],
+                         ids=["inline-32KiB", "push-1MiB", "same-host-arena"])
+def test_a_peer_of_another_kv_layout_is_refused_and_nothing_is_stored(block_bytes, mapped):
+    """Blocks of equal size but another model or dtype would land as valid foreign KV: the
+    holder refuses a fetch whose layout differs from its own."""
+    keys = [2**127 + i for i in range(3)]
+    proc, peer = start_peer(block_bytes, 8, keys)
+    config = PoolConfig(dram_bytes=16 * block_bytes, ssd_dir=None, map_same_host_peers=mapped)
+    local = PoolService(config, engine_config=ENGINE).start()
+    local.configure(block_bytes, LAYOUT + "-other-dtype")
+    try:
+        with pytest.raises(Exception, match="layout"):
+            local.fetch_remote(peer, keys)
+        assert local.lookup(keys) == [] and local.pool.reserved_slots(keys) == []
+    finally:
+        local.close()
+        stop_peer(proc)
+
+
 def test_fetch_through_the_local_channel():
     """What the connector does for Algorithm 1's fetch_from: ask its own node's pool."""
     from store.channel import PoolClient
@@ -151,16 +170,19 @@ def test_pins_of_a_peer_that_never_releases_expire():
         server.commit([7])
         from store import channel
 
-        reply = channel.decode(server.remote._on_call("peer", channel.encode({"op": "pin", "keys": channel.pack_keys([7])})))
+        layout = server.remote.layout_id
+        reply = channel.decode(server.remote._on_call("peer", channel.encode(
+            {"op": "pin", "keys": channel.pack_keys([7]), "layout": layout})))
         assert reply["ok"] and server.pool.pins(7) == 1
         clock[0] = 6.0
         server.remote._on_call("peer", channel.encode({"op": "unpin", "leases": [999]}))  # any call sweeps
         assert server.pool.pins(7) == 0
         # ...a get (answered inline, apart from the other calls) too, and the local saves' reserve
         for sweep in (lambda: server.remote._on_call("peer", channel.encode(
-                          {"op": "get", "keys": channel.pack_keys([8])})).done(),
+                          {"op": "get", "keys": channel.pack_keys([8]), "layout": layout})).done(),
                       lambda: server.reserve([9])):
-            server.remote._on_call("peer", channel.encode({"op": "pin", "keys": channel.pack_keys([7])}))
+            server.remote._on_call("peer", channel.encode({"op": "pin", "keys": channel.pack_keys([7]),
+                                                           "layout": layout}))
             assert server.pool.pins(7) == 1
             clock[0] += 6.0
             sweep()
