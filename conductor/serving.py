@@ -158,7 +158,9 @@ class CompletionService:
             meta=responses.ResponseMeta.new(request_id, body.model, chat), stream=body.stream,
             include_usage=bool(body.stream_options and body.stream_options.include_usage), arrived=arrived,
             slo=slo,
-            continuous_usage=bool(body.stream_options and body.stream_options.continuous_usage_stats),
+            # as vLLM's: usage on every chunk only where the final usage chunk is asked for too
+            continuous_usage=bool(body.stream_options and body.stream_options.include_usage
+                                  and body.stream_options.continuous_usage_stats),
             n=body.n, logprobs=wanted, echo=echo, prompt_logprobs=body.prompt_logprobs is not None,
         )
 

@@ -367,6 +367,11 @@ async def _max_tokens_null_and_beyond_the_room_left():
     with pytest.raises(APIError) as info:
         await service.prepare(CompletionRequest(model="m", prompt=PROMPT, max_tokens=limit + 1))
     assert info.value.status == 400 and info.value.code == "context_length_exceeded"
+    # vLLM's rule too: usage on every chunk only along with the final usage chunk
+    for options, every_chunk in (({"continuous_usage_stats": True}, False),
+                                 ({"continuous_usage_stats": True, "include_usage": True}, True)):
+        req = await service.prepare(CompletionRequest(model="m", prompt=PROMPT, stream=True, stream_options=options))
+        assert req.continuous_usage is every_chunk
 
 
 def test_text_parts_of_a_message_are_joined_by_newlines_as_vllm_renders_them():
