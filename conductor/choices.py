@@ -19,9 +19,11 @@ class LogprobsWanted:
 
 @dataclass(frozen=True)
 class Echo:
-    """The prompt a completion echoes before its own text (`echo`)."""
+    """The prompt a completion echoes before its own text (`echo`). `only`: max_tokens 0, the
+    prompt (and its logprobs) alone, as vLLM answers it: the one token generated is dropped."""
     text: str
     token_ids: list[int]
+    only: bool = False
 
 
 @dataclass
@@ -65,6 +67,11 @@ class Choice:
         prompt's logprobs as far as known (needed for an echo with logprobs)."""
         if self.done:
             return None
+        if self.echo is not None and self.echo.only:
+            first, self._echoed = not self._echoed, True
+            positions = list(prompt_positions or [None] * len(self.echo.token_ids)) if first else []
+            return self._event(self.echo.text if first else "", "length" if chunk.finish_reason else None,
+                               self.echo.token_ids if first else [], positions)
         self.count += len(chunk.token_ids)
         prefix, ids, positions = "", list(chunk.token_ids), list(chunk.logprobs or ())
         if self.echo is not None and not self._echoed:

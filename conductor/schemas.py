@@ -236,7 +236,7 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     add_special_tokens: bool = True  # the tokenizer's (a BOS, for models that have one); vLLM's default
-    max_tokens: int | None = Field(COMPLETION_DEFAULT_MAX_TOKENS, ge=1)
+    max_tokens: int | None = Field(COMPLETION_DEFAULT_MAX_TOKENS, ge=0)  # 0: with echo, the prompt alone
     echo: bool = False
     suffix: str | None = None
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # top logprobs per token

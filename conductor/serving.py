@@ -125,6 +125,10 @@ class CompletionService:
                            code="context_length_exceeded")
         if max_tokens is None:  # an explicit null: vLLM's (and OpenAI's) 16 for completions, the room left for chat
             max_tokens = limit - len(prompt) if chat else COMPLETION_DEFAULT_MAX_TOKENS
+        echo_only = max_tokens == 0  # completions only (chat's is >= 1 by its schema)
+        if echo_only and not body.echo:
+            raise APIError(400, "max_tokens must be at least 1 (0 only with echo: the prompt and its logprobs "
+                                "alone)", param="max_tokens", code="invalid_value")
         if max_tokens > limit:
             raise APIError(400, f"This model's maximum context length is {limit} tokens. However, you "
                                 f"requested {len(prompt) + max_tokens} tokens ({len(prompt)} in the prompt, "
@@ -135,7 +139,7 @@ class CompletionService:
         # conversation grows); it ends with finish_reason "length".
         max_tokens = min(max_tokens, limit - len(prompt))
         sampling = Sampling(
-            max_tokens=max_tokens,
+            max_tokens=max(1, max_tokens),  # an echo alone still runs the prompt: its one token is dropped
             temperature=1.0 if body.temperature is None else body.temperature,
             top_p=1.0 if body.top_p is None else body.top_p,
             top_k=body.top_k or 0, min_p=body.min_p or 0.0, seed=body.seed,
@@ -152,7 +156,7 @@ class CompletionService:
         if not chat and body.echo:
             given = body.prompts()[0]
             text = given if isinstance(given, str) else await asyncio.to_thread(self.tokenizer.decode, prompt)
-            echo = Echo(text, prompt)
+            echo = Echo(text, prompt, only=echo_only)
         return Prepared(
             request_id=request_id, prompt=prompt, sampling=sampling, stops=body.stop_strings(),
             meta=responses.ResponseMeta.new(request_id, body.model, chat), stream=body.stream,

@@ -37,7 +37,9 @@ EXAMPLES = {"/v1/completions": 30, "/v1/chat/completions": 30}
 OTHER_EXAMPLES = 8
 # Options the server does not implement (400 unsupported_option, tested in test_errors.py and
 # test_openai_params.py): they would end most valid cases before they reach a worker.
-UNSUPPORTED = ("best_of", "tools", "tool_choice", "functions", "function_call", "suffix")
+UNSUPPORTED = ("best_of", "tools", "tool_choice", "functions", "function_call", "suffix", "include_stop_str_in_output",
+               "skip_special_tokens", "spaces_between_special_tokens", "allowed_token_ids", "bad_words",
+               "truncate_prompt_tokens", "logits_processors")
 # The other endpoint's, and a request's own chat template (refused: code the server would run).
 UNSUPPORTED_ON = {"CompletionRequest": ("top_logprobs",), "ChatCompletionRequest": ("echo", "chat_template")}
 STRUCTURED = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")

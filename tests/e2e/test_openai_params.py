@@ -217,6 +217,18 @@ def test_echo_matches_colocated(colocated_server, disaggregated_api, stream):
     assert_same_completion_logprobs(ours["choices"][0]["logprobs"], ref["choices"][0]["logprobs"])
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+def test_an_echo_of_the_prompt_alone_scores_it_as_colocated(colocated_server, disaggregated_api, stream):
+    """max_tokens 0 with echo: the prompt and its logprobs, nothing generated (vLLM's answer)."""
+    ref, _ = completion(colocated_server, False, prompt=PROMPT, max_tokens=0, echo=True, logprobs=1)
+    ours, _ = completion(disaggregated_api, stream, prompt=PROMPT, max_tokens=0, echo=True, logprobs=1)
+    assert ours["choices"][0]["text"] == ref["choices"][0]["text"] == PROMPT
+    assert ours["choices"][0]["finish_reason"] == "length"
+    assert_same_completion_logprobs(ours["choices"][0]["logprobs"], ref["choices"][0]["logprobs"])
+    if not stream:
+        assert ours["usage"]["completion_tokens"] == ref["usage"]["completion_tokens"] == 0
+
+
 def test_prompt_logprobs_match_colocated(colocated_server, disaggregated_api):
     ref = client(colocated_server).completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=2, temperature=0,
                                                       extra_body={"prompt_logprobs": 2})

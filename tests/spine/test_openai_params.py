@@ -178,6 +178,14 @@ def test_a_choice_echoes_cuts_at_stop_strings_and_keeps_logprobs():
     assert choice.push(GenerateChunk([5], finish_reason="length"), prompt) is None
 
 
+def test_an_echo_alone_answers_the_prompt_and_drops_the_generated_token():
+    wanted = LogprobsWanted(chat=False, top=0, text=TokenText(LetterTokenizer()))
+    choice = Choice(0, LetterTokenizer(), [], wanted, Echo("xy", [23, 24], only=True))
+    event = choice.push(GenerateChunk([1], logprobs=[[(1, -0.1, 1)]], finish_reason="length"), [None, [(24, -1.0, 1)]])
+    assert event.text == "xy" and event.finish == "length" and choice.count == 0
+    assert choice.logprobs["tokens"] == ["x", "y"] and choice.logprobs["token_logprobs"] == [None, -1.0]
+
+
 def test_a_stop_string_cannot_end_a_choice_within_its_min_tokens():
     # Tokens 2, 3, 2, 3, 4 spell "cdcde": "d" completes at the 2nd token, but min_tokens=3 holds
     # stop checks until the 4th, whose "d" then stops it (vLLM's detokenizer rule).
