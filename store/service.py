@@ -248,11 +248,24 @@ class PoolService:
         self.ssd = tier
         now = self._clock()
         restored = 0
-        for block in found:
+        # The newest files when the limit shrank, restored oldest first (the policy's order).
+        keep = found[-self.config.ssd_slots:] if self.config.ssd_slots else []
+        for block in found[:len(found) - len(keep)]:
+            tier.delete(block.key)  # beyond ssd_bytes now
+        for block in keep:
             if self.pool.restore_ssd(block.key, block.checksum, now):
                 restored += 1
             else:
-                tier.delete(block.key)  # beyond ssd_bytes now (the limit shrank)
+                tier.delete(block.key)
+        try:
+            others = tier.other_layouts()
+        except OSError:
+            others = {}
+        if others:
+            files, size = sum(f for f, _ in others.values()), sum(b for _, b in others.values())
+            log.warning("KV pool: %s also holds %d block files (%.2f GB) of other KV layouts (another model, "
+                        "dtype or block size): this engine never reads them; delete %s to free the disk",
+                        self.config.ssd_dir, files, size / 1e9, ", ".join(sorted(others)))
         self._writer = SpillWriter(tier, self._spill_done, SPILL_QUEUE_BYTES)
         self._flush_events()
         if found:

@@ -117,6 +117,29 @@ class SsdTier:
                 and checksum(view) == digest)
 
     # --- start-up --------------------------------------------------------------------------
+    def other_layouts(self) -> dict[str, tuple[int, int]]:
+        """Block directories of other layouts beside this one (another model, dtype or block size
+        used this directory before): {path: (files, bytes)}. This engine never reads them."""
+        parent, found = os.path.dirname(self.root), {}
+        for entry in os.scandir(parent):
+            name = entry.name
+            if entry.path == self.root or len(name) != 16 or not entry.is_dir(follow_symlinks=False):
+                continue
+            try:
+                int(name, 16)
+            except ValueError:
+                continue
+            files = size = 0
+            for dirpath, _dirs, names in os.walk(entry.path):
+                for n in names:
+                    try:
+                        size += os.lstat(os.path.join(dirpath, n)).st_size
+                        files += 1
+                    except OSError:
+                        pass
+            found[entry.path] = (files, size)
+        return found
+
     def scan(self) -> list[FoundBlock]:
         """Every valid block file, oldest first (headers only; see the module's note)."""
         found = []

@@ -188,6 +188,28 @@ def test_restart_rebuilds_the_ssd_index(tmp_path):
         second.close()
 
 
+def test_a_smaller_ssd_tier_keeps_the_newest_files_and_other_layouts_are_named(tmp_path, caplog):
+    first = service(tmp_path)
+    for key in range(1, 9):
+        put(first, [key])
+    first.close()  # keys 1-4 are on SSD
+    for age, key in enumerate((4, 3, 2, 1)):  # key 1 newest
+        os.utime(first.ssd.path(key), (1e9 + age * 100, 1e9 + age * 100))
+    stale = SsdTier(str(tmp_path / "ssd"), "another-model/bfloat16", BB)
+    stale.open()
+    stale.write(99, data(99).tobytes(), checksum(data(99)))
+    with caplog.at_level(logging.WARNING):
+        second = PoolService(PoolConfig(dram_bytes=4 * BB, ssd_dir=str(tmp_path / "ssd"), ssd_bytes=2 * BB),
+                             remote=False).start()
+        second.configure(BB, LAYOUT)
+    try:
+        assert [second.lookup([key]) for key in range(1, 5)] == [["ssd"], ["ssd"], [], []]
+        assert not os.path.exists(second.ssd.path(3))  # deleted, beyond the smaller tier
+        assert "other KV layouts" in caplog.text and stale.root in caplog.text
+    finally:
+        second.close()
+
+
 def test_corrupt_block_on_disk_is_a_counted_miss(svc, caplog):
     for key in range(1, 6):
         put(svc, [key])
