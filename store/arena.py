@@ -9,18 +9,20 @@ pool's business (store/pool.py hands slots out); the arena only maps memory.
 A plain file under /dev/shm, opened and mmapped, rather than multiprocessing.shared_memory:
 Python 3.11's resource tracker unlinks a segment when ANY process that attached it exits, so
 vLLM's worker ending would tear the arena from under the shell. Pages are taken only when a
-slot is first written (the file is sparse). The file name carries the creator's pid, so a
-segment left by a shell that was SIGKILLed is removed by the next one to start.
+slot is first written (the file is sparse). Its creator holds a lock on the file while it lives,
+so a segment left by a shell that was SIGKILLed is removed by the next one to start.
 """
 
 from __future__ import annotations
 
 import errno
+import fcntl
 import glob
 import logging
 import mmap
 import os
 import secrets
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -47,6 +49,7 @@ class Arena:
     def __init__(self, info: ArenaInfo, owner: bool, readonly: bool = False):
         self.info = info
         self._owner = owner
+        self._lock_fd: int | None = None  # the creator's, locked until close() or its death
         fd = os.open(info.path, os.O_RDONLY if readonly else os.O_RDWR)
         try:
             self._mmap = mmap.mmap(fd, info.slots * info.block_bytes,
@@ -65,13 +68,15 @@ class Arena:
         path = os.path.join(directory, f"{PREFIX}{os.getpid()}-{secrets.token_hex(4)}")
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held while this process lives: see remove_stale
             os.ftruncate(fd, slots * block_bytes)
         except OSError:
             os.close(fd)
             os.unlink(path)
             raise
-        os.close(fd)
-        return cls(ArenaInfo(path, block_bytes, slots), owner=True)
+        arena = cls(ArenaInfo(path, block_bytes, slots), owner=True)
+        arena._lock_fd = fd
+        return arena
 
     @classmethod
     def attach(cls, info: ArenaInfo, readonly: bool = False) -> "Arena":
@@ -110,6 +115,9 @@ class Arena:
                 os.unlink(self.info.path)
             except FileNotFoundError:
                 pass
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
 
 
 SHM_HEADROOM = 0.1
@@ -137,19 +145,30 @@ def fitting_slots(directory: str, slots: int, block_bytes: int) -> int:
     return fit
 
 
+STALE_MIN_AGE_S = 10.0
+"""An arena file younger than this is never judged stale: its creator may not hold its lock yet."""
+
+
 def remove_stale(directory: str) -> None:
-    """Delete arena files whose creating process is gone (a shell that was SIGKILLed)."""
+    """Delete arena files whose creating process is gone (a shell that was SIGKILLed). The
+    creator holds an exclusive lock on its file while it lives (released by the kernel when it
+    dies), so this holds across PID namespaces sharing the directory (containers with a common
+    /dev/shm), where the pid in the name says nothing."""
     for path in glob.glob(os.path.join(directory, PREFIX + "*")):
-        pid_text = os.path.basename(path)[len(PREFIX):].split("-", 1)[0]
-        if not pid_text.isdigit():
-            continue
         try:
-            os.kill(int(pid_text), 0)
-        except ProcessLookupError:
-            try:
-                os.unlink(path)
-                log.info("removed arena %s left by a process that is gone", path)
-            except OSError:
-                pass
-        except PermissionError:
-            pass  # alive, someone else's
+            if time.time() - os.stat(path).st_mtime < STALE_MIN_AGE_S:
+                continue
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            continue  # gone meanwhile, or not ours to open
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            continue  # locked: its creator is alive
+        finally:
+            os.close(fd)
+        try:
+            os.unlink(path)
+            log.info("removed arena %s left by a process that is gone", path)
+        except OSError:
+            pass

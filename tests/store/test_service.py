@@ -350,12 +350,24 @@ def test_stale_arena_of_a_dead_process_is_removed(tmp_path):
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     stale = tmp_path / f"{PREFIX}{dead.stdout.strip()}-abcd"
     stale.write_bytes(b"x")
+    fresh = tmp_path / f"{PREFIX}{dead.stdout.strip()}-beef"  # its creator may not hold the lock yet
+    fresh.write_bytes(b"x")
+    os.utime(stale, (1e9, 1e9))
     alive = Arena.create(2, 64, directory=str(tmp_path))
+    # Another PID namespace's live pool (a container sharing /dev/shm): the pid in its name is
+    # nobody here, but its creator holds the file's lock.
+    elsewhere = Arena.create(2, 64, directory=str(tmp_path))
+    foreign_name = str(tmp_path / f"{PREFIX}{dead.stdout.strip()}-cafe")
+    os.rename(elsewhere.info.path, foreign_name)
+    for path in (alive.info.path, foreign_name):
+        os.utime(path, (1e9, 1e9))
     try:
         remove_stale(str(tmp_path))
-        assert not stale.exists() and os.path.exists(alive.info.path)
+        assert not stale.exists() and fresh.exists()
+        assert os.path.exists(alive.info.path) and os.path.exists(foreign_name)
     finally:
         alive.close()
+        elsewhere.close()
     assert not os.path.exists(alive.info.path)
 
 
