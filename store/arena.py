@@ -153,7 +153,8 @@ def remove_stale(directory: str) -> None:
     """Delete arena files whose creating process is gone (a shell that was SIGKILLed). The
     creator holds an exclusive lock on its file while it lives (released by the kernel when it
     dies), so this holds across PID namespaces sharing the directory (containers with a common
-    /dev/shm), where the pid in the name says nothing."""
+    /dev/shm), where the pid in the name says nothing; a file whose named pid lives here is kept
+    too (a creator of an earlier version, which took no lock)."""
     for path in glob.glob(os.path.join(directory, PREFIX + "*")):
         try:
             if time.time() - os.stat(path).st_mtime < STALE_MIN_AGE_S:
@@ -167,8 +168,22 @@ def remove_stale(directory: str) -> None:
             continue  # locked: its creator is alive
         finally:
             os.close(fd)
+        if _pid_alive(os.path.basename(path)[len(PREFIX):].split("-", 1)[0]):
+            continue  # a creator that takes no lock (an earlier version) but lives here
         try:
             os.unlink(path)
             log.info("removed arena %s left by a process that is gone", path)
         except OSError:
             pass
+
+
+def _pid_alive(pid_text: str) -> bool:
+    if not pid_text.isdigit():
+        return False
+    try:
+        os.kill(int(pid_text), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

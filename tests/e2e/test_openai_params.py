@@ -225,8 +225,8 @@ def test_an_echo_of_the_prompt_alone_scores_it_as_colocated(colocated_server, di
     assert ours["choices"][0]["text"] == ref["choices"][0]["text"] == PROMPT
     assert ours["choices"][0]["finish_reason"] == "length"
     assert_same_completion_logprobs(ours["choices"][0]["logprobs"], ref["choices"][0]["logprobs"])
-    if not stream:
-        assert ours["usage"]["completion_tokens"] == ref["usage"]["completion_tokens"] == 0
+    if not stream:  # nothing generated is returned, so none is counted (vLLM counts the token it dropped)
+        assert ours["usage"]["completion_tokens"] == 0
 
 
 def test_prompt_logprobs_match_colocated(colocated_server, disaggregated_api):
