@@ -192,7 +192,10 @@ def test_ctrl_c_reports_and_saves_the_rates_that_finished(server, tmp_path):
     out = tmp_path / "r.json"
     proc = subprocess.Popen([sys.executable, "-m", "mooncake.cli", "bench", "--url", url, "--num-requests", "3",
                              "--input-len", "5", "--output-len", str(TOKENS), "--rates", "100,0.01",
-                             "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                             "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            # a shell that ran this suite in the background left SIGINT ignored, and an
+                            # ignored SIGINT is inherited: Python would then not raise KeyboardInterrupt
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 60
     while len(app.state.bodies) < 4 and time.monotonic() < deadline:  # the first rate, and one of the second
         time.sleep(0.05)

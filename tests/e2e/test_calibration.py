@@ -23,14 +23,18 @@ def test_final_chunk_carries_positive_measured_times(spine_cluster):
     assert all(c.prefill_s is None for c in chunks[:-1])  # only the last line carries them
 
 
-def test_debug_estimators_show_samples_for_both_workers(spine_cluster):
+def test_debug_estimators_show_samples_for_both_workers(spine_cluster, disaggregated_api):
+    # Through the fixed-roles conductor: the serve conductor's flexible roles may prefill all three
+    # on the decode worker (it did, after earlier tests had restarted workers), leaving the prefill
+    # worker without a sample.
     for i in range(3):  # long, distinct prompts: prefilled on the prefill worker, decoded on the other
         prompt = " ".join(f"w{i}x{j}" for j in range(700))
-        resp = httpx.post(spine_cluster.api + "/completions", json={
+        resp = httpx.post(disaggregated_api + "/completions", json={
             "model": MODEL_NAME, "prompt": prompt, "max_tokens": 8, "ignore_eos": True}, timeout=120)
         assert resp.status_code == 200, resp.text
-    body = httpx.get(spine_cluster.base_url + "/internal/debug/estimators", timeout=10,
-                     headers=spine_cluster.internal_headers).json()
+        assert resp.headers["x-mooncake-prefill"] != resp.headers["x-mooncake-decode"]
+    base = disaggregated_api.removesuffix("/v1")
+    body = httpx.get(base + "/internal/debug/estimators", timeout=10, headers=spine_cluster.internal_headers).json()
     instances = body["instances"]
     prefill = [name for name, fits in instances.items() if fits["prefill"]["samples"] > 0]
     decode = [name for name, fits in instances.items() if fits["decode_step"]["samples"] > 0]
@@ -39,5 +43,5 @@ def test_debug_estimators_show_samples_for_both_workers(spine_cluster):
         for fit in fits.values():
             if fit["samples"]:
                 assert 0.1 <= fit["scale"] <= 10 and fit["relative_error"] >= 0
-    metrics = httpx.get(spine_cluster.base_url + "/metrics", timeout=10).text
+    metrics = httpx.get(base + "/metrics", timeout=10).text
     assert "mooncake_estimator_prefill_scale{" in metrics and "mooncake_estimator_samples{" in metrics
