@@ -87,6 +87,23 @@ def save_step(copier: PoolCopier, saves, kv):
         copier.save_layer(saves, name)
 
 
+def save_prompt(service, tokens, block_ids):
+    """An engine (its planner and copier) computes `tokens` into `block_ids` and saves every full
+    block to the pool. Returns (its copier, its KV cache)."""
+    source = caches()
+    writer = PoolCopier(connect(service), BS)
+    writer.register_kv_caches(source)
+    planner = PoolPlanner(PoolClient(service.endpoint), BS)
+    planner.bind_kv_cache_manager(FakeManager({"a": list(block_ids)}))
+    req = FakeRequest("a", tokens)
+    planner.matched_tokens(req, 0)
+    planner.after_alloc(req, blocks_of(block_ids), 0)
+    _, saves, _ = planner.plan(step(new={"a": 0}, scheduled={"a": len(tokens)}))
+    save_step(writer, saves, source)
+    writer.flush(["a"])
+    return writer, source
+
+
 def test_layout_lays_layers_end_to_end():
     layout = ArenaLayout.of(caches())
     size = int(torch.zeros(BLOCK_SHAPE).numel() * 4)
@@ -159,17 +176,7 @@ def test_the_prompts_last_token_is_always_computed(service):
 
 def test_a_block_evicted_before_the_worker_reads_it_is_reported_for_recompute(service):
     tokens = list(range(50, 50 + 2 * BS + 1))
-    source = caches()
-    writer = PoolCopier(connect(service), BS)
-    writer.register_kv_caches(source)
-    planner = PoolPlanner(PoolClient(service.endpoint), BS)
-    planner.bind_kv_cache_manager(FakeManager({"a": [0, 1, 2]}))
-    req = FakeRequest("a", tokens)
-    planner.matched_tokens(req, 0)
-    planner.after_alloc(req, blocks_of([0, 1, 2]), 0)
-    _, saves, _ = planner.plan(step(new={"a": 0}, scheduled={"a": len(tokens)}))
-    save_step(writer, saves, source)
-    writer.flush(["a"])
+    writer, source = save_prompt(service, tokens, [0, 1, 2])
     planner2 = PoolPlanner(PoolClient(service.endpoint), BS)
     planner2.bind_kv_cache_manager(FakeManager({"b": [8, 9, 10]}))
     req2 = FakeRequest("b", tokens)
@@ -195,17 +202,7 @@ def test_blocks_loaded_from_the_pool_are_never_saved_back(service):
     this prefix. Blocks before the hit (vLLM's own cache) are still saved."""
     tokens = list(range(50, 50 + 3 * BS + 1))
     keys = hash_prompt_blocks(tokens, BS)
-    source = caches()
-    writer = PoolCopier(connect(service), BS)
-    writer.register_kv_caches(source)
-    planner = PoolPlanner(PoolClient(service.endpoint), BS)
-    planner.bind_kv_cache_manager(FakeManager({"a": [0, 1, 2, 3]}))
-    req = FakeRequest("a", tokens)
-    planner.matched_tokens(req, 0)
-    planner.after_alloc(req, blocks_of([0, 1, 2, 3]), 0)
-    _, saves, _ = planner.plan(step(new={"a": 0}, scheduled={"a": len(tokens)}))
-    save_step(writer, saves, source)
-    writer.flush(["a"])
+    writer, source = save_prompt(service, tokens, [0, 1, 2, 3])
     good = {k: service.arena.slot(s).tobytes() for k, s, _ in service.read(keys[:3])}
     service.release(keys[:3])
     service.pool.remove([keys[0]])  # vLLM's cache holds block 0 here; the pool lost it
@@ -240,17 +237,7 @@ def test_blocks_loaded_from_the_pool_are_never_saved_back(service):
 def test_a_block_changed_in_dram_after_its_commit_is_caught_and_forgotten(service, sync):
     tokens = list(range(60, 60 + 2 * BS + 1))
     keys = hash_prompt_blocks(tokens, BS)
-    source = caches()
-    writer = PoolCopier(connect(service), BS)
-    writer.register_kv_caches(source)
-    planner = PoolPlanner(PoolClient(service.endpoint), BS)
-    planner.bind_kv_cache_manager(FakeManager({"a": [0, 1, 2]}))
-    req = FakeRequest("a", tokens)
-    planner.matched_tokens(req, 0)
-    planner.after_alloc(req, blocks_of([0, 1, 2]), 0)
-    _, saves, _ = planner.plan(step(new={"a": 0}, scheduled={"a": len(tokens)}))
-    save_step(writer, saves, source)
-    writer.flush(["a"])
+    writer, source = save_prompt(service, tokens, [0, 1, 2])
     (_, slot, _), = service.read(keys[1:2])
     service.release(keys[1:2])
     service.arena.slot(slot)[100] ^= 0xFF  # a stray write into a committed block
