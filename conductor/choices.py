@@ -32,6 +32,7 @@ class ChoiceEvent:
     text: str
     finish: str | None  # set on the choice's last event
     logprobs: dict | None  # this piece's logprobs body (None when not asked)
+    stop_reason: int | str | None = None  # with finish "stop": the stop string or token id (vLLM's)
 
 
 @dataclass
@@ -46,6 +47,7 @@ class Choice:
     done: bool = False
     text: str = ""  # everything emitted so far
     finish: str = "length"
+    stop_reason: int | str | None = None  # the stop string or stop token id that ended it (vLLM's field)
     logprobs: dict | None = None  # everything emitted so far (the non-streamed answer's)
     _detok: IncrementalDetokenizer = field(init=False)
     _stopper: StopStringMatcher = field(init=False)
@@ -84,11 +86,12 @@ class Choice:
         result = self._stopper.push(self._detok.push(chunk.token_ids[protected:]))
         text, finish = text + result.text, None
         if result.stopped:
-            finish = "stop"
+            finish, self.stop_reason = "stop", result.stop
         elif chunk.finish_reason is not None:
             tail = self._stopper.push(self._detok.flush(), protected=self.count <= self.min_tokens)
             text += tail.text + ("" if tail.stopped else self._stopper.flush())
             finish = "stop" if tail.stopped else chunk.finish_reason
+            self.stop_reason = tail.stop if tail.stopped else chunk.stop_reason
         return self._event(prefix + text, finish, ids, positions)
 
     def end(self) -> ChoiceEvent:
@@ -110,4 +113,4 @@ class Choice:
                 self.logprobs["content"].extend(piece["content"])
         if not (text or finish or piece):
             return None
-        return ChoiceEvent(self.index, text, finish, piece)
+        return ChoiceEvent(self.index, text, finish, piece, self.stop_reason if finish else None)

@@ -271,7 +271,8 @@ class CompletionService:
             prompt_positions = started.prompt_positions
             prompt_lp = prompt_logprobs_body(prompt_positions, self.token_text) if req.prompt_logprobs else None
             body = responses.full_response(
-                req.meta, [responses.choice(req.meta, c.index, c.text, c.finish, c.logprobs, prompt_lp)
+                req.meta, [responses.choice(req.meta, c.index, c.text, c.finish, c.logprobs, prompt_lp,
+                                             c.stop_reason)
                            for c in choices], usage, prompt_lp)
             life.status = "200"
             return body, headers
@@ -356,7 +357,7 @@ class CompletionService:
             async for k, event in merged([started.events for _, started in parts]):
                 so_far = _usage(parts) if req.continuous_usage else None
                 yield responses.chunk(req.meta, event.text, finish_reason=event.finish, index=k * n + event.index,
-                                      logprobs=event.logprobs, usage_body=so_far)
+                                      logprobs=event.logprobs, usage_body=so_far, stop_reason=event.stop_reason)
         except WorkerError as exc:
             status = "502"
             yield sse_error(APIError(502, f"a worker failed mid-stream: {exc}", code="worker_failed"))

@@ -56,6 +56,7 @@ class IncrementalDetokenizer:
 class StopResult:
     text: str  # safe to send now
     stopped: bool  # a stop string matched; nothing more will be emitted
+    stop: str | None = None  # the stop string that matched (on the push that matched)
 
 
 class StopStringMatcher:
@@ -81,11 +82,11 @@ class StopStringMatcher:
         self._pending += text
         if protected and text:  # protected text comes first, so all before it is protected too
             self._protected = len(self._pending)
-        cut = -1 if protected else self._first_match()
+        cut, stop = (-1, None) if protected else self._first_match()
         if cut >= 0:
             self._stopped = True
             out, self._pending = self._pending[:cut], ""
-            return StopResult(out, True)
+            return StopResult(out, True, stop)
         if not self._stops:
             out, self._pending = self._pending, ""
             return StopResult(out, False)
@@ -95,14 +96,15 @@ class StopStringMatcher:
         self._protected = max(0, self._protected - len(out))
         return StopResult(out, False)
 
-    def _first_match(self) -> int:
-        """Where the stop string that completes first starts in _pending (-1: none)."""
-        best_end, best_start = None, -1
+    def _first_match(self) -> tuple[int, str | None]:
+        """Where the stop string that completes first starts in _pending, and which it is
+        ((-1, None): none)."""
+        best_end, best_start, best = None, -1, None
         for stop in self._stops:
             start = self._pending.find(stop, max(0, self._protected - len(stop) + 1))
             if start >= 0 and (best_end is None or start + len(stop) < best_end):
-                best_end, best_start = start + len(stop), start
-        return best_start
+                best_end, best_start, best = start + len(stop), start, stop
+        return best_start, best
 
     def flush(self) -> str:
         out, self._pending = ("" if self._stopped else self._pending), ""

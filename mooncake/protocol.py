@@ -68,6 +68,9 @@ class GenerateChunk(msgspec.Struct, frozen=True, omit_defaults=True):
 
     token_ids: list[int]  # no default: always on the wire, even when empty
     finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
+    # With finish_reason "stop": the stop_token_ids entry that ended it (None for EOS). Stop
+    # strings are the conductor's (it detokenizes), so the engine never reports one here.
+    stop_reason: int | None = None
     num_cached_tokens: int | None = None  # prompt tokens vLLM did not compute (local or loaded)
     error: str | None = None
     # Prefill side, last line only: the pushed KV did not land on the decode worker (why), so

@@ -172,6 +172,7 @@ async def run_request(engine: "AsyncLLM", request: GenerateRequest,
             yield GenerateChunk(
                 token_ids=list(completion.token_ids),
                 finish_reason=completion.finish_reason if output.finished else None,
+                stop_reason=stop_token(completion) if output.finished else None,
                 num_cached_tokens=output.num_cached_tokens if first else None,
                 logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                 **times,
@@ -180,6 +181,13 @@ async def run_request(engine: "AsyncLLM", request: GenerateRequest,
     finally:
         if computes:  # it ended before its first output (an abort, an error): its span ends now
             overlap.first_output(rid, time.monotonic())
+
+
+def stop_token(completion) -> int | None:
+    """The stop_token_ids entry that ended a finished completion (vLLM's stop_reason; None for
+    EOS, a length cut, or a stop string, which the engine never sees)."""
+    reason = completion.stop_reason
+    return reason if isinstance(reason, int) and not isinstance(reason, bool) else None
 
 
 def refusal(exc: BaseException) -> str | None:

@@ -39,9 +39,12 @@ def completion(base: str, stream: bool, **kwargs) -> tuple[dict, dict]:
     for part in raw.parse():
         usage = part.usage.model_dump() if part.usage else usage
         for c in part.choices:
-            into = choices.setdefault(c.index, {"index": c.index, "text": "", "finish_reason": None, "logprobs": None})
+            into = choices.setdefault(c.index, {"index": c.index, "text": "", "finish_reason": None, "logprobs": None,
+                                                "stop_reason": None})
             into["text"] += c.text
             into["finish_reason"] = c.finish_reason or into["finish_reason"]
+            into["stop_reason"] = (c.model_extra or {}).get("stop_reason", into["stop_reason"]) \
+                if c.finish_reason else into["stop_reason"]
             if c.logprobs is not None:
                 lp = into["logprobs"] = into["logprobs"] or {k: [] for k in ("tokens", "token_logprobs", "top_logprobs",
                                                                              "text_offset")}
@@ -62,9 +65,12 @@ def chat(base: str, stream: bool, **kwargs) -> tuple[dict, dict]:
     for part in raw.parse():
         usage = part.usage.model_dump() if part.usage else usage
         for c in part.choices:
-            into = choices.setdefault(c.index, {"index": c.index, "text": "", "finish_reason": None, "logprobs": None})
+            into = choices.setdefault(c.index, {"index": c.index, "text": "", "finish_reason": None, "logprobs": None,
+                                                "stop_reason": None})
             into["text"] += c.delta.content or ""
             into["finish_reason"] = c.finish_reason or into["finish_reason"]
+            into["stop_reason"] = (c.model_extra or {}).get("stop_reason", into["stop_reason"]) \
+                if c.finish_reason else into["stop_reason"]
             if c.logprobs is not None:
                 into["logprobs"] = into["logprobs"] or {"content": []}
                 into["logprobs"]["content"] += [t.model_dump() for t in c.logprobs.content or ()]
@@ -286,7 +292,27 @@ def test_stop_strings_wait_for_min_tokens_as_colocated(colocated_server, disaggr
     ours, headers = completion(disaggregated_api, stream, **args, extra_body={"min_tokens": 6})
     assert_disaggregated(headers, "the min_tokens answer")
     assert ours["choices"][0]["text"] == ref["choices"][0]["text"]
-    assert ours["choices"][0]["finish_reason"] == ref["choices"][0]["finish_reason"]
+    assert ours["choices"][0]["finish_reason"] == ref["choices"][0]["finish_reason"] == "stop"
+    assert ours["choices"][0]["stop_reason"] == ref["choices"][0]["stop_reason"] in (".", ",")
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+def test_a_stop_token_is_the_stop_reason_as_colocated(colocated_server, disaggregated_api, stream):
+    """stop_token_ids end the answer on the engine (the conductor only sees the finish), and
+    vLLM names the token in stop_reason; a plain EOS or length cut names nothing."""
+    eager, _ = completion(colocated_server, False, prompt=PROMPT, max_tokens=8, temperature=0)
+    assert eager["choices"][0]["finish_reason"] == "length" and eager["choices"][0]["stop_reason"] is None
+    ids = httpx.post(f"{colocated_server.removesuffix('/v1')}/tokenize", timeout=60,
+                     json={"prompt": eager["choices"][0]["text"], "add_special_tokens": False}).json()["tokens"]
+    args = dict(prompt=PROMPT, max_tokens=8, temperature=0, extra_body={"stop_token_ids": [ids[2]]})
+    ref, _ = completion(colocated_server, False, **args)
+    ours, headers = completion(disaggregated_api, stream, **args)
+    assert_disaggregated(headers, "the stop_token_ids answer")
+    assert ref["choices"][0]["finish_reason"] == "stop" and ref["choices"][0]["stop_reason"] == ids[2]
+    assert [ours["choices"][0][k] for k in ("text", "finish_reason", "stop_reason")] == \
+        [ref["choices"][0][k] for k in ("text", "finish_reason", "stop_reason")]
+    plain, _ = completion(disaggregated_api, stream, prompt=PROMPT, max_tokens=8, temperature=0)
+    assert plain["choices"][0]["finish_reason"] == "length" and plain["choices"][0]["stop_reason"] is None
 
 
 def test_usage_on_every_chunk_when_asked(disaggregated_api):

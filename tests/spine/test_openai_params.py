@@ -178,6 +178,24 @@ def test_a_choice_echoes_cuts_at_stop_strings_and_keeps_logprobs():
     assert choice.push(GenerateChunk([5], finish_reason="length"), prompt) is None
 
 
+def test_a_choice_names_what_stopped_it_as_vllms_stop_reason():
+    by_string = Choice(0, LetterTokenizer(), ["cd"])
+    by_string.push(GenerateChunk([1, 2]), [])
+    event = by_string.push(GenerateChunk([3, 4]), [])
+    assert (event.finish, event.stop_reason, by_string.stop_reason) == ("stop", "cd", "cd")
+    by_token = Choice(0, LetterTokenizer(), ["zz"])
+    assert by_token.push(GenerateChunk([0, 1]), []).stop_reason is None  # not finished yet
+    event = by_token.push(GenerateChunk([7], finish_reason="stop", stop_reason=7), [])
+    assert (event.finish, event.stop_reason, event.text) == ("stop", 7, "bh")
+    eos = Choice(0, LetterTokenizer(), [])
+    assert eos.push(GenerateChunk([1], finish_reason="stop"), []).stop_reason is None
+    cut = Choice(0, LetterTokenizer(), [])
+    assert cut.push(GenerateChunk([1], finish_reason="length"), []).stop_reason is None
+    at_the_end = Choice(0, LetterTokenizer(), ["b"])  # the last token's text completes the stop string
+    event = at_the_end.push(GenerateChunk([0, 1], finish_reason="length"), [])
+    assert (event.text, event.finish, event.stop_reason) == ("a", "stop", "b")
+
+
 def test_an_echo_alone_answers_the_prompt_and_drops_the_generated_token():
     wanted = LogprobsWanted(chat=False, top=0, text=TokenText(LetterTokenizer()))
     choice = Choice(0, LetterTokenizer(), [], wanted, Echo("xy", [23, 24], only=True))

@@ -69,7 +69,7 @@ class FakeEngine:
         first = time.monotonic()
         yield SimpleNamespace(
             finished=True, num_cached_tokens=0, prompt_logprobs=None, kv_transfer_params=None,
-            outputs=[SimpleNamespace(token_ids=[7], finish_reason="length", logprobs=None)],
+            outputs=[SimpleNamespace(token_ids=[7], finish_reason="length", stop_reason=None, logprobs=None)],
             metrics=SimpleNamespace(queued_ts=scheduled, scheduled_ts=scheduled, first_token_ts=first,
                                     last_token_ts=first, num_generation_tokens=1))
 

@@ -64,7 +64,7 @@ def test_no_stops_passes_everything_through():
 def test_the_stop_that_completes_first_wins_not_the_one_that_starts_first():
     # vLLM's detokenizer checks after every token: "b" completes before "abc" does.
     result = StopStringMatcher(["abc", "b"]).push("xabc")
-    assert result.stopped and result.text == "xa"
+    assert result.stopped and result.text == "xa" and result.stop == "b"
 
 
 def test_protected_text_cannot_complete_a_stop_but_a_match_may_start_inside_it():
@@ -78,14 +78,15 @@ def test_protected_text_cannot_complete_a_stop_but_a_match_may_start_inside_it()
     assert second.stopped and first.text + second.text == "th"  # "is a" ends after the protected text
 
 
-def _reference(text: str, stops: list[str], protected: int) -> tuple[str, bool]:
+def _reference(text: str, stops: list[str], protected: int) -> tuple[str, str | None]:
     """vLLM's rule, one character at a time: the first position past `protected` at which a
-    stop string ends (ties: the first listed) cuts the text before that stop string."""
+    stop string ends (ties: the first listed) cuts the text before that stop string, which is
+    the answer's stop_reason."""
     for end in range(protected + 1, len(text) + 1):
         for stop in stops:
             if stop and text[:end].endswith(stop):
-                return text[:end - len(stop)], True
-    return text, False
+                return text[:end - len(stop)], stop
+    return text, None
 
 
 
@@ -94,13 +95,14 @@ def _reference(text: str, stops: list[str], protected: int) -> tuple[str, bool]:
 def test_the_matcher_agrees_with_vllms_rule_however_the_text_arrives(text, stops, protected, cuts):
     protected = min(protected, len(text))
     bounds = sorted({0, protected, len(text), *(min(c, len(text)) for c in cuts)})
-    stopper, out, stopped = StopStringMatcher(stops), "", False
+    stopper, out, stop = StopStringMatcher(stops), "", None
     for start, end in zip(bounds, bounds[1:]):
         result = stopper.push(text[start:end], protected=end <= protected)
         out += result.text
+        assert result.stopped == (result.stop is not None)
         if result.stopped:
-            stopped = True
+            stop = result.stop
             break
-    if not stopped:
+    if stop is None:
         out += stopper.flush()
-    assert (out, stopped) == _reference(text, stops, protected)
+    assert (out, stop) == _reference(text, stops, protected)
