@@ -9,6 +9,11 @@ claimed it within `ttl_s`. The slot of a transfer that ended before all its byte
 back for another `ttl_s` first: the prefill may still be writing into it, and those late bytes
 must not land in the next transfer's slot.
 
+A transfer id reserved again is a new producer (the conductor retried a failed prefill on another
+instance under the same request id): it gets a fresh slot, shaped by its own request, and the old
+slot is held back as above. Each landing note names the slot it was written to, so the old
+producer's late notes count for nothing, and a block is counted once however often it lands.
+
 Pure bookkeeping with an explicit clock and one lock: the engine's receive threads, the control
 thread and the engine's own thread all touch it.
 """
@@ -83,8 +88,9 @@ class StagedTransfer:
     block_bytes: int  # one block of one layer
     offset: int  # of layer 0, block first_block, in the arena
     created_at: float
-    landed: list[int] = field(default_factory=list)  # blocks landed per layer
+    landed: list[int] = field(default_factory=list)  # distinct blocks landed per layer
     error: str | None = None
+    _seen: list[bytearray] = field(default_factory=list, repr=False)  # per layer, per block: landed
 
     @property
     def nbytes(self) -> int:
@@ -93,6 +99,14 @@ class StagedTransfer:
     @property
     def complete(self) -> bool:
         return self.error is None and all(n >= self.num_blocks for n in self.landed)
+
+    def mark(self, layer: int, first_block: int, end_block: int) -> None:
+        """Blocks [first_block, end_block) of `layer` landed; one landed twice counts once."""
+        seen = self._seen[layer]
+        for i in range(first_block - self.first_block, end_block - self.first_block):
+            if not seen[i]:
+                seen[i] = 1
+                self.landed[layer] += 1
 
     def layer_offset(self, layer: int) -> int:
         return self.offset + layer * self.num_blocks * self.block_bytes
@@ -120,42 +134,50 @@ class KVStaging:
 
     def reserve(self, transfer_id: str, num_layers: int, first_block: int, num_blocks: int, block_bytes: int,
                 now: float) -> StagedTransfer:
-        """Room for a whole transfer. Reserving an id again returns the same slot (a retried call)."""
+        """Room for a whole transfer. Reserving an id again starts it over in a fresh slot (a new
+        producer); the old slot is held back from the old producer's late bytes."""
         if num_layers <= 0 or first_block < 0 or num_blocks < 0 or block_bytes <= 0:
             raise ValueError(f"bad reservation for {transfer_id}: {num_layers} layers, blocks "
                              f"[{first_block}, +{num_blocks}), {block_bytes} B per block")
         with self._lock:
-            entry = self._transfers.get(transfer_id)
-            if entry is not None and entry.error is None:
-                return entry
-            if entry is not None:  # a failed attempt: start over
-                self._release(entry, now)
             size = num_layers * num_blocks * block_bytes
-            entry = StagedTransfer(transfer_id, num_layers, first_block, num_blocks, block_bytes,
-                                   offset=self._arena.alloc(size), created_at=now, landed=[0] * num_layers)
+            offset = self._arena.alloc(size)  # before the old slot goes: never the same offset
+            old = self._transfers.get(transfer_id)
+            if old is not None:
+                self._release(old, now)
+            entry = StagedTransfer(transfer_id, num_layers, first_block, num_blocks, block_bytes, offset=offset,
+                                   created_at=now, landed=[0] * num_layers,
+                                   _seen=[bytearray(num_blocks) for _ in range(num_layers)])
             self._transfers[transfer_id] = entry
             return entry
 
-    def landed(self, transfer_id: str, layer: int, first_block: int, end_block: int) -> None:
-        """Blocks [first_block, end_block) of `layer` are in the arena (verified by the engine)."""
+    def landed(self, transfer_id: str, layer: int, first_block: int, end_block: int, slot: int | None = None) -> None:
+        """Blocks [first_block, end_block) of `layer` are in the arena (verified by the engine).
+        `slot`: the offset the producer was given; a note for another slot (an earlier producer
+        of the same id) raises KeyError."""
         with self._lock:
             entry = self._transfers.get(transfer_id)
             if entry is None:
                 raise KeyError(f"no reservation for transfer {transfer_id}")
+            if slot is not None and slot != entry.offset:
+                raise KeyError(f"transfer {transfer_id} was reserved again: a note for its old slot {slot}")
             if not (0 <= layer < entry.num_layers
                     and entry.first_block <= first_block <= end_block <= entry.first_block + entry.num_blocks):
                 raise ValueError(f"layer {layer} blocks [{first_block}, {end_block}) outside transfer "
                                  f"{transfer_id} ({entry.num_layers} layers, blocks [{entry.first_block}, "
                                  f"{entry.first_block + entry.num_blocks}))")
-            entry.landed[layer] += end_block - first_block
+            entry.mark(layer, first_block, end_block)
 
-    def fail(self, transfer_id: str, error: str, now: float) -> None:
-        """Mark a transfer broken (a checksum mismatch, a dead peer) so the consumer recomputes at once."""
+    def fail(self, transfer_id: str, error: str, now: float, slot: int | None = None) -> None:
+        """Mark a transfer broken (a checksum mismatch, a dead peer) so the consumer recomputes at
+        once. `slot`: as for landed; a failure of an earlier producer's slot is ignored."""
         with self._lock:
             entry = self._transfers.get(transfer_id)
             if entry is None:
                 entry = StagedTransfer(transfer_id, 0, 0, 0, 1, offset=-1, created_at=now)
                 self._transfers[transfer_id] = entry
+            elif slot is not None and slot != entry.offset and entry.offset >= 0:
+                return
             entry.error = entry.error or error
 
     def peek(self, transfer_id: str) -> StagedTransfer | None:

@@ -255,12 +255,15 @@ class KVReserved(msgspec.Struct, frozen=True):
 
 
 class KVLayerNote(msgspec.Struct, frozen=True, array_like=True):
-    """Rides on each layer's batch: blocks [first_block, end_block) of `layer` of the transfer landed."""
+    """Rides on each layer's batch: blocks [first_block, end_block) of `layer` of the transfer
+    landed, in the slot at `slot` (KVReserved.offset), which tells a retried transfer's producer
+    from the one before it (-1: not named)."""
 
     transfer_id: str
     layer: int
     first_block: int
     end_block: int
+    slot: int = -1
 
 
 KV_CALL_ENCODER = msgspec.json.Encoder()

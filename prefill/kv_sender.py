@@ -291,7 +291,7 @@ class KVSender:
             remote = transfer.offset + (layer * (spec.total_blocks - spec.skip_blocks) + remote_block) * size
             slices.append(Slice(work.region, local, transfer.region, remote, count * size))
         note = KV_CALL_ENCODER.encode(KVLayerNote(spec.transfer_id, layer, spec.first_block,
-                                                  spec.first_block + len(spec.block_ids)))
+                                                  spec.first_block + len(spec.block_ids), transfer.offset))
         with self._lock:
             transfer.in_flight += 1
             self._in_flight_total += 1

@@ -19,10 +19,37 @@ def test_transfer_completes_when_every_block_of_every_layer_landed():
     assert staging.used_bytes == 0
 
 
-def test_reserving_again_returns_the_same_slot():
+def test_a_transfer_reserved_again_starts_over_in_a_fresh_slot_of_its_own_shape():
+    """A retried prefill (another instance, the same request id) may skip other blocks than the
+    first attempt: its writes must fit its own slot, and the first producer's late bytes and
+    notes must not count for it."""
+    staging = KVStaging(StagingConfig(capacity_bytes=64 * ALIGN, ttl_s=10.0))
+    first = staging.reserve("t", 2, first_block=4, num_blocks=4, block_bytes=ALIGN, now=0.0)
+    other = staging.reserve("u", 2, first_block=0, num_blocks=4, block_bytes=ALIGN, now=0.0)
+    staging.landed("t", 0, 4, 6, slot=first.offset)
+    staging.landed("t", 1, 4, 6, slot=first.offset)
+    again = staging.reserve("t", 2, first_block=0, num_blocks=8, block_bytes=ALIGN, now=1.0)
+    assert again is not first and again.offset not in (first.offset, other.offset)
+    assert (again.first_block, again.num_blocks, again.landed) == (0, 8, [0, 0])
+    end = again.offset + again.nbytes
+    assert end <= other.offset or again.offset >= other.offset + other.nbytes  # fits its own slot
+    with pytest.raises(KeyError):  # the first producer, resumed: its note is for the old slot
+        staging.landed("t", 0, 6, 8, slot=first.offset)
+    staging.fail("t", "the first producer's link died", now=1.5, slot=first.offset)
+    assert staging.peek("t").error is None  # nor does its failure spoil the new attempt
+    assert staging.used_bytes == 2 * 2 * 4 * ALIGN + 2 * 8 * ALIGN  # the old slot held back (quarantine)
+    staging.expire(now=11.5)
+    assert staging.used_bytes == 2 * 4 * ALIGN + 2 * 8 * ALIGN
+
+
+def test_a_block_that_lands_twice_counts_once():
     staging = KVStaging()
-    a = staging.reserve("t", 2, 0, 4, 64, now=0.0)
-    assert staging.reserve("t", 2, 0, 4, 64, now=0.1) is a
+    entry = staging.reserve("t", 1, 0, 4, 64, now=0.0)
+    staging.landed("t", 0, 0, 2, slot=entry.offset)
+    staging.landed("t", 0, 0, 2, slot=entry.offset)  # the same chunk again: blocks [2, 4) never came
+    assert not staging.peek("t").complete and entry.landed == [2]
+    staging.landed("t", 0, 1, 4)
+    assert staging.peek("t").complete
 
 
 def test_capacity_refuses_instead_of_growing():
