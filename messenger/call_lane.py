@@ -39,7 +39,7 @@ from messenger.api import AttachmentSink, CallReply, TransferError
 from messenger.handshake import client_handshake, server_handshake
 from messenger.stats import TransportStats
 from messenger.tcp_link import shutdown_socket
-from messenger.wire import MAX_PAYLOAD_BYTES, WireError, recv_exactly, recv_into_views, send_views
+from messenger.wire import MAX_PAYLOAD_BYTES, MAX_VAR_BYTES, WireError, recv_exactly, recv_into_views, send_views
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +48,9 @@ _REPLY = struct.Struct("!4sBQQ")
 REQUEST_MAGIC, REPLY_MAGIC = b"MCCL", b"MCCR"
 OK, FAILED = 0, 1
 MAX_INFO_BYTES = 16 << 20
+# A call's request is a message (the tcp transport's bound on one, wire.MAX_VAR_BYTES): its body
+# is allocated whole before it is read, so a corrupt or hostile length must not reach gigabytes.
+MAX_REQUEST_BYTES = MAX_VAR_BYTES
 MAX_LANES = 4096  # lanes one engine serves at once; more are refused (a runaway or hostile client)
 LANE_IDLE_S = 300.0  # a lane with no call for this long is closed (its caller redials when it needs one)
 # A lane that cannot be opened (a firewall that drops, a peer whose lanes are off) costs at most
@@ -70,10 +73,10 @@ def _tune(sock: socket.socket) -> None:
 class LaneServer:
     """Listens for lanes and answers their calls, one thread per lane."""
 
-    def __init__(self, host: str, port: int, auth_key: bytes | None, handshake_timeout_s: float,
+    def __init__(self, host: str, port: int, auth_key: bytes | None, io_timeout_s: float,
                  answer: Answer, name: str, stats: TransportStats) -> None:
         self._host, self._port, self._auth_key = host, port, auth_key
-        self._handshake_timeout_s = handshake_timeout_s
+        self._io_timeout_s = io_timeout_s
         self._answer, self._name, self._stats = answer, name, stats
         self._listener: socket.socket | None = None
         self._lanes: set[socket.socket] = set()
@@ -132,7 +135,7 @@ class LaneServer:
             _tune(conn)
             conn.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)  # a caller's host that vanished
             if self._auth_key is not None:
-                conn.settimeout(self._handshake_timeout_s)
+                conn.settimeout(self._io_timeout_s)
                 server_handshake(conn, self._auth_key)
             while not self._closed.is_set():
                 conn.settimeout(LANE_IDLE_S)
@@ -140,9 +143,11 @@ class LaneServer:
                     recv_into_views(conn, [memoryview(head)])
                 except (WireError, TimeoutError):
                     return  # the caller closed its lane between calls, or left it idle: the normal end
-                conn.settimeout(None)
+                # The rest of the call and its reply must make progress: a caller that froze or
+                # vanished mid-call frees this thread (and the reply's done(), e.g. pool pins).
+                conn.settimeout(self._io_timeout_s)
                 magic, info_len, request_len = _REQUEST.unpack(head)
-                if magic != REQUEST_MAGIC or info_len > MAX_INFO_BYTES or request_len > MAX_PAYLOAD_BYTES:
+                if magic != REQUEST_MAGIC or info_len > MAX_INFO_BYTES or request_len > MAX_REQUEST_BYTES:
                     log.warning("messenger %s: dropped a call lane that sent a foreign frame", self._name)
                     return
                 if info_len:
@@ -213,6 +218,9 @@ class LaneClient:
         sent when the lane has not seen that version. Raises LaneUnreachable when no lane opens,
         TransferError when the call fails or times out; whatever `into` raises, after the lane
         is closed."""
+        if len(request) > MAX_REQUEST_BYTES:
+            raise TransferError(f"call to {peer}: a request of {len(request)} B is over the "
+                                f"{MAX_REQUEST_BYTES} B a call may carry (send bulk bytes as a write)")
         lanes: dict[str, _Lane] = self._local.__dict__.setdefault("lanes", {})
         lane = lanes.get(address)
         if lane is None and self._unreachable.get(address, 0.0) > time.monotonic():

@@ -245,3 +245,34 @@ def test_a_reply_trickled_byte_by_byte_fails_the_call_by_its_deadline():
         client.close()
         listener.close()
         server.join(timeout=5)
+
+
+def test_a_hostile_request_length_or_a_caller_stalled_mid_call_frees_the_lane():
+    """A head announcing a huge request is dropped before any allocation, and a caller that
+    stops sending mid-request is let go after the engine's timeout (the lane's thread with it);
+    a request over the bound is refused on the calling side with a clear error."""
+    from messenger.call_lane import _REQUEST, MAX_REQUEST_BYTES, REQUEST_MAGIC
+
+    p = make_pair(EngineConfig(transports=("tcp",), timeout_s=0.5), on_call=lambda peer, request: b"ok")
+    try:
+        host, _, port = p.receiver.info().call_address.rpartition(":")
+        server = p.receiver._lane_server
+        with socket.create_connection((host, int(port))) as huge:
+            huge.sendall(_REQUEST.pack(REQUEST_MAGIC, 0, MAX_REQUEST_BYTES + 1))
+            huge.settimeout(5)
+            assert huge.recv(1) == b""  # dropped, nothing allocated
+        with socket.create_connection((host, int(port))) as stalled:
+            stalled.sendall(_REQUEST.pack(REQUEST_MAGIC, 0, 1000) + b"x" * 10)  # then nothing more
+            stalled.settimeout(5)
+            started = time.monotonic()
+            assert stalled.recv(1) == b""  # the callee gave up on it
+            assert time.monotonic() - started < 4
+        deadline = time.monotonic() + 5
+        while server._lanes and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not server._lanes
+        with pytest.raises(TransferError, match="over the"):
+            p.sender.call("receiver", b"x" * (MAX_REQUEST_BYTES + 1))
+        assert p.sender.call("receiver", b"fine") == b"ok"
+    finally:
+        _close(p)
