@@ -84,6 +84,15 @@ def tune_socket(sock: socket.socket) -> None:
             pass
 
 
+def keep_alive(sock: socket.socket, idle_s: int = 30, interval_s: int = 10, count: int = 3) -> None:
+    """Probe an idle connection, so a peer whose host vanished (no FIN ever comes) is noticed
+    within about idle_s + interval_s * count seconds instead of never."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for name, value in (("TCP_KEEPIDLE", idle_s), ("TCP_KEEPINTVL", interval_s), ("TCP_KEEPCNT", count)):
+        if hasattr(socket, name):  # Linux; elsewhere the system's defaults apply
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
+
+
 def drain(sock: socket.socket, n: int) -> None:
     """Read and drop `n` bytes (a refused segment's), keeping the stream in step."""
     scratch = memoryview(bytearray(min(n, _SCRATCH_BYTES)))
@@ -142,8 +151,13 @@ class Link:
 
     def _unregister(self, batch_id: int) -> None:
         with self.lock:
-            self.pending.pop(batch_id, None)
+            unacked = self.pending.pop(batch_id, None) is not None  # on_ack pops first
             self.reads.pop(batch_id, None)
+            live = self.failed is None
+        if unacked and live:
+            # It ended without its ACK (timed out): the receiver must not land it later, nor
+            # keep waiting for frames that no longer come.
+            self.streams[0].put((Kind.ABORT, batch_id, None))
 
     def write(self, slices: list[Slice], batch: Batch, message: OutgoingMessage | None) -> None:
         frames = plan_frames(slices, len(self.streams)) if slices else []
@@ -300,12 +314,22 @@ class Stream:
         if self.sock is None:
             self._connect()
         kind, batch_id, body = item
+        if kind == Kind.ABORT:
+            send_frame(transport.stats_counter, self.sock, Kind.ABORT, batch_id, 0, b"")
+            return
         if not link.live(batch_id):
             return  # timed out or failed while queued
         if kind == Kind.DATA:
             for frame in body:
+                if not link.live(batch_id):
+                    return  # timed out between frames: its memory may be the caller's again
                 segments = [[rreg, roff, length] for _, _, rreg, roff, length in frame]
-                views = [link._local_view(lreg, loff, length) for lreg, loff, _, _, length in frame]
+                try:
+                    views = [link._local_view(lreg, loff, length) for lreg, loff, _, _, length in frame]
+                except TransferError:
+                    if not link.live(batch_id):  # its region went with its timeout: that batch's end only
+                        return
+                    raise
                 send_frame(transport.stats_counter, self.sock, Kind.DATA, batch_id, 0, _encode(segments), views)
                 link.heard()  # progress: a big batch's ack may be seconds away, but bytes move
         elif kind == Kind.BATCH:

@@ -21,7 +21,11 @@ the destination views.
 
 Failures: a connection that errs or closes fails every batch in flight on its link at once (all
 of the link's streams are closed; the next batch reconnects); a peer silent for `timeout_s`
-while something is pending is dropped the same way (the engine's watchdog bounds it too).
+while something is pending is dropped the same way (the engine's watchdog bounds it too). A
+WRITE batch that ends without its ACK (it timed out) sends no more of its frames and an ABORT
+frame: the receiver forgets it, fails its message, and ignores its frames still on the way, so
+the two sides agree that it failed. Accepted connections use TCP keepalive: a sender whose host
+vanished releases its reader thread.
 Threads, not asyncio: callers are vLLM's synchronous threads and socket I/O releases the GIL.
 The sending side (links, streams, frame planning) is messenger/tcp_link.py; this module is the
 transport itself and its receiving side.
@@ -32,6 +36,7 @@ from __future__ import annotations
 import logging
 import socket
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import msgspec
@@ -39,12 +44,13 @@ import msgspec
 from messenger.api import Batch, Direction, OutgoingMessage, PeerInfo, Slice, TransferError
 from messenger.handshake import HandshakeError, server_handshake
 from messenger.stats import TransportStats
-from messenger.tcp_link import Link, drain, send_frame, shutdown_socket, tune_socket
+from messenger.tcp_link import Link, drain, keep_alive, send_frame, shutdown_socket, tune_socket
 from messenger.wire import ENGINE_PREFIX_SIZE, Kind, WireError, decode_engine_prefix, recv_exactly, recv_into_views
 
 log = logging.getLogger(__name__)
 
 _decode = msgspec.msgpack.decode
+_ABORTED_KEPT = 4096  # aborted batches remembered, to ignore their late frames
 
 
 @dataclass
@@ -68,6 +74,7 @@ class TcpTransport:
         self._links: dict[str, Link] = {}
         self._links_lock = threading.Lock()
         self._inbound: dict[tuple[int, int], _Inbound] = {}
+        self._aborted: OrderedDict[tuple[int, int], None] = OrderedDict()  # (session, batch): its sender gave up
         self._inbound_lock = threading.Lock()
         self._conns: set[socket.socket] = set()
         self._listener: socket.socket | None = None
@@ -111,7 +118,7 @@ class TcpTransport:
     def close(self) -> None:
         self._closed.set()
         if self._listener is not None:
-            self._listener.close()
+            shutdown_socket(self._listener)  # shutdown wakes the accept loop; a bare close would not
         with self._links_lock:
             links, self._links = list(self._links.values()), {}
         for link in links:
@@ -147,6 +154,7 @@ class TcpTransport:
             except OSError:
                 return
             tune_socket(conn)
+            keep_alive(conn)
             threading.Thread(target=self._serve, args=(conn, addr), name="messenger-tcp-in", daemon=True).start()
 
     def _serve(self, conn: socket.socket, addr) -> None:
@@ -169,11 +177,14 @@ class TcpTransport:
                 elif kind == Kind.BATCH:
                     slices, payload = _decode(var)
                     state = self._state(session, batch_id)
-                    state.slices = [Slice(*s) for s in slices]
-                    state.message = OutgoingMessage(payload) if payload is not None else None
-                    self._landed(conn, session, peer, batch_id, expected=arg)
+                    if state is not None:
+                        state.slices = [Slice(*s) for s in slices]
+                        state.message = OutgoingMessage(payload) if payload is not None else None
+                        self._landed(conn, session, peer, batch_id, expected=arg)
                 elif kind == Kind.SUMS:
                     self._landed(conn, session, peer, batch_id, checksums=tuple(_decode(var)))
+                elif kind == Kind.ABORT:
+                    self._abort(session, peer, batch_id)
                 elif kind == Kind.READ:
                     self._serve_read(conn, batch_id, var)
                 elif kind == Kind.MSG:
@@ -208,6 +219,12 @@ class TcpTransport:
         send_frame(self.stats_counter, conn, kind, batch_id, arg, var, views)
 
     def _on_data(self, conn, session: int, peer: str, batch_id: int, var: bytes, payload_len: int) -> None:
+        with self._inbound_lock:
+            aborted = (session, batch_id) in self._aborted
+        if aborted:  # the sender gave up on it: its bytes must not land
+            drain(conn, payload_len)
+            self.stats_counter.moved(received=payload_len)
+            return
         error, views = None, []
         try:
             for region_name, offset, length in _decode(var):
@@ -227,9 +244,25 @@ class TcpTransport:
         self.stats_counter.moved(received=payload_len)
         self._landed(conn, session, peer, batch_id, error=error)
 
-    def _state(self, session: int, batch_id: int) -> _Inbound:
+    def _state(self, session: int, batch_id: int) -> _Inbound | None:
+        """The batch's state (None: its sender aborted it)."""
         with self._inbound_lock:
+            if (session, batch_id) in self._aborted:
+                return None
             return self._inbound.setdefault((session, batch_id), _Inbound())
+
+    def _abort(self, session: int, peer: str, batch_id: int) -> None:
+        """The sender gave up on a WRITE batch: forget it, tell the message's owner, and ignore
+        whatever of it is still on the way (on any stream)."""
+        key = (session, batch_id)
+        with self._inbound_lock:
+            state = self._inbound.pop(key, None)
+            self._aborted[key] = None
+            while len(self._aborted) > _ABORTED_KEPT:
+                self._aborted.popitem(last=False)
+        failed = getattr(self.deliver, "batch_failed", None)
+        if state is not None and state.message is not None and failed is not None:
+            failed(peer, state.message, f"{peer} gave up on the batch before it landed (timed out)")
 
     def _landed(self, conn, session: int, peer: str, batch_id: int, expected: int | None = None,
                 checksums: tuple[int, ...] | None = None, error: str | None = None) -> None:
@@ -237,6 +270,8 @@ class TcpTransport:
         finish the batch when all of them came."""
         key = (session, batch_id)
         with self._inbound_lock:
+            if key in self._aborted:
+                return
             state = self._inbound.setdefault(key, _Inbound())
             if expected is not None:
                 state.expected = expected
@@ -265,6 +300,8 @@ class TcpTransport:
             lost = [(k, s) for k, s in self._inbound.items() if k[0] == session]
             for k, _ in lost:
                 del self._inbound[k]
+            for k in [k for k in self._aborted if k[0] == session]:
+                del self._aborted[k]
         failed = getattr(self.deliver, "batch_failed", None)
         for _, state in lost:
             if state.message is not None and failed is not None:

@@ -111,6 +111,7 @@ class Kind:
     READ_ERR = 7  # server -> client: a READ batch cannot be served; var = error text
     MSG = 8  # client -> server: a message without slices; var = payload
     SUMS = 9  # client -> server, after the data: the batch's checksums (one per slice, maybe none)
+    ABORT = 10  # client -> server: the sender gave up on a WRITE batch (timed out); its frames stop
 
 
 def encode_engine_prefix(kind: int, batch: int, arg: int, var: bytes, payload_len: int) -> bytes:

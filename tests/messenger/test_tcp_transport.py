@@ -149,6 +149,49 @@ def test_a_sender_lost_mid_batch_fails_both_sides_at_once():
         p.receiver.close()
 
 
+def test_a_batch_that_timed_out_is_failed_on_both_sides_and_spares_the_others(monkeypatch):
+    """A WRITE that times out while its frames go out: no more of them are sent (its memory may
+    be the caller's again: here its region is unregistered at once, as the KV sender does), the
+    receiver hears that it failed (not that it landed, nor nothing), and the next batch on the
+    same link lands."""
+    from messenger.tcp_transport import TcpTransport
+
+    stall = threading.Event()
+    stall.set()
+    land = TcpTransport._on_data
+
+    def slow_receiver(self, *args, **kwargs):
+        if stall.is_set():
+            time.sleep(0.25)  # 10 frames of 4 MiB: 2.5 s, against a timeout of 1 s
+        return land(self, *args, **kwargs)
+
+    monkeypatch.setattr(TcpTransport, "_on_data", slow_receiver)
+    p = make_pair(EngineConfig(transports=("tcp",), tcp_streams=1, timeout_s=1.0), size=48 * MiB)
+    other = np.full(MiB, 7, dtype=np.uint8)
+    p.sender.register("other", other)
+    try:
+        first = p.sender.write("receiver", [Slice("src", 0, "dst", 0, 40 * MiB)], b"first")
+
+        def timed_out(batch):
+            stall.clear()
+            p.sender.unregister("src")
+
+        first.add_done_callback(timed_out)
+        with pytest.raises(TransferError, match="timed out"):
+            first.wait(5)
+        p.sender.write("receiver", [Slice("other", 0, "dst", 44 * MiB, MiB)], b"second").wait(5)
+        assert (p.dst[44 * MiB:45 * MiB] == 7).all()
+        deadline = time.monotonic() + 5
+        while len(p.notes) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        notes = {message: error for _, message, error in p.notes}
+        assert notes[b"second"] is None and "gave up" in notes[b"first"], p.notes
+        assert not p.receiver._transports["tcp"]._inbound  # nothing left waiting for frames
+    finally:
+        p.sender.close()
+        p.receiver.close()
+
+
 # --- auth ----------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("sender_key,receiver_key,ok", [
@@ -275,3 +318,12 @@ def test_a_silent_peer_fails_its_batches_within_the_timeout():
         os.kill(child.process.pid, signal.SIGCONT)
         engine.close()
         child.stop()
+
+
+def test_a_closed_transport_stops_listening():
+    p = make_pair()
+    host, _, port = p.receiver.info().transports["tcp"].rpartition(":")
+    p.sender.close()
+    p.receiver.close()
+    with pytest.raises(OSError):
+        socket.create_connection((host, int(port)), timeout=2).close()
