@@ -148,6 +148,9 @@ class Batch:
     def __init__(self, nbytes: int, num_slices: int):
         self.nbytes = nbytes
         self.num_slices = num_slices
+        # time.monotonic() by which the engine's watchdog fails it (set by the engine before the
+        # transport sees it): a same-host peer checks it before touching the initiator's memory.
+        self.deadline: float | None = None
         self._done = threading.Event()
         self._error: TransferError | None = None
         self._callbacks: list[Callable[[Batch], None]] = []

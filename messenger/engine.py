@@ -316,6 +316,7 @@ class TransferEngine:
         """Hand the transport an inner batch and finish the user's from it: the engine maps the
         error kinds, counts stats, and the watchdog bounds the user's batch either way."""
         inner = Batch(batch.nbytes, batch.num_slices)
+        inner.deadline = time.monotonic() + self.config.timeout_s  # the watchdog's, armed below
         stats, started = self._stats[peer.transport.name], time.perf_counter()
 
         def count(error: TransferError | None) -> None:  # the outcome the user's batch ends with

@@ -235,7 +235,7 @@ class ShmTransport:
         tuples = [(s.local_region, s.local_offset, s.remote_region, s.remote_offset, s.length) for s in job.slices]
         message = job.message
         common = dict(id=0, write=write, slices=tuples, message=None if message is None else message.payload,
-                      sums_follow=write and message is not None)
+                      sums_follow=write and message is not None, deadline=job.batch.deadline or 0.0)
         if link.cma and not write and link.pull_pid is not None:
             return self._pull(link, job, common)
         if link.cma:
@@ -256,6 +256,7 @@ class ShmTransport:
                       for r, s, span in zip(job.local, job.slices, spans)]
         except (OSError, ValueError) as exc:
             raise TransferError(f"cannot map peer {link.peer!r}'s segment: {exc}") from None
+        _still_wanted(job)
         self.copy(copies, write=write, pid=None)
         return shm_wire.Move(mode="done", spans=[(p.name, p.offset) for p in spans], **common)
 
@@ -271,6 +272,7 @@ class ShmTransport:
                                     f"{link.peer!r}'s region {s.remote_region!r} of {length} B")
             theirs.append(base + s.remote_offset)
         assert link.pull_pid is not None
+        _still_wanted(job)
         try:
             self.copy([(r.address + s.local_offset, t, s.length) for r, s, t in zip(job.local, job.slices, theirs)],
                       write=False, pid=link.pull_pid)
@@ -330,3 +332,10 @@ def _socket_of(peer: PeerInfo) -> str | None:
         return str(json.loads(descriptor)["socket"])
     except (ValueError, KeyError, TypeError):
         return None
+
+
+def _still_wanted(job: Job) -> None:
+    """Raise if `job`'s batch already ended (timed out while queued or asking where): its
+    memory may be its caller's again, so nothing may be copied into or out of it."""
+    if job.batch.done():
+        raise TransferError("the batch ended (timed out) before its copy began")

@@ -125,6 +125,8 @@ class Link:
                 self._handle(job)
 
     def _handle(self, job: Job) -> None:
+        if job.batch.done():  # timed out while queued: its memory may be its caller's again
+            return
         if self._dead is not None:
             job.batch.complete(TransferError(f"shm peer {self.peer!r}: {self._dead}"))
             return
@@ -178,9 +180,15 @@ class Link:
             if self._dead is not None:
                 raise TransferError(f"shm peer {self.peer!r}: {self._dead}")
             self._next_id += 1
-            request.id = self._next_id
+            request.id = request_id = self._next_id
             self._pending[request.id] = (waiter, time.perf_counter(), nbytes, write)
+        if isinstance(waiter, Batch):  # one that times out unanswered must not stay here
+            waiter.add_done_callback(lambda _: self._forget_request(request_id))
         self._send(request)
+
+    def _forget_request(self, request_id: int) -> None:
+        with self._lock:
+            self._pending.pop(request_id, None)
 
     def _send(self, frame: Any) -> None:
         try:

@@ -15,6 +15,7 @@ import queue
 import socket
 import struct
 import threading
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -123,6 +124,8 @@ class Served:
         slices: list[Slice] = []
         try:
             slices = [Slice(*t) for t in move.slices]
+            if move.deadline and time.monotonic() > move.deadline:
+                raise TransferError("the initiator's batch timed out before this side copied it")
             self._land(move, slices)
         except (TransferError, OSError, ValueError) as exc:
             error = f"shm {'write' if move.write else 'read'} refused by {self.transport.local_name()}: {exc}"

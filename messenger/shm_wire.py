@@ -58,6 +58,10 @@ class Move(msgspec.Struct, tag="move", array_like=True):
     spans: list[SpanTuple] = []
     message: bytes | None = None
     sums_follow: bool = False  # a `Sums` frame follows: the owner copies while they are computed
+    # The initiator's time.monotonic() (one clock for every process on a host) at which its batch
+    # fails: past it the owner copies nothing, since the initiator may have reused its memory
+    # (0: none). A copy already under way at that moment still finishes.
+    deadline: float = 0.0
 
 
 class Sums(msgspec.Struct, tag="sums", array_like=True):

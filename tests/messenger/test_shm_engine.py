@@ -148,3 +148,64 @@ def test_a_checksum_that_does_not_match_the_landed_bytes_fails_both_sides():
     finally:
         sender.close()
         receiver.close()
+
+
+@pytest.mark.parametrize("who_copies", ["initiator", "owner"])
+def test_a_batch_that_timed_out_never_touches_memory_afterwards(monkeypatch, who_copies):
+    """A slow owner (a GC pause, a loaded host): the initiator's read and write time out, and the
+    caller reuses its buffers. Nothing lands in them afterwards, whichever side would have copied
+    (this side by process_vm_readv after asking where; the owner into this side); the owner
+    refuses the late write and tells its engine that it failed, not that it landed."""
+    from messenger import shm_serve
+
+    stall = threading.Event()
+    answer, move = shm_serve.Served._answer, shm_serve.Served._move
+
+    def slow(real):
+        def run(self, request):
+            if stall.is_set():
+                time.sleep(1.0)
+            return real(self, request)
+        return run
+
+    monkeypatch.setattr(shm_serve.Served, "_answer", slow(answer))
+    monkeypatch.setattr(shm_serve.Served, "_move", slow(move))
+    config = EngineConfig(transports=("shm",), timeout_s=0.3, call_lanes=False)
+    a, b = TransferEngine("a", config), TransferEngine("b", config)
+    notes = []
+    theirs, mine = np.full(1 << 16, 0x42, dtype=np.uint8), np.zeros(1 << 16, dtype=np.uint8)
+    outgoing, landing = np.full(1 << 16, 0x77, dtype=np.uint8), np.zeros(1 << 16, dtype=np.uint8)
+    a.register("mine", mine)
+    a.register("outgoing", outgoing)
+    b.register("theirs", theirs)
+    b.register("landing", landing)
+    try:
+        a.start()
+        a.add_peer(b.start(on_notify=lambda peer, message, error: notes.append((message, error))))
+        b.add_peer(a.info())
+        a.read("b", [Slice("mine", 0, "theirs", 0, 16)]).wait(5)  # connected, and knows where
+        link = next(iter(a._transports["shm"]._links.values()))
+        if who_copies == "owner":
+            link.pull_pid = None  # the owner's process_vm_writev instead of this side's readv
+            link.forget_where()
+        elif link.pull_pid is None:
+            pytest.skip("this host allows no cross-memory reads of a peer")
+        else:
+            link.forget_where()  # the read asks where again, and waits behind the stalled owner
+        mine[:] = 0
+        stall.set()
+        with pytest.raises(TransferError, match="timed out"):
+            a.read("b", [Slice("mine", 0, "theirs", 0, 1 << 16)]).wait(5)
+        with pytest.raises(TransferError, match="timed out"):
+            a.write("b", [Slice("outgoing", 0, "landing", 0, 1 << 16)], b"layer 7").wait(5)
+        mine[:] = 0xAA  # the caller's buffer holds something else now
+        time.sleep(2.5)  # the owner has woken up and answered both
+        assert set(np.unique(mine)) == {0xAA}
+        assert not landing.any()
+        assert all(message == b"layer 7" and "timed out" in error for message, error in notes), notes
+        if who_copies == "owner":  # the write went out in time, and was refused when it came up
+            assert len(notes) == 1
+        # (Behind the initiator's stalled read it never went out: the owner heard nothing.)
+    finally:
+        a.close()
+        b.close()
