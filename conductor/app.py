@@ -58,7 +58,8 @@ def create_app(config: ConductorConfig) -> FastAPI:
                       pick_fallback=lambda tried: next(
                           (h for h in pool.all() if h.ready and h.name not in tried
                            # with flexible roles any worker may decode
-                           and (config.scheduler.flexible_roles or h.serves("decode"))), None))
+                           and (config.scheduler.flexible_roles or h.serves("decode"))), None),
+                      on_retry=lambda stage: app.state.metrics.retries.labels(stage=stage).inc())
         app.state.pool, app.state.index, app.state.router = pool, index, router
         service = app.state.service = CompletionService(config, tokenizer, router, relay, app.state.metrics)
         app.state.metrics.watch(lambda: LiveState(
@@ -236,8 +237,8 @@ async def _serve(service: CompletionService, body, endpoint: str, request: Reque
     try:
         # Each counts its own answer, refusals included.
         serving = serve_batch(service, prepared, endpoint) if batch else service.serve(prepared, endpoint)
-        if body.stream:
-            return await serving  # a streamed answer notices the client leaving by itself
+        # Until its first token a streamed answer is no response yet, so nothing else would
+        # notice the client leaving; after it, the streaming response notices by itself.
         return await _unless_client_leaves(request, serving)
     except APIError:
         raise
@@ -275,8 +276,9 @@ def _internal_error(exc: Exception, doing: str) -> APIError:
 
 async def _unless_client_leaves(request: Request, work: Awaitable[Response]) -> Response:
     """uvicorn does not cancel a handler whose client disconnected, so a non-streamed answer
-    would keep its workers generating for nobody until the end. Race it against the client's
-    disconnect and cancel it then (its RequestLife releases everything and aborts the workers)."""
+    would keep its workers generating for nobody until the end, and a streamed one until its
+    first token (up to a long prefill). Race it against the client's disconnect and cancel it
+    then (its RequestLife releases everything and aborts the workers)."""
     task = asyncio.ensure_future(work)
 
     async def client_left() -> None:
@@ -296,7 +298,7 @@ async def _unless_client_leaves(request: Request, work: Awaitable[Response]) -> 
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await task
-    log.info("client left before the answer to a non-streamed request; its work was cancelled")
+    log.info("client left before the answer (or a stream's first token); its work was cancelled")
     return Response(status_code=499)  # nobody reads it
 
 

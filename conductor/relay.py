@@ -53,10 +53,26 @@ class RelayStats:
 
 class Relay:
     def __init__(self, client: WorkerClient, kv_wait_timeout_s: float,
-                 pick_fallback: Callable[[set[str]], WorkerHandle | None]):
+                 pick_fallback: Callable[[set[str]], WorkerHandle | None],
+                 on_retry: Callable[[str], None] = lambda stage: None):
+        """`on_retry(stage)`: a request moved to another worker ("decode": its decode worker
+        failed before its first token; the conductor's metrics count it)."""
         self._client = client
         self._kv_wait_timeout_s = kv_wait_timeout_s
         self._pick_fallback = pick_fallback
+        self._on_retry = on_retry
+        self._drops: set[asyncio.Task] = set()  # drop_transfer calls sent while a request was let go
+
+    def _drop_soon(self, worker: WorkerHandle, transfer_id: str) -> None:
+        """Tell `worker` to free the KV pushed for a request that was let go (its stream closed
+        or cancelled, which cannot wait for the call): without it the staged bytes sit there
+        until their TTL. Best effort: the TTL still frees them if this fails."""
+        try:
+            task = asyncio.get_running_loop().create_task(self._client.drop_transfer(worker, transfer_id))
+        except RuntimeError:  # no loop running (an iterator collected at exit): the TTL frees them
+            return
+        self._drops.add(task)
+        task.add_done_callback(self._drops.discard)
 
     async def run(self, request_id: str, prompt: list[int], sampling: Sampling, route: Route,
                   stats: RelayStats) -> AsyncIterator[GenerateChunk]:
@@ -73,6 +89,24 @@ class Relay:
                           skip_blocks=route.decode_held_blocks)
         first_sampling = replace(sampling, max_tokens=1, min_tokens=min(sampling.min_tokens, 1),
                                  structured=None)  # with a grammar (and more), P's token is not used (below)
+        settled = False  # the pushed KV was claimed by a decode request, or dropped
+        chunks = self._handed_over(request_id, prompt, sampling, route, stats, push, fetch, first_sampling)
+        try:
+            async for chunk in chunks:
+                if chunk is None:
+                    settled = True
+                    continue
+                yield chunk
+        finally:
+            if not settled:  # let go before D was asked for it (the client left, P failed...)
+                self._drop_soon(route.decode, request_id)
+            await chunks.aclose()
+
+    async def _handed_over(self, request_id: str, prompt: list[int], sampling: Sampling, route: Route,
+                           stats: RelayStats, push: PushParams, fetch: dict,
+                           first_sampling: Sampling) -> AsyncIterator[GenerateChunk | None]:
+        """run()'s disaggregated path. Yields None once the pushed KV is settled: claimed by the
+        decode request (whose abort frees it on the decode worker) or dropped."""
         first = GenerateChunk([])
         async for chunk in self._client.generate(
             route.prefill, GenerateRequest(f"{request_id}-p", prompt, first_sampling, {**push.to_params(), **fetch})
@@ -93,6 +127,7 @@ class Relay:
             # A grammar's state, output-token penalties and a seeded generator cannot cross
             # workers: P's token is dropped and D, which loads the whole prompt's KV (it recomputes
             # only the last prompt token), samples from the start, as one engine would.
+            yield None  # D is asked for the KV from here on (a decode request aborted frees it)
             chunks = self._whole(route.decode, request_id, prompt, rest, stats, pull)
             async for chunk in chunks:
                 if first.prompt_logprobs:
@@ -102,12 +137,14 @@ class Relay:
         tokens, finish = first.token_ids, first.finish_reason
         if finish == "stop" or sampling.max_tokens <= len(tokens):
             await self._client.drop_transfer(route.decode, request_id)
+            yield None
             yield replace(first, finish_reason=finish or "length")
             return
         yield replace(first, finish_reason=None)
 
         rest = replace(rest, max_tokens=sampling.max_tokens - len(tokens),
                        min_tokens=max(0, sampling.min_tokens - len(tokens)))
+        yield None
         async for chunk in self._whole(route.decode, request_id, prompt + tokens, rest, stats, pull):
             yield chunk
 
@@ -202,6 +239,7 @@ class Relay:
                 if fallback is None:
                     raise
                 log.warning("%s failed before its first token (%s); retrying on %s", worker.name, exc, fallback.name)
+                self._on_retry("decode")
                 if pull is None:  # the failed worker was to compute the prompt too: the fallback does
                     stats.prefill_instance = fallback.name
                 worker, pull, stats.retried = fallback, None, True

@@ -11,7 +11,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from fastapi.responses import JSONResponse
 
@@ -31,6 +31,9 @@ from conductor.workers import RequestRefused, WorkerError
 from mooncake.protocol import GenerateChunk, Sampling
 
 log = logging.getLogger(__name__)
+# The SLOs a retried request is routed with: none to speak of. It was admitted by its own once,
+# and refusing it now would lose it (a prefill worker died; the other one is busy decoding).
+RETRY_SLO_S = 1e6
 
 
 @dataclass
@@ -304,11 +307,16 @@ class CompletionService:
                 await chunks.aclose()
                 tried.add(route.prefill.name)
                 life.leave_route()
-                retry = self.router.pick(req.request_id, req.prompt, req.sampling.max_tokens, self.clock(),
-                                         exclude=tried, allow_none=True, slo=req.slo)
-                if retry is None:
-                    raise APIError(503, f"no worker could run the prompt: {exc}", code="workers_unavailable",
-                                   headers={"Retry-After": "5"}) from exc
+                try:
+                    # Admitted already: its SLOs priced it once and do not refuse it now (a worker
+                    # that is busy decoding takes it late rather than the request being lost).
+                    retry = self.router.pick(req.request_id, req.prompt, req.sampling.max_tokens, self.clock(),
+                                             exclude=tried, slo=replace(req.slo, ttft_s=RETRY_SLO_S,
+                                                                         tbt_s=RETRY_SLO_S))
+                except APIError as refused:  # no other worker is ready, or none has room for its KV
+                    raise APIError(refused.status, f"{route.prefill.name} failed before the first token ({exc}), "
+                                                   f"and no other worker can take the request: {refused.message}",
+                                   code=refused.code, headers=refused.headers) from exc
                 log.warning("prefill on %s failed (%s); retrying on %s", route.prefill.name, exc, retry.prefill.name)
                 self.metrics.retries.labels(stage="prefill").inc()
                 life.reroute(retry)

@@ -297,12 +297,12 @@ class WorkerClient:
         """Best effort: a worker we cannot reach is dead or will finish the request on its own."""
         try:
             await self._http.post(f"{handle.http_url}/internal/abort", json={"request_id": request_id}, timeout=2.0)
-        except httpx.HTTPError as exc:
+        except (httpx.HTTPError, RuntimeError) as exc:  # RuntimeError: the conductor is shutting down (client closed)
             log.debug("abort of %s on %s failed: %s", request_id, handle.name, exc)
 
     async def drop_transfer(self, handle: WorkerHandle, transfer_id: str) -> None:
         """Tell a decode worker to free KV pushed for a request that will not decode there."""
         try:
             await self._http.post(f"{handle.http_url}/internal/kv_drop", json={"transfer_id": transfer_id}, timeout=2.0)
-        except httpx.HTTPError as exc:  # unclaimed staging expires by its TTL anyway
+        except (httpx.HTTPError, RuntimeError) as exc:  # RuntimeError: the client closed (shutting down)  # unclaimed staging expires by its TTL anyway
             log.debug("dropping transfer %s on %s failed: %s", transfer_id, handle.name, exc)

@@ -24,5 +24,4 @@ def check(args: argparse.Namespace) -> list[str]:
 def run(args: argparse.Namespace, model_path: str, pool_factory=None) -> int:
     from mooncake.engine.runner import run_worker
 
-    run_worker(worker_config(args, WorkerRole.DECODE, model_path), pool_factory)
-    return 0
+    return run_worker(worker_config(args, WorkerRole.DECODE, model_path), pool_factory)

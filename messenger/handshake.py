@@ -42,7 +42,9 @@ def client_handshake(sock: socket.socket, key: bytes) -> None:
     sock.sendall(HELLO + bytes([VERSION]) + mine)
     try:
         answer = recv_exactly(sock, NONCE_BYTES + _MAC_BYTES)
-    except OSError as exc:  # WireError included: closed, reset or silent
+    except TimeoutError:  # no refusal: the peer is frozen or overloaded (a connection error, not a key's)
+        raise TimeoutError("the KV peer did not answer the handshake in time (frozen or overloaded?)") from None
+    except OSError as exc:  # WireError included: closed or reset
         raise HandshakeError(f"the KV peer closed the connection during the handshake ({exc}): it runs "
                              f"with another cluster token, or none") from None
     theirs, proof = bytes(answer[:NONCE_BYTES]), bytes(answer[NONCE_BYTES:])

@@ -27,6 +27,7 @@ import logging
 import os
 import shutil
 import time
+from collections.abc import Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
@@ -77,6 +78,8 @@ class WorkerState:
     registry: object | None = None
     register_task: asyncio.Task | None = None
     engine_error: str | None = None
+    engine_died: bool = False  # the running engine died (its core process was killed, say)
+    on_engine_death: Callable[[], None] | None = None  # stops the server (the runner sets it)
     in_flight: dict[str, InFlight] = field(default_factory=dict)
     prefills: PrefillOverlap = field(default_factory=PrefillOverlap)  # prompts the engine computes at once
     metrics: WorkerMetrics = field(default_factory=WorkerMetrics)
@@ -309,6 +312,21 @@ async def _start_engine(state: WorkerState) -> None:
     except Exception as exc:  # noqa: BLE001 - surfaced by /health
         log.exception("engine failed to start")
         state.engine_error = f"{type(exc).__name__}: {exc}"
+        return
+    await _exit_when_engine_dies(state)
+
+
+async def _exit_when_engine_dies(state: WorkerState, poll_s: float = 1.0) -> None:
+    """A worker whose engine died (its core process killed by the OOM killer, a crash) cannot
+    serve again: it stops, with a non-zero exit code, so whoever runs it (`mooncake serve`'s
+    supervisor, Kubernetes) starts a new one. Alive, it would only answer /health "failed"."""
+    while not getattr(state.engine, "errored", False):
+        await asyncio.sleep(poll_s)
+    state.engine_died = True
+    log.error("the %s worker %s's engine died; stopping the worker so that it is restarted",
+              state.config.role, state.config.instance_id)
+    if state.on_engine_death is not None:
+        state.on_engine_death()
 
 
 def _push_of(gen: GenerateRequest):

@@ -13,8 +13,13 @@ from mooncake.engine.app import create_app, drain_worker
 from mooncake.engine.config import WorkerConfig
 
 
-def run_worker(config: WorkerConfig, pool_factory=None) -> None:
-    """`pool_factory`: starts the node's KVCache pool service (see create_app)."""
+ENGINE_DIED_EXIT_CODE = 3
+"""A worker's exit code when its engine died under it (the supervisor restarts it)."""
+
+
+def run_worker(config: WorkerConfig, pool_factory=None) -> int:
+    """`pool_factory`: starts the node's KVCache pool service (see create_app). Returns the
+    process's exit code: 0 after a shutdown, ENGINE_DIED_EXIT_CODE when the engine died."""
     configure_logging()
     # The conductor must know where to push KV before the engine (which binds it) is up, so
     # the port is chosen here rather than by the engine.
@@ -31,4 +36,11 @@ def run_worker(config: WorkerConfig, pool_factory=None) -> None:
                             # Leaving without a drain is leaving all the same: /health says so and
                             # held polls of /internal/kv_events end within a second.
                             on_exit=lambda: app.state.worker.drain.begin(time.monotonic()))
+
+    def engine_died() -> None:  # on the event loop, from the worker's engine watch
+        app.state.worker.drain.begin(time.monotonic())  # /health says leaving; held polls end
+        server.should_exit = True
+
+    app.state.worker.on_engine_death = engine_died
     server.run()
+    return ENGINE_DIED_EXIT_CODE if app.state.worker.engine_died else 0

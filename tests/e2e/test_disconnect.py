@@ -40,6 +40,21 @@ def test_disconnect_before_the_first_byte(spine_cluster):
     assert_released(spine_cluster)
 
 
+def test_disconnect_of_a_stream_before_its_first_token_stops_the_prefill(spine_cluster):
+    """A stream is no response until its first token: the client leaving during a long prefill
+    must cancel it then, not when the prefill (seconds here) and its KV hand-over are done."""
+    body = {**LONG, "prompt": "Read this and then count: " + "one two three four five six seven eight " * 500}
+    with httpx.Client(timeout=60) as client:
+        with pytest.raises(httpx.ReadTimeout):
+            with client.stream("POST", spine_cluster.api + "/completions", json=body,
+                               timeout=httpx.Timeout(60, read=0.5)) as resp:
+                resp.read()
+    left = time.monotonic()
+    assert_released(spine_cluster, within_s=20)
+    # A 4,000-token prefill takes longer than this on the test machine's one core per worker.
+    assert time.monotonic() - left < 4.0, "the prefill ran on after its client left"
+
+
 def test_disconnect_after_the_first_token(spine_cluster):
     with httpx.Client(timeout=60) as client:
         with client.stream("POST", spine_cluster.api + "/completions", json=LONG) as resp:

@@ -18,12 +18,23 @@ from tests.processes import wait_workers_seen, worker_process
 pytestmark = pytest.mark.vllm
 
 
-def test_a_killed_worker_is_restarted_its_engine_processes_reaped_and_served_again(spine_cluster, disaggregated_api):
+def _engine_core(processes: list[psutil.Process]) -> psutil.Process:
+    cores = [p for p in processes if "EngineCore" in p.name() + " ".join(p.cmdline())]
+    assert len(cores) == 1, [p.name() for p in processes]
+    return cores[0]
+
+
+@pytest.mark.parametrize("killed", ["worker", "engine"])
+def test_a_killed_worker_is_restarted_its_engine_processes_reaped_and_served_again(spine_cluster, disaggregated_api,
+                                                                                   killed):
+    """`worker`: the worker's own process, as the OOM killer would take it (its engines stay).
+    `engine`: only its vLLM engine core; the worker, alive but useless, must stop so that it is
+    restarted (it used to stay up answering /health "failed", out of the cluster for good)."""
     decode_url = spine_cluster.worker_urls["decode"]
     victim = worker_process(spine_cluster.proc.process.pid, decode_url.rsplit(":", 1)[1])
     engines = victim.children(recursive=True)
     assert engines, "the decode worker runs no engine process: nothing to reap"
-    victim.send_signal(signal.SIGKILL)  # the worker alone, as the OOM killer would: its engines stay
+    (victim if killed == "worker" else _engine_core(engines)).send_signal(signal.SIGKILL)
     deadline = time.monotonic() + 60
     while group_running(victim.pid) or any(e.is_running() and e.status() != psutil.STATUS_ZOMBIE for e in engines):
         assert time.monotonic() < deadline, "the dead worker's engine processes were left running"
@@ -39,6 +50,8 @@ def test_a_killed_worker_is_restarted_its_engine_processes_reaped_and_served_aga
         time.sleep(1)
     assert spine_cluster.proc.alive()
     assert "restarting it in" in spine_cluster.proc.log_tail(2000)
+    if killed == "engine":
+        assert "engine died; stopping the worker" in spine_cluster.proc.log_tail(4000)
     restarted = worker_process(spine_cluster.proc.process.pid, decode_url.rsplit(":", 1)[1])
     assert restarted.pid != victim.pid
     # The fixed-roles conductor pushes a prompt's KV into the new decode process.

@@ -327,3 +327,17 @@ def test_a_closed_transport_stops_listening():
     p.receiver.close()
     with pytest.raises(OSError):
         socket.create_connection((host, int(port)), timeout=2).close()
+
+
+def test_a_peer_that_never_answers_the_handshake_is_a_timeout_not_a_wrong_key():
+    """A frozen peer must not be reported as one with another cluster token."""
+    from messenger.handshake import HandshakeError, client_handshake
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    try:
+        with socket.create_connection(listener.getsockname(), timeout=0.3) as sock:
+            with pytest.raises(TimeoutError, match="did not answer the handshake") as info:
+                client_handshake(sock, KEY)
+            assert not isinstance(info.value, HandshakeError)
+    finally:
+        listener.close()

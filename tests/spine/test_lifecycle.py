@@ -199,6 +199,35 @@ def test_retry_on_another_prefill_worker_moves_the_ledger_entry_and_pending_pref
     asyncio.run(main())
 
 
+def test_a_retry_is_not_refused_for_the_slos_that_admitted_the_request():
+    """A prefill worker died before the first token: the request, admitted already, goes to
+    another worker even where the SLO gate would now refuse it (say, the only other worker is
+    decoding near its TBT bound), instead of being lost with a 503."""
+    from conductor.serving import RETRY_SLO_S
+
+    async def main():
+        relay = ScriptedRelay(list(range(3)))
+        service = make_service(relay)
+        first = service.router.pick("probe", PROMPT, 3, 0.0)
+        service.router.finished(first, None)
+        relay.fail_on = {first.prefill.name}
+        picks, pick = [], service.router.pick
+
+        def strict_first_pick_only(*args, slo=None, **kwargs):  # the gate refuses any SLO-bound pick now
+            picks.append(slo)
+            if len(picks) > 1 and slo.ttft_s < RETRY_SLO_S:
+                raise APIError(429, "would miss the TTFT SLO", code="ttft_slo", headers={"Retry-After": "1"})
+            return pick(*args, slo=slo, **kwargs)
+
+        service.router.pick = strict_first_pick_only
+        response = await service.serve(await prepared(service, max_tokens=3), "completions")
+        assert response.status_code == 200 and len(relay.prefills) == 2
+        assert picks[1].ttft_s == picks[1].tbt_s == RETRY_SLO_S and picks[1].slo_class == picks[0].slo_class
+        assert_all_released(service, "200")
+
+    asyncio.run(main())
+
+
 @pytest.mark.parametrize("spec", ["2.3", "2.4"])
 def test_client_gone_before_the_first_byte_releases_although_the_body_never_started(spec):
     async def main():

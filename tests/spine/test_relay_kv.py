@@ -53,3 +53,48 @@ def test_a_push_that_did_not_land_sends_decode_on_without_a_pull():
     assert where == "d" and decode.kv_transfer_params == {}  # D computes the prompt, waiting for nothing
     assert workers.dropped == [("d", "r")]  # and frees what was staged of it
     assert [t for c in chunks for t in c.token_ids] == [7, 1, 2]
+
+
+def test_a_request_let_go_before_decode_frees_the_pushed_kv_and_after_it_does_not():
+    """The client left (or the stream was cancelled) after the prefill's token but before D was
+    asked for the KV: D is told to drop it at once, not left holding it until the staging TTL.
+    Once D was asked, its own abort frees it, and nothing is dropped twice."""
+    async def main(close_after: int):
+        workers = Workers()
+        relay = Relay(workers, 5.0, lambda tried: None)
+        chunks = relay.run("r", [5] * 300, Sampling(max_tokens=3), Route(handle("p"), handle("d")), RelayStats())
+        for _ in range(close_after):
+            await anext(chunks)
+        await chunks.aclose()
+        await asyncio.sleep(0)  # the drop runs as a task of its own
+        await asyncio.gather(*relay._drops)
+        return workers
+
+    let_go = asyncio.run(main(close_after=1))  # P's token relayed, D not asked yet
+    assert [w for w, _ in let_go.requests] == ["p"] and let_go.dropped == [("d", "r")]
+    decoding = asyncio.run(main(close_after=2))  # D already answering
+    assert [w for w, _ in decoding.requests] == ["p", "d"] and decoding.dropped == []
+
+
+def test_a_decode_worker_failing_before_its_first_token_is_retried_and_counted():
+    from conductor.workers import WorkerError
+
+    class FailingDecode(Workers):
+        async def generate(self, worker, request):
+            if worker.name == "d" and request.sampling.max_tokens != 1:
+                self.requests.append((worker.name, request))
+                raise WorkerError("connection refused")
+                yield  # an async generator
+            async for chunk in super().generate(worker, request):
+                yield chunk
+
+    async def main():
+        workers, retries = FailingDecode(), []
+        relay = Relay(workers, 5.0, lambda tried: handle("spare"), on_retry=retries.append)
+        chunks = [c async for c in relay.run("r", [5] * 300, Sampling(max_tokens=3),
+                                             Route(handle("p"), handle("d")), RelayStats())]
+        return workers, retries, chunks
+
+    workers, retries, chunks = asyncio.run(main())
+    assert [w for w, _ in workers.requests] == ["p", "d", "spare"] and retries == ["decode"]
+    assert [t for c in chunks for t in c.token_ids] == [7, 1, 2]
