@@ -74,16 +74,22 @@ class Choice:
             positions = list(prompt_positions or [None] * len(self.echo.token_ids)) if first else []
             return self._event(self.echo.text if first else "", "length" if chunk.finish_reason else None,
                                self.echo.token_ids if first else [], positions)
+        before = self.count
         self.count += len(chunk.token_ids)
+        # A stop token (stop_token_ids) ends the answer without its text, as in vLLM (it counts
+        # as generated, and keeps its logprobs).
+        text_ids = list(chunk.token_ids)
+        if chunk.finish_reason == "stop" and chunk.stop_reason is not None and text_ids:
+            text_ids.pop()
         prefix, ids, positions = "", list(chunk.token_ids), list(chunk.logprobs or ())
         if self.echo is not None and not self._echoed:
             self._echoed = True
             prefix = self.echo.text
             ids = self.echo.token_ids + ids
             positions = list(prompt_positions or [None] * len(self.echo.token_ids)) + positions
-        protected = max(0, min(len(chunk.token_ids), self.min_tokens - (self.count - len(chunk.token_ids))))
-        text = self._stopper.push(self._detok.push(chunk.token_ids[:protected]), protected=True).text if protected else ""
-        result = self._stopper.push(self._detok.push(chunk.token_ids[protected:]))
+        protected = max(0, min(len(text_ids), self.min_tokens - before))
+        text = self._stopper.push(self._detok.push(text_ids[:protected]), protected=True).text if protected else ""
+        result = self._stopper.push(self._detok.push(text_ids[protected:]))
         text, finish = text + result.text, None
         if result.stopped:
             finish, self.stop_reason = "stop", result.stop

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
@@ -26,6 +27,15 @@ def _resolve_model(path: str | None) -> str:
     from mooncake.model import ensure_model
 
     return path or str(ensure_model())
+
+
+def _missing_model(command: str, path: str | None) -> bool:
+    """Say so (and True) when --model names no model folder. Checked when starting, not in the
+    option check: the path is this machine's (a deployment's command lines are checked elsewhere)."""
+    if path is not None and not (Path(path) / "config.json").is_file():
+        print(f"mooncake {command}: error: --model {path}: not a model folder (no config.json there)", file=sys.stderr)
+        return True
+    return False
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
@@ -109,10 +119,24 @@ def _busy_ports(args: argparse.Namespace) -> str | None:
 
 def _check_conductor(args: argparse.Namespace) -> list[str]:
     from conductor.cli_args import check_scheduler_args
+    from mooncake.engine.cli import registry_errors
 
-    errors = check_scheduler_args(args) + _auth_errors(args)
+    errors = check_scheduler_args(args) + _auth_errors(args) + registry_errors(args)
     if args.drain_timeout < 0:
         errors.append(f"--drain-timeout must be >= 0 seconds, got {args.drain_timeout:g}")
+    if not 1 <= args.port <= 65535:
+        errors.append(f"--port must be in 1..65535, got {args.port}")
+    if not args.kv_wait_timeout > 0 or args.kv_wait_timeout == math.inf:
+        errors.append(f"--kv-wait-timeout must be a positive number of seconds, got {args.kv_wait_timeout:g}")
+    if args.max_model_len < 16:
+        errors.append(f"--max-model-len must be >= 16, got {args.max_model_len}")
+    if args.profile is not None:
+        from conductor.core.profile_table import load_profile
+
+        try:
+            load_profile(args.profile)
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            errors.append(f"--profile {args.profile}: cannot be read as a profile table ({exc})")
     return errors
 
 
@@ -140,6 +164,8 @@ def _cmd_conductor(args: argparse.Namespace) -> int:
     from mooncake.engine.cli import registry_url
     from mooncake.registry.config import EtcdCredentials
 
+    if _missing_model("conductor", args.model):
+        return 2
     model = _resolve_model(args.model)
     config = ConductorConfig(
         model_path=model, served_model_name=args.served_model_name or Path(model).name, host=args.host,
@@ -159,6 +185,8 @@ def _cmd_conductor(args: argparse.Namespace) -> int:
 
 def _cmd_worker(module):
     def run(args: argparse.Namespace) -> int:
+        if _missing_model(args.subparser.prog.split()[-1], args.model):
+            return 2
         return module.run(args, _resolve_model(args.model), _start_pool)
     return run
 

@@ -47,6 +47,16 @@ def parse(*argv: str):
     (["serve", "--pool-policy", "mru"], "invalid choice"),
     (["serve", "--pool-ssd-dir", "/proc/ssd"], "kernel file system"),
     (["prefill", "--pool-ssd-dir", __file__], "is not a directory"),
+    (["prefill", "--pool-dram-gib", "nan"], "must be finite and >= 0"),
+    (["prefill", "--registry", "foo://x"], "scheme must be one of"),
+    (["decode", "--etcd", "h:2379", "--registry-ttl", "1.5"], "use a TTL of at least 2 s"),
+    (["decode", "--instance-id", "a/b"], "--instance-id must be non-empty without '/'"),
+    (["prefill", "--kv-port", "70000"], "must be in 0..65535"),
+    (["conductor", "--port", "70000"], "--port must be in 1..65535"),
+    (["conductor", "--kv-wait-timeout", "0"], "--kv-wait-timeout must be a positive"),
+    (["conductor", "--max-model-len", "0"], "--max-model-len must be >= 16"),
+    (["conductor", "--registry-ttl", "-5", "--etcd", "h:2379"], "ttl_s=-5.0"),
+    (["conductor", "--profile", "nonexistent"], "cannot be read as a profile table"),
 ])
 def test_cli_refuses_what_the_engine_cannot_take(argv, needle, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -66,6 +76,21 @@ def test_default_and_valid_options_pass_the_check(argv, monkeypatch):
     monkeypatch.setenv("MOONCAKE_CLUSTER_TOKEN", "t" * 32)
     args = parse(*argv)
     assert args.check(args) == []
+
+
+@pytest.mark.parametrize("command", ["conductor", "prefill"])
+def test_a_model_path_that_is_no_model_folder_is_one_line_not_a_download(command, monkeypatch, capsys):
+    monkeypatch.setenv("MOONCAKE_CLUSTER_TOKEN", "t" * 32)
+    assert main([command, "--model", "/nonexistent/org-model"]) == 2
+    err = capsys.readouterr().err
+    assert "not a model folder" in err and "Traceback" not in err
+
+
+def test_a_pool_size_in_the_environment_that_is_no_number_is_an_option_error(monkeypatch, capsys):
+    monkeypatch.setenv("MOONCAKE_POOL_DRAM_GIB", "2GiB")
+    monkeypatch.setenv("MOONCAKE_CLUSTER_TOKEN", "t" * 32)
+    args = parse("prefill")  # building the parser (and --help) must not fail on it
+    assert any("MOONCAKE_POOL_DRAM_GIB: 2GiB" in e for e in args.check(args))
 
 
 def test_serve_refuses_a_port_in_use_before_starting_anything(capsys):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 
 from mooncake import defaults
@@ -57,10 +58,9 @@ POOL_DRAM_ENV = "MOONCAKE_POOL_DRAM_GIB"
 
 def add_pool_arguments(parser: argparse.ArgumentParser) -> None:
     """The node's KVCache pool (on by default); `mooncake serve` passes them to every worker."""
-    parser.add_argument("--pool-dram-gib", type=float,
-                        default=float(os.environ.get(POOL_DRAM_ENV, defaults.POOL_DRAM_BYTES / 2**30)),
+    parser.add_argument("--pool-dram-gib", type=float, default=_pool_dram_default(),
                         help=f"DRAM tier of the KVCache pool (GiB of shared memory, taken as blocks fill it; "
-                             f"env {POOL_DRAM_ENV} sets the default)")
+                             f"env {POOL_DRAM_ENV} sets the default, else %(default)s)")
     parser.add_argument("--pool-ssd-dir", default=defaults.POOL_SSD_DIR,
                         help="directory of the pool's SSD tier (kept across restarts; default: DRAM only)")
     parser.add_argument("--pool-ssd-gib", type=float, default=defaults.POOL_SSD_BYTES / 2**30,
@@ -73,11 +73,24 @@ def add_pool_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-pool", action="store_true", help="run without the KVCache pool")
 
 
+def _pool_dram_default() -> float:
+    """The environment's default for --pool-dram-gib; one that is not a number is reported by the
+    option check (as NaN), never a traceback while --help is built."""
+    raw = os.environ.get(POOL_DRAM_ENV)
+    if raw is None:
+        return defaults.POOL_DRAM_BYTES / 2**30
+    try:
+        return float(raw)
+    except ValueError:
+        return math.nan
+
+
 def pool_errors(args: argparse.Namespace) -> list[str]:
     errors = []
-    if args.pool_dram_gib < 0 or args.pool_ssd_gib < 0:
-        errors.append(f"--pool-dram-gib and --pool-ssd-gib must be >= 0, got {args.pool_dram_gib:g} "
-                      f"and {args.pool_ssd_gib:g}")
+    if not (args.pool_dram_gib >= 0 and args.pool_ssd_gib >= 0) or math.inf in (args.pool_dram_gib, args.pool_ssd_gib):
+        errors.append(f"--pool-dram-gib and --pool-ssd-gib must be finite and >= 0 (GiB), got "
+                      f"{args.pool_dram_gib:g} and {args.pool_ssd_gib:g} (env {POOL_DRAM_ENV}: "
+                      f"{os.environ.get(POOL_DRAM_ENV, 'unset')})")
     directory = args.pool_ssd_dir
     if directory and not args.no_pool:
         problem = unusable_directory(directory)
@@ -93,7 +106,11 @@ def check_worker_args(args: argparse.Namespace) -> list[str]:
         errors.append(f"--max-model-len must be >= 16, got {args.max_model_len}")
     if args.drain_timeout < 0:
         errors.append(f"--drain-timeout must be >= 0 seconds, got {args.drain_timeout:g}")
-    return errors + pool_errors(args) + token_errors(args)
+    if not 0 <= args.port <= 65535 or not 0 <= args.kv_port <= 65535:
+        errors.append(f"--port and --kv-port must be in 0..65535 (0: any free one), got {args.port} and {args.kv_port}")
+    if args.instance_id is not None and (not args.instance_id or "/" in args.instance_id):
+        errors.append(f"--instance-id must be non-empty without '/', got {args.instance_id!r}")
+    return errors + pool_errors(args) + token_errors(args) + registry_errors(args)
 
 
 def worker_config(args: argparse.Namespace, role: WorkerRole, model_path: str) -> WorkerConfig:
@@ -127,6 +144,22 @@ def pool_arguments(args: argparse.Namespace) -> tuple[str, ...]:
     out = ("--pool-dram-gib", repr(float(args.pool_dram_gib)), "--pool-ssd-gib", repr(float(args.pool_ssd_gib)),
            "--pool-policy", args.pool_policy, "--pool-map-peers" if args.pool_map_peers else "--no-pool-map-peers")
     return out + (("--pool-ssd-dir", args.pool_ssd_dir) if args.pool_ssd_dir else ())
+
+
+def registry_errors(args: argparse.Namespace) -> list[str]:
+    """A registry this process could not use (a bad url, a TTL too short for its keepalives),
+    refused before any engine loads: a worker would otherwise load, never register, and say
+    nothing (its first registration runs in the background)."""
+    from mooncake.registry.config import RegistryConfig
+
+    url = registry_url(args)
+    if url is None:
+        return []
+    try:
+        RegistryConfig(url=url, ttl_s=args.registry_ttl)
+    except ValueError as exc:
+        return [f"--registry / --etcd / --registry-ttl: {exc}"]
+    return []
 
 
 def registry_url(args: argparse.Namespace) -> str | None:

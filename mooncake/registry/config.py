@@ -68,10 +68,12 @@ class RegistryConfig:
         if scheme != "memory":
             self.endpoints()  # raises with the offending part
         if self.ttl_s < 1.0:
-            raise ValueError(f"ttl_s={self.ttl_s}: etcd leases are whole seconds, use >= 1")
+            raise ValueError(f"ttl_s={self.ttl_s}: etcd leases are whole seconds, use >= 1 (and at least twice "
+                             f"the keepalive interval)")
         if not 0 < self.keepalive_interval_s <= self.ttl_s / 2:
-            raise ValueError(f"keepalive_interval_s={self.keepalive_interval_s} must be in "
-                             f"(0, ttl_s/2={self.ttl_s / 2}] so one lost refresh is survivable")
+            raise ValueError(f"a TTL of {self.ttl_s:g} s is too short for a keepalive every "
+                             f"{self.keepalive_interval_s:g} s: use a TTL of at least "
+                             f"{2 * self.keepalive_interval_s:g} s, so that one lost refresh is survivable")
         if self.request_timeout_s <= 0 or self.poll_interval_s <= 0:
             raise ValueError("request_timeout_s and poll_interval_s must be > 0")
         if not 0 < self.retry_min_s <= self.retry_max_s:

@@ -256,6 +256,7 @@ def test_the_store_ssd_volume(renderer, tmp_path, variant):
             continue
         container = pod_spec(workload)["containers"][0]
         mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+        sub_paths = {m["name"]: m.get("subPathExpr") for m in container["volumeMounts"]}
         volumes = {v["name"]: v for v in pod_spec(workload)["volumes"]}
         claims = [c["metadata"]["name"] for c in workload["spec"].get("volumeClaimTemplates", [])]
         args = args_of(container)
@@ -272,5 +273,8 @@ def test_the_store_ssd_volume(renderer, tmp_path, variant):
             assert "store-ssd" not in volumes
         else:
             assert ssd["type"] in volumes["store-ssd"] and "store-ssd" not in claims
+        # A node's host directory is shared by its worker pods: each pool its own subdirectory.
+        assert (sub_paths["store-ssd"] == "$(POD_NAME)") == (ssd["type"] == "hostPath")
+        assert any(e["name"] == "POD_NAME" for e in container["env"])
     assert run_renderer(renderer, {"store": {"ssd": {"enabled": True, "type": "hostPath"}}},
                         tmp_path).returncode != 0  # a hostPath volume needs its path

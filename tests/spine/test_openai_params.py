@@ -185,8 +185,9 @@ def test_a_choice_names_what_stopped_it_as_vllms_stop_reason():
     assert (event.finish, event.stop_reason, by_string.stop_reason) == ("stop", "cd", "cd")
     by_token = Choice(0, LetterTokenizer(), ["zz"])
     assert by_token.push(GenerateChunk([0, 1]), []).stop_reason is None  # not finished yet
-    event = by_token.push(GenerateChunk([7], finish_reason="stop", stop_reason=7), [])
-    assert (event.finish, event.stop_reason, event.text) == ("stop", 7, "bh")
+    event = by_token.push(GenerateChunk([2, 7], finish_reason="stop", stop_reason=7), [])
+    assert (event.finish, event.stop_reason, event.text) == ("stop", 7, "bc")  # the stop token's text left out
+    assert by_token.count == 4 and by_token.text == "abc"
     eos = Choice(0, LetterTokenizer(), [])
     assert eos.push(GenerateChunk([1], finish_reason="stop"), []).stop_reason is None
     cut = Choice(0, LetterTokenizer(), [])
