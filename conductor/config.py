@@ -91,7 +91,7 @@ class ConductorConfig:
     """Requests in progress beyond this are refused with 429 and a Retry-After."""
     token_timeout_s: float = 120.0
     """A worker silent for this long mid-request is treated as dead (error, never a hung stream)."""
-    kv_wait_timeout_s: float = 30.0
+    kv_wait_timeout_s: float = defaults.KV_WAIT_TIMEOUT_S
     """How long a decode worker waits for pushed KV before recomputing the prompt itself."""
     health_interval_s: float = 1.0
     health_timeouts_tolerated: int = defaults.HEALTH_TIMEOUTS_TOLERATED

@@ -290,7 +290,7 @@ def build_parser() -> argparse.ArgumentParser:
     cond.add_argument("--max-model-len", type=int, default=defaults.MAX_MODEL_LEN,
                       help="longest prompt+output (tokens)")
     _add_auth_arguments(cond, generated_token=False)
-    cond.add_argument("--kv-wait-timeout", type=float, default=30.0,
+    cond.add_argument("--kv-wait-timeout", type=float, default=defaults.KV_WAIT_TIMEOUT_S,
                       help="seconds a decode worker waits for pushed KV before recomputing")
     cond.add_argument("--etcd", default=None,
                       help="follow an etcd cluster's registry (http://HOST:PORT or etcd://HOST:PORT); "

@@ -127,6 +127,8 @@ with 1P+1D one core prefills while the other idles between tokens."""
 BALANCING_THRESHOLD = 1.5
 """Algorithm 1's kvcache_balancing_threshold on the live cluster: a worker considers fetching a
 holder's prefix when it is at least this many times as long as its own (or it holds none)."""
+KV_WAIT_TIMEOUT_S = 30.0
+"""How long a decode worker waits for pushed KV before recomputing the prompt itself."""
 FETCH_LATENCY_S = 0.25
 """Fixed seconds the live conductor adds to a remote prefix fetch's price, beyond its bytes over
 the measured bandwidth: the round trip to the holder's pool, and vLLM's asynchronous load, which

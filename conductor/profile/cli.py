@@ -143,11 +143,11 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
-
-
 def _cores() -> str:
     """The cores the engine ran on: the binding a worker would get, if one was given."""
     bound = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
     return f"cores {bound} (VLLM_CPU_OMP_THREADS_BIND)" if bound else f"{os.cpu_count()} cores"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -309,11 +309,23 @@ async def _start_engine(state: WorkerState) -> None:
                  state.config.instance_id, state.block_size, state.kv_capacity_tokens)
         if state.config.registry_url and not state.drain.active:
             state.register_task = asyncio.create_task(_register(state))
+            state.register_task.add_done_callback(lambda task: _registration_ended(state, task))
     except Exception as exc:  # noqa: BLE001 - surfaced by /health
         log.exception("engine failed to start")
         state.engine_error = f"{type(exc).__name__}: {exc}"
         return
     await _exit_when_engine_dies(state)
+
+
+def _registration_ended(state: WorkerState, task: asyncio.Task) -> None:
+    """A first registration that failed for good (not one cancelled by a drain) leaves the worker
+    unreachable by every conductor: say so in the log and on /health, not nowhere."""
+    if task.cancelled() or task.exception() is None:
+        return
+    exc = task.exception()
+    log.error("registering %s at %s failed: %r; no conductor will route here", state.config.instance_id,
+              state.config.registry_url, exc)
+    state.engine_error = f"registration failed: {type(exc).__name__}: {exc}"
 
 
 async def _exit_when_engine_dies(state: WorkerState, poll_s: float = 1.0) -> None:

@@ -262,3 +262,35 @@ def test_a_malformed_worker_line_is_a_worker_error(line):
         assert got == [GenerateChunk([1])] and err.value.started
         await client.close()
     asyncio.run(main())
+
+
+def test_a_worker_whose_engine_dies_stops_and_a_failed_registration_is_said():
+    """The running engine's death stops the worker (its runner exits non-zero and is restarted);
+    a registration that failed for good shows on /health, not nowhere."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from mooncake.engine.app import _exit_when_engine_dies, _registration_ended
+
+    async def main():
+        engine = SimpleNamespace(errored=False)
+        stopped = []
+        state = SimpleNamespace(engine=engine, engine_died=False, on_engine_death=lambda: stopped.append(1),
+                                config=SimpleNamespace(role="decode", instance_id="d0", registry_url="etcd://h:1"),
+                                engine_error=None)
+        watch = asyncio.create_task(_exit_when_engine_dies(state, poll_s=0.01))
+        await asyncio.sleep(0.05)
+        assert not watch.done() and not stopped
+        engine.errored = True
+        await asyncio.wait_for(watch, 1)
+        assert state.engine_died and stopped == [1]
+
+        async def fails():
+            raise ValueError("keepalive too slow")
+
+        task = asyncio.create_task(fails())
+        await asyncio.gather(task, return_exceptions=True)
+        _registration_ended(state, task)
+        assert "registration failed: ValueError: keepalive too slow" == state.engine_error
+
+    asyncio.run(main())
