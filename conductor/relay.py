@@ -106,7 +106,8 @@ class Relay:
                            stats: RelayStats, push: PushParams, fetch: dict,
                            first_sampling: Sampling) -> AsyncIterator[GenerateChunk | None]:
         """run()'s disaggregated path. Yields None once the pushed KV is settled: claimed by the
-        decode request (whose abort frees it on the decode worker) or dropped."""
+        decode request (D answered it; its abort frees the KV there) or dropped. Let go before
+        that, run() drops it (a drop that crosses a claim only frees what D no longer needs)."""
         first = GenerateChunk([])
         async for chunk in self._client.generate(
             route.prefill, GenerateRequest(f"{request_id}-p", prompt, first_sampling, {**push.to_params(), **fetch})
@@ -127,9 +128,12 @@ class Relay:
             # A grammar's state, output-token penalties and a seeded generator cannot cross
             # workers: P's token is dropped and D, which loads the whole prompt's KV (it recomputes
             # only the last prompt token), samples from the start, as one engine would.
-            yield None  # D is asked for the KV from here on (a decode request aborted frees it)
+            claimed = False
             chunks = self._whole(route.decode, request_id, prompt, rest, stats, pull)
             async for chunk in chunks:
+                if not claimed:  # D answered: the KV is its request's (aborting that frees it)
+                    claimed = True
+                    yield None
                 if first.prompt_logprobs:
                     chunk, first = replace(chunk, prompt_logprobs=first.prompt_logprobs), GenerateChunk([])
                 yield chunk
@@ -144,8 +148,11 @@ class Relay:
 
         rest = replace(rest, max_tokens=sampling.max_tokens - len(tokens),
                        min_tokens=max(0, sampling.min_tokens - len(tokens)))
-        yield None
+        claimed = False
         async for chunk in self._whole(route.decode, request_id, prompt + tokens, rest, stats, pull):
+            if not claimed:  # D answered: the KV is its request's (aborting that frees it)
+                claimed = True
+                yield None
             yield chunk
 
     async def samples(self, request_id: str, prompt: list[int], sampling: Sampling, route: Route,
