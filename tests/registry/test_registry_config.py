@@ -30,7 +30,7 @@ def test_bad_urls_are_refused(url: str, match: str) -> None:
 
 @pytest.mark.parametrize("kw, match", [
     (dict(ttl_s=0.5), "ttl_s"),
-    (dict(ttl_s=2.0, keepalive_interval_s=1.5), "keepalive_interval_s"),
+    (dict(ttl_s=2.0, keepalive_interval_s=1.5), "too short for a keepalive every 1.5 s"),
     (dict(retry_min_s=3.0, retry_max_s=1.0), "retry_min_s"),
     (dict(etcd_prefix="mooncake"), "etcd_prefix"),
 ])
