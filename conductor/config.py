@@ -131,7 +131,7 @@ class ConductorConfig:
             raise ValueError("served_model_name must not be empty")
         if not 0 <= self.port < 65536:
             raise ValueError("port must be in 0..65535")
-        if self.max_model_len < 16 or self.max_body_bytes < 1024 or self.max_in_flight < 1:
+        if self.max_model_len < defaults.MIN_MODEL_LEN or self.max_body_bytes < 1024 or self.max_in_flight < 1:
             raise ValueError("max_model_len, max_body_bytes and max_in_flight are too small")
         if self.token_timeout_s <= 0 or self.kv_wait_timeout_s <= 0 or self.health_interval_s <= 0:
             raise ValueError("timeouts and intervals must be positive")

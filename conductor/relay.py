@@ -89,71 +89,54 @@ class Relay:
                           skip_blocks=route.decode_held_blocks)
         first_sampling = replace(sampling, max_tokens=1, min_tokens=min(sampling.min_tokens, 1),
                                  structured=None)  # with a grammar (and more), P's token is not used (below)
-        settled = False  # the pushed KV was claimed by a decode request, or dropped
-        chunks = self._handed_over(request_id, prompt, sampling, route, stats, push, fetch, first_sampling)
+        # The pushed KV is settled once D answered its request (aborting that frees the KV there)
+        # or it was dropped. A request let go before (the client left, P failed) drops it here:
+        # D would otherwise hold it until its staging TTL.
+        settled = False
         try:
-            async for chunk in chunks:
-                if chunk is None:
+            first = GenerateChunk([])
+            async for chunk in self._client.generate(
+                route.prefill, GenerateRequest(f"{request_id}-p", prompt, first_sampling,
+                                               {**push.to_params(), **fetch})
+            ):
+                if chunk.num_cached_tokens is not None:
+                    stats.prefill_cached_tokens = stats.computed_cached_tokens = chunk.num_cached_tokens
+                if chunk.prefill_s is not None:
+                    stats.prefill_measured(chunk)
+                first = joined(first, chunk)
+            pull = PullParams(transfer_id=request_id, num_tokens=len(prompt), wait_timeout_s=self._kv_wait_timeout_s)
+            if first.kv_error is not None:  # the KV did not land: D computes the prompt, waiting for nothing
+                log.warning("KV push for %s failed (%s); %s recomputes the prompt", request_id, first.kv_error,
+                            route.decode.name)
+                await self._client.drop_transfer(route.decode, request_id)
+                pull, stats.retried = None, True  # D's prompt time is not P's: keep P's measurement
+            rest = replace(sampling, prompt_logprobs=None)  # the prompt's came from the prefill worker
+            if sampling.first_token_on_decode():
+                # A grammar's state, output-token penalties and a seeded generator cannot cross
+                # workers: P's token is dropped and D, which loads the whole prompt's KV (it recomputes
+                # only the last prompt token), samples from the start, as one engine would.
+                async for chunk in self._whole(route.decode, request_id, prompt, rest, stats, pull):
                     settled = True
-                    continue
+                    if first.prompt_logprobs:
+                        chunk, first = replace(chunk, prompt_logprobs=first.prompt_logprobs), GenerateChunk([])
+                    yield chunk
+                return
+            tokens, finish = first.token_ids, first.finish_reason
+            if finish == "stop" or sampling.max_tokens <= len(tokens):
+                await self._client.drop_transfer(route.decode, request_id)
+                settled = True
+                yield replace(first, finish_reason=finish or "length")
+                return
+            yield replace(first, finish_reason=None)
+
+            rest = replace(rest, max_tokens=sampling.max_tokens - len(tokens),
+                           min_tokens=max(0, sampling.min_tokens - len(tokens)))
+            async for chunk in self._whole(route.decode, request_id, prompt + tokens, rest, stats, pull):
+                settled = True
                 yield chunk
         finally:
-            if not settled:  # let go before D was asked for it (the client left, P failed...)
+            if not settled:
                 self._drop_soon(route.decode, request_id)
-            await chunks.aclose()
-
-    async def _handed_over(self, request_id: str, prompt: list[int], sampling: Sampling, route: Route,
-                           stats: RelayStats, push: PushParams, fetch: dict,
-                           first_sampling: Sampling) -> AsyncIterator[GenerateChunk | None]:
-        """run()'s disaggregated path. Yields None once the pushed KV is settled: claimed by the
-        decode request (D answered it; its abort frees the KV there) or dropped. Let go before
-        that, run() drops it (a drop that crosses a claim only frees what D no longer needs)."""
-        first = GenerateChunk([])
-        async for chunk in self._client.generate(
-            route.prefill, GenerateRequest(f"{request_id}-p", prompt, first_sampling, {**push.to_params(), **fetch})
-        ):
-            if chunk.num_cached_tokens is not None:
-                stats.prefill_cached_tokens = stats.computed_cached_tokens = chunk.num_cached_tokens
-            if chunk.prefill_s is not None:
-                stats.prefill_measured(chunk)
-            first = joined(first, chunk)
-        pull = PullParams(transfer_id=request_id, num_tokens=len(prompt), wait_timeout_s=self._kv_wait_timeout_s)
-        if first.kv_error is not None:  # the KV did not land: D computes the prompt, waiting for nothing
-            log.warning("KV push for %s failed (%s); %s recomputes the prompt", request_id, first.kv_error,
-                        route.decode.name)
-            await self._client.drop_transfer(route.decode, request_id)
-            pull, stats.retried = None, True  # D's prompt time is not P's: keep P's measurement
-        rest = replace(sampling, prompt_logprobs=None)  # the prompt's came from the prefill worker
-        if sampling.first_token_on_decode():
-            # A grammar's state, output-token penalties and a seeded generator cannot cross
-            # workers: P's token is dropped and D, which loads the whole prompt's KV (it recomputes
-            # only the last prompt token), samples from the start, as one engine would.
-            claimed = False
-            chunks = self._whole(route.decode, request_id, prompt, rest, stats, pull)
-            async for chunk in chunks:
-                if not claimed:  # D answered: the KV is its request's (aborting that frees it)
-                    claimed = True
-                    yield None
-                if first.prompt_logprobs:
-                    chunk, first = replace(chunk, prompt_logprobs=first.prompt_logprobs), GenerateChunk([])
-                yield chunk
-            return
-        tokens, finish = first.token_ids, first.finish_reason
-        if finish == "stop" or sampling.max_tokens <= len(tokens):
-            await self._client.drop_transfer(route.decode, request_id)
-            yield None
-            yield replace(first, finish_reason=finish or "length")
-            return
-        yield replace(first, finish_reason=None)
-
-        rest = replace(rest, max_tokens=sampling.max_tokens - len(tokens),
-                       min_tokens=max(0, sampling.min_tokens - len(tokens)))
-        claimed = False
-        async for chunk in self._whole(route.decode, request_id, prompt + tokens, rest, stats, pull):
-            if not claimed:  # D answered: the KV is its request's (aborting that frees it)
-                claimed = True
-                yield None
-            yield chunk
 
     async def samples(self, request_id: str, prompt: list[int], sampling: Sampling, route: Route,
                       stats: RelayStats, n: int) -> AsyncIterator[tuple[int, GenerateChunk]]:

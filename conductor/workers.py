@@ -304,5 +304,5 @@ class WorkerClient:
         """Tell a decode worker to free KV pushed for a request that will not decode there."""
         try:
             await self._http.post(f"{handle.http_url}/internal/kv_drop", json={"transfer_id": transfer_id}, timeout=2.0)
-        except (httpx.HTTPError, RuntimeError) as exc:  # RuntimeError: the client closed (shutting down)  # unclaimed staging expires by its TTL anyway
+        except (httpx.HTTPError, RuntimeError) as exc:  # RuntimeError: shutting down; staging expires by its TTL anyway
             log.debug("dropping transfer %s on %s failed: %s", transfer_id, handle.name, exc)

@@ -147,12 +147,10 @@ class KVReceiver:
         if error is not None:
             with self._stats_lock:
                 self._stats.checksum_failures += "checksum" in error.lower()
-            self._staging.fail(note.transfer_id, f"layer {note.layer}: {error}", time.monotonic(),
-                               note.slot if note.slot >= 0 else None)
+            self._staging.fail(note.transfer_id, f"layer {note.layer}: {error}", time.monotonic(), note.slot)
             return
         try:
-            self._staging.landed(note.transfer_id, note.layer, note.first_block, note.end_block,
-                                 note.slot if note.slot >= 0 else None)
+            self._staging.landed(note.transfer_id, note.layer, note.first_block, note.end_block, note.slot)
         except (KeyError, ValueError) as exc:  # dropped meanwhile, or a note that does not fit
             log.warning("ignoring a KV note from %s: %s", peer, exc)
             return

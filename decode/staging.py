@@ -151,15 +151,15 @@ class KVStaging:
             self._transfers[transfer_id] = entry
             return entry
 
-    def landed(self, transfer_id: str, layer: int, first_block: int, end_block: int, slot: int | None = None) -> None:
+    def landed(self, transfer_id: str, layer: int, first_block: int, end_block: int, slot: int = -1) -> None:
         """Blocks [first_block, end_block) of `layer` are in the arena (verified by the engine).
-        `slot`: the offset the producer was given; a note for another slot (an earlier producer
-        of the same id) raises KeyError."""
+        `slot`: the offset the producer was given (-1: not named, as KVLayerNote's); a note for
+        another slot (an earlier producer of the same id) raises KeyError."""
         with self._lock:
             entry = self._transfers.get(transfer_id)
             if entry is None:
                 raise KeyError(f"no reservation for transfer {transfer_id}")
-            if slot is not None and slot != entry.offset:
+            if slot >= 0 and slot != entry.offset:
                 raise KeyError(f"transfer {transfer_id} was reserved again: a note for its old slot {slot}")
             if not (0 <= layer < entry.num_layers
                     and entry.first_block <= first_block <= end_block <= entry.first_block + entry.num_blocks):
@@ -168,7 +168,7 @@ class KVStaging:
                                  f"{entry.first_block + entry.num_blocks}))")
             entry.mark(layer, first_block, end_block)
 
-    def fail(self, transfer_id: str, error: str, now: float, slot: int | None = None) -> None:
+    def fail(self, transfer_id: str, error: str, now: float, slot: int = -1) -> None:
         """Mark a transfer broken (a checksum mismatch, a dead peer) so the consumer recomputes at
         once. `slot`: as for landed; a failure of an earlier producer's slot is ignored."""
         with self._lock:
@@ -176,7 +176,7 @@ class KVStaging:
             if entry is None:
                 entry = StagedTransfer(transfer_id, 0, 0, 0, 1, offset=-1, created_at=now)
                 self._transfers[transfer_id] = entry
-            elif slot is not None and slot != entry.offset and entry.offset >= 0:
+            elif slot >= 0 and slot != entry.offset and entry.offset >= 0:
                 return
             entry.error = entry.error or error
 

@@ -38,7 +38,7 @@ from contextlib import contextmanager
 from messenger.api import AttachmentSink, CallReply, TransferError
 from messenger.handshake import client_handshake, server_handshake
 from messenger.stats import TransportStats
-from messenger.tcp_link import shutdown_socket
+from messenger.tcp_link import keep_alive, shutdown_socket
 from messenger.wire import MAX_PAYLOAD_BYTES, MAX_VAR_BYTES, WireError, recv_exactly, recv_into_views, send_views
 
 log = logging.getLogger(__name__)
@@ -133,7 +133,7 @@ class LaneServer:
         head = bytearray(_REQUEST.size)
         try:
             _tune(conn)
-            conn.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)  # a caller's host that vanished
+            keep_alive(conn)  # a caller's host that vanished
             if self._auth_key is not None:
                 conn.settimeout(self._io_timeout_s)
                 server_handshake(conn, self._auth_key)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from mooncake import defaults
 from mooncake.cli_help import DefaultsHelpFormatter
-from mooncake.defaults import Dtype, chunk_size_error, engine_option_errors
+from mooncake.defaults import Dtype, chunk_size_error, engine_option_errors, max_model_len_error
 from mooncake.logs import configure_logging, uvicorn_log_config
 
 
@@ -70,8 +70,8 @@ def _check_serve(args: argparse.Namespace) -> list[str]:
     if (error := chunk_size_error(args.decode_chunk_size, "--decode-chunk-size")) is not None:
         errors.append(error)
     errors += [e for e in check_scheduler_args(args) if e not in errors]
-    if args.max_model_len < 16:
-        errors.append(f"--max-model-len must be >= 16, got {args.max_model_len}")
+    if error := max_model_len_error(args.max_model_len):
+        errors.append(error)
     if args.max_worker_restarts < 0:
         errors.append(f"--max-worker-restarts must be >= 0, got {args.max_worker_restarts}")
     if args.prefill < 0 or args.decode < 1:
@@ -126,10 +126,10 @@ def _check_conductor(args: argparse.Namespace) -> list[str]:
         errors.append(f"--drain-timeout must be >= 0 seconds, got {args.drain_timeout:g}")
     if not 1 <= args.port <= 65535:
         errors.append(f"--port must be in 1..65535, got {args.port}")
-    if not args.kv_wait_timeout > 0 or args.kv_wait_timeout == math.inf:
+    if not (math.isfinite(args.kv_wait_timeout) and args.kv_wait_timeout > 0):
         errors.append(f"--kv-wait-timeout must be a positive number of seconds, got {args.kv_wait_timeout:g}")
-    if args.max_model_len < 16:
-        errors.append(f"--max-model-len must be >= 16, got {args.max_model_len}")
+    if error := max_model_len_error(args.max_model_len):
+        errors.append(error)
     if args.profile is not None:
         from conductor.core.profile_table import load_profile
 

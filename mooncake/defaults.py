@@ -205,6 +205,17 @@ def block_size_error(block_size: int) -> str | None:
     return None
 
 
+MIN_MODEL_LEN = 16
+"""The shortest context a worker or conductor takes (tokens): a prompt and its answer must fit."""
+
+
+def max_model_len_error(max_model_len: int) -> str | None:
+    """Why --max-model-len cannot be used (None: it can)."""
+    if max_model_len < MIN_MODEL_LEN:
+        return f"--max-model-len must be >= {MIN_MODEL_LEN}, got {max_model_len}"
+    return None
+
+
 def chunk_size_error(chunk_size: int, option: str = "--chunk-size") -> str | None:
     """Why vLLM cannot step `chunk_size` tokens (None: it can); `option` names it for the user."""
     if chunk_size < ENGINE_MAX_NUM_SEQS:

@@ -8,7 +8,7 @@ import os
 
 from mooncake import defaults
 from mooncake.auth import add_token_arguments, token_errors, token_from_args
-from mooncake.defaults import Dtype, WorkerRole, engine_option_errors
+from mooncake.defaults import Dtype, WorkerRole, engine_option_errors, max_model_len_error
 from mooncake.engine.config import WorkerConfig
 from mooncake.paths import unusable_directory
 from mooncake.registry.config import EtcdCredentials
@@ -87,7 +87,7 @@ def _pool_dram_default() -> float:
 
 def pool_errors(args: argparse.Namespace) -> list[str]:
     errors = []
-    if not (args.pool_dram_gib >= 0 and args.pool_ssd_gib >= 0) or math.inf in (args.pool_dram_gib, args.pool_ssd_gib):
+    if not all(math.isfinite(gib) and gib >= 0 for gib in (args.pool_dram_gib, args.pool_ssd_gib)):
         errors.append(f"--pool-dram-gib and --pool-ssd-gib must be finite and >= 0 (GiB), got "
                       f"{args.pool_dram_gib:g} and {args.pool_ssd_gib:g} (env {POOL_DRAM_ENV}: "
                       f"{os.environ.get(POOL_DRAM_ENV, 'unset')})")
@@ -102,8 +102,8 @@ def pool_errors(args: argparse.Namespace) -> list[str]:
 def check_worker_args(args: argparse.Namespace) -> list[str]:
     """Options the engine cannot take, found before the model is resolved or vLLM imported."""
     errors = engine_option_errors(args.kv_cache_gib, args.block_size, args.chunk_size)
-    if args.max_model_len < 16:
-        errors.append(f"--max-model-len must be >= 16, got {args.max_model_len}")
+    if error := max_model_len_error(args.max_model_len):
+        errors.append(error)
     if args.drain_timeout < 0:
         errors.append(f"--drain-timeout must be >= 0 seconds, got {args.drain_timeout:g}")
     if not 0 <= args.port <= 65535 or not 0 <= args.kv_port <= 65535:

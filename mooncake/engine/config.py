@@ -75,8 +75,8 @@ class WorkerConfig:
             raise ValueError("pool sizes must be >= 0")
         if self.drain_timeout_s < 0:
             raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
-        if self.max_model_len < 16:
-            raise ValueError(f"max_model_len must be >= 16, got {self.max_model_len}")
+        if self.max_model_len < defaults.MIN_MODEL_LEN:
+            raise ValueError(f"max_model_len must be >= {defaults.MIN_MODEL_LEN}, got {self.max_model_len}")
         errors = engine_option_errors(self.kv_cache_gib, self.block_size, self.max_num_batched_tokens)
         if errors:
             raise ValueError("; ".join(errors))

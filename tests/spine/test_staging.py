@@ -25,17 +25,18 @@ def test_a_transfer_reserved_again_starts_over_in_a_fresh_slot_of_its_own_shape(
     notes must not count for it."""
     staging = KVStaging(StagingConfig(capacity_bytes=64 * ALIGN, ttl_s=10.0))
     first = staging.reserve("t", 2, first_block=4, num_blocks=4, block_bytes=ALIGN, now=0.0)
+    first_slot = first.offset  # the slot the first producer writes to (a released entry forgets it)
     other = staging.reserve("u", 2, first_block=0, num_blocks=4, block_bytes=ALIGN, now=0.0)
-    staging.landed("t", 0, 4, 6, slot=first.offset)
-    staging.landed("t", 1, 4, 6, slot=first.offset)
+    staging.landed("t", 0, 4, 6, slot=first_slot)
+    staging.landed("t", 1, 4, 6, slot=first_slot)
     again = staging.reserve("t", 2, first_block=0, num_blocks=8, block_bytes=ALIGN, now=1.0)
-    assert again is not first and again.offset not in (first.offset, other.offset)
+    assert again is not first and again.offset not in (first_slot, other.offset)
     assert (again.first_block, again.num_blocks, again.landed) == (0, 8, [0, 0])
     end = again.offset + again.nbytes
     assert end <= other.offset or again.offset >= other.offset + other.nbytes  # fits its own slot
     with pytest.raises(KeyError):  # the first producer, resumed: its note is for the old slot
-        staging.landed("t", 0, 6, 8, slot=first.offset)
-    staging.fail("t", "the first producer's link died", now=1.5, slot=first.offset)
+        staging.landed("t", 0, 6, 8, slot=first_slot)
+    staging.fail("t", "the first producer's link died", now=1.5, slot=first_slot)
     assert staging.peek("t").error is None  # nor does its failure spoil the new attempt
     assert staging.used_bytes == 2 * 2 * 4 * ALIGN + 2 * 8 * ALIGN  # the old slot held back (quarantine)
     staging.expire(now=11.5)
