@@ -67,7 +67,8 @@ def create_app(config: ConductorConfig) -> FastAPI:
             ready_workers={"prefill": len(pool.ready("prefill")), "decode": len(pool.ready("decode"))},
             push_bandwidth_Bps={h.name: h.push_bandwidth.estimate_Bps for h in pool.all()
                                 if h.push_bandwidth.estimate_Bps},
-            estimators=estimators_report(router)))
+            estimators=estimators_report(router),
+            retry_backlog_s=router.retries.backlog_s(service.clock())))
         registry = app.state.registry if config.registry_url is None else followed_registry(config)
         view = ClusterView(ViewConfig(expire_after_s=2 * config.registry_ttl_s))
         tasks = [asyncio.create_task(poll_health(pool, client, index, config.health_interval_s)),

@@ -32,6 +32,11 @@ def add_scheduler_arguments(parser: argparse.ArgumentParser) -> None:
                         "on an idle cluster; by default it is served, best effort, when no worker that may prefill "
                         "has anything queued, and refused with a Retry-After until then (unless it set its own, "
                         "tighter TTFT SLO)")
+    g.add_argument("--no-retry-spacing", action="store_true",
+                   help="tell each refused request the Retry-After of its own predicted drain, as if it were the "
+                        "only one refused; by default requests refused together are told to come back one after "
+                        "another, each a predicted share of the prefill (or decode) work of those before it "
+                        "later, so that clients which obey Retry-After are not all refused again")
     g.add_argument("--remote-fetch", action=argparse.BooleanOptionalAction, default=defaults.REMOTE_FETCH,
                    help="Algorithm 1's fetch_from: a prefill worker may pull a longer prefix from another worker's "
                         "KVCache pool (priced with the measured KV bandwidth) instead of computing it, when that "
@@ -104,6 +109,7 @@ def scheduler_config(args: argparse.Namespace) -> SchedulerConfig:
         tbt_slo_s=args.tbt_slo, kvcache_balancing_threshold=args.balancing_threshold,
         conditional_disaggregation=not args.no_conditional_disaggregation,
         remote_fetch=args.remote_fetch, best_effort_when_idle=not args.refuse_unattainable,
+        space_retries=not args.no_retry_spacing,
         # Flexible roles price every instance by TTFT, which only kvcache-centric does.
         flexible_roles=not args.no_flexible_roles and args.policy == Policy.KVCACHE_CENTRIC.value,
         # Each worker says its own tokens per step (in the registry and on /health); this prices

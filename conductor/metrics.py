@@ -42,6 +42,9 @@ class LiveState:
     push_bandwidth_Bps: dict[str, float] = field(default_factory=dict)  # by instance (measured ones only)
     estimators: dict[str, dict[str, Any]] = field(default_factory=dict)
     """By instance: Calibration.describe() (conductor/core/calibration.py)."""
+    retry_backlog_s: dict[str, float] = field(default_factory=dict)
+    """By resource: how far ahead the Retry-After given to refused requests has it booked
+    (RetryBook.backlog_s)."""
 
 
 class _LiveCollector:
@@ -63,6 +66,13 @@ class _LiveCollector:
         for instance, bps in sorted(state.push_bandwidth_Bps.items()):
             bandwidth.add_metric([instance], bps)
         yield bandwidth
+        backlog = GaugeMetricFamily(
+            "mooncake_retry_backlog_seconds",
+            "How far ahead the requests refused with a Retry-After are told to come back, by the resource they "
+            "wait for (prefill or decode; seconds).", labels=["resource"])
+        for resource, seconds in sorted(state.retry_backlog_s.items()):
+            backlog.add_metric([resource], seconds)
+        yield backlog
         yield from _estimator_gauges(state.estimators)
 
 

@@ -3,7 +3,8 @@
 The router is the shell around `conductor.core.Scheduler`: it hashes the prompt's blocks with
 the same function the workers' KV events are keyed by, builds a ClusterState snapshot from the
 ready workers and the conductor's own ledger, asks the core, and turns the answer into a Route
-or an HTTP refusal (429 with Retry-After, counted by reason). It also keeps the ledger current
+or an HTTP refusal (429 with Retry-After, counted by reason; the Retry-Afters of requests refused
+together are spaced by the RetryBook, so they do not all come back at once). It also keeps the ledger current
 as requests pass their first token and finish (each admitted request's RequestLife calls it).
 
 With `remote_fetch` on (the default; --no-remote-fetch turns it off) a decision may carry
@@ -21,6 +22,7 @@ decode-step times the workers measured (`measured`) to that instance's calibrati
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import statistics
@@ -30,6 +32,7 @@ from typing import TYPE_CHECKING
 from conductor.core.admission import Limits, limits_for
 from conductor.core.calibration import Calibration
 from conductor.core.index import PendingPrefixes, PrefixIndex
+from conductor.core.retry_book import RetryBook
 from conductor.core.scheduler import Scheduler
 from conductor.core.types import ClusterState, Decision, InstanceState, Rejection, RejectReason, Request, Role
 from conductor.config import worker_block_size_error
@@ -91,6 +94,8 @@ class Router:
         # on the same worker finds them cached (vLLM's prefix cache), before any KV event says so.
         self.pending = PendingPrefixes()
         self.mean_decode_s: float | None = None
+        # Spaces the Retry-After of requests refused together (conductor/core/retry_book.py).
+        self.retries = RetryBook(scheduler.config.max_retry_after_s)
         self._refused: set[str] = set()  # workers already reported for a block-size mismatch
 
     def _compatible(self, handle: WorkerHandle) -> bool:
@@ -135,6 +140,8 @@ class Router:
             # under the same SLOs and admission, so every refusal here is a real one.
             if allow_none:
                 return None
+            if self.scheduler.config.space_retries:
+                result = dataclasses.replace(result, retry_after_s=self.retries.promise(result, now))
             self.metrics.rejections.labels(reason=str(result.reason), slo_class=slo.slo_class).inc()
             log.info("rejected %s (%d prompt tokens, class %s): %s, retry after %.1f s", request_id, len(prompt),
                      slo.slo_class, result.reason, result.retry_after_s)

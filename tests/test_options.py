@@ -156,6 +156,8 @@ def test_live_defaults_have_one_source():
     for cmd in ("serve", "conductor"):
         assert scheduler_config(parse(cmd, "--no-remote-fetch")).remote_fetch is False
         assert scheduler_config(parse(cmd, "--remote-fetch")).remote_fetch is True
+        assert scheduler_config(parse(cmd)).space_retries is True
+        assert scheduler_config(parse(cmd, "--no-retry-spacing")).space_retries is False
     worker_args = parse("decode", "--insecure-no-cluster-token")
     worker = worker_config(worker_args, WorkerRole.DECODE, "/models/m")
     assert (worker.block_size, worker.kv_cache_gib, worker.max_num_batched_tokens, worker.dtype) == (

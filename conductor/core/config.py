@@ -129,6 +129,10 @@ class SchedulerConfig:
     max_retry_after_s: float = 300.0
     """Ceiling of Retry-After, also given when waiting cannot help (a prompt too long for its SLO,
     best_effort_when_idle off)."""
+    space_retries: bool = True
+    """The shell spaces the Retry-After of requests refused together by their share of the
+    resource they wait for (retry_book.py), so they do not all come back at once. Off: each is told
+    its own drain, as if it were the only one refused."""
     seed: int = 0
     """Seed of the random policy's generator, for reproducible runs."""
 

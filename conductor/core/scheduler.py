@@ -97,12 +97,16 @@ class Scheduler:
                        and pchoice.queue_s <= 0.0 and all(est.queue_s(i) <= 0.0 for i in prefill_pool))
         if cfg.admission is not Admission.NONE and ttft > lim.ttft_s and not best_effort:
             retry, helps = self._ttft_retry(pchoice, prefill_pool, lim)
+            # A retry takes this much of the prefill compute of the instances that may prefill it.
+            slot = pchoice.prefill_s / max(len(prefill_pool or decode_pool), 1)
             return Rejection(request.request_id, RejectReason.TTFT_SLO, retry, ttft, dchoice.tbt_s, helps,
-                             unattainable)
+                             unattainable, slot)
         if cfg.admission in (Admission.EARLY, Admission.PREDICTION) and dchoice.problem is not None:
             drain = decode_drain_s(decode_pool, prompt, now, t_d, est, cfg, lim)
+            # Sequences leave the decode pool about this often; a retry takes the room of one.
+            slot = t_d / max(sum(len(i.running) + len(i.incoming) for i in decode_pool), 1)
             return Rejection(request.request_id, dchoice.problem, self._clip_retry(drain - ttft), ttft, dchoice.tbt_s,
-                             math.isfinite(drain))
+                             math.isfinite(drain), slot_s=slot)
         return Decision(
             request_id=request.request_id,
             prefill_instance=pchoice.instance_id,

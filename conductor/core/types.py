@@ -202,7 +202,10 @@ class Rejection:
     cluster (its own prefill and transfer take longer than the TTFT SLO, or no decode instance
     could hold it empty). retry_after_s is then the configured ceiling. unattainable: it misses
     the TTFT SLO even on an idle cluster; with best_effort_when_idle a retry once every queue has
-    drained is served, best effort (retry_can_help stays True).
+    drained is served, best effort (retry_can_help stays True). slot_s: how long a retry of this
+    request keeps the resource it waits for busy, shared over that resource's instances (its
+    predicted prefill over the instances that may prefill it; the mean gap between decode
+    departures), which the shell's RetryBook spaces the retries of a burst of refusals by.
     """
 
     request_id: str
@@ -212,3 +215,4 @@ class Rejection:
     predicted_tbt_s: float | None = None
     retry_can_help: bool = True
     unattainable: bool = False
+    slot_s: float = 0.0

@@ -20,7 +20,7 @@ from tests.deploy.promql import (DASHBOARD, PROMETHEUS_OWN, dashboard_queries, e
 def conductor_text() -> str:
     metrics = ConductorMetrics()
     metrics.watch(lambda: LiveState(in_flight=1, ready_workers={"prefill": 1, "decode": 1},
-                                    push_bandwidth_Bps={"p": 1e9}))
+                                    push_bandwidth_Bps={"p": 1e9}, retry_backlog_s={"prefill": 3.0}))
     return metrics.render().decode()
 
 

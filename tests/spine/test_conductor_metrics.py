@@ -29,3 +29,10 @@ def test_each_app_counts_alone_and_scrape_time_gauges_read_live_state():
     assert a.value("mooncake_in_flight_requests") == 3
     state.in_flight = 0  # read at scrape time, not pushed
     assert "mooncake_in_flight_requests 0.0" in a.render().decode()
+
+
+def test_the_retry_backlog_is_a_gauge_by_resource_in_seconds():
+    metrics = ConductorMetrics()
+    metrics.watch(lambda: LiveState(retry_backlog_s={"prefill": 7.5, "decode": 0.0}))
+    assert metrics.value("mooncake_retry_backlog_seconds", resource="prefill") == 7.5
+    assert metrics.value("mooncake_retry_backlog_seconds", resource="decode") == 0.0

@@ -71,6 +71,33 @@ def test_slo_rejection_is_429_with_retry_after_and_counted():
     assert r.metrics.value("mooncake_rejections_total", reason="ttft_slo", slo_class="default") == 1
 
 
+def test_requests_refused_together_are_told_to_come_back_one_after_another():
+    prompt = list(range(4000))
+    one = router(pool_of(("p1", "prefill"), ("d1", "decode"))).pick("x", prompt, 8, now=0.0)
+    alone = one.decision.predicted_ttft_s  # one prompt's TTFT on an idle cluster
+    r = router(pool_of(("p1", "prefill"), ("d1", "decode")), ttft=1.5 * alone)
+    r.pick("first", prompt, 8, now=0.0)  # admitted: its prefill is now queued on p1
+    waits = []
+    for i in range(4):
+        with pytest.raises(APIError) as info:
+            r.pick(f"r{i}", [10_000 * (i + 1) + t for t in range(4000)], 8, now=0.0)
+        assert info.value.status == 429 and info.value.code == "ttft_slo"
+        waits.append(int(info.value.headers["Retry-After"]))
+        assert f"retry after {waits[-1]} s" in info.value.message
+    # Alone, each would be told the same drain; booked, each one prefill later than the one before.
+    assert waits == sorted(waits) and waits[-1] - waits[0] >= int(3 * alone)
+    assert r.retries.backlog_s(0.0)["prefill"] == pytest.approx(waits[-1] + alone, abs=1.0)
+    # --no-retry-spacing: each is told its own drain, the same for all.
+    off = router(pool_of(("p1", "prefill"), ("d1", "decode")), ttft=1.5 * alone, space_retries=False)
+    off.pick("first", prompt, 8, now=0.0)
+    same = set()
+    for i in range(3):
+        with pytest.raises(APIError) as info:
+            off.pick(f"r{i}", [10_000 * (i + 1) + t for t in range(4000)], 8, now=0.0)
+        same.add(info.value.headers["Retry-After"])
+    assert len(same) == 1 and off.retries.backlog_s(0.0) == {}
+
+
 def test_no_decode_worker_is_503_and_no_prefill_degrades_to_colocated():
     with pytest.raises(APIError) as info:
         router(pool_of(("p1", "prefill"))).pick("a", [1, 2, 3], 4, now=0.0)
