@@ -29,7 +29,14 @@ SCRAPE_ENDPOINT = {
     "type": "object", "additionalProperties": False,
     "properties": {"port": {"type": "string"}, "path": {"type": "string"}, "interval": DURATION,
                    "scrapeTimeout": DURATION, "scheme": {"enum": ["http", "https"]},
-                   "honorLabels": {"type": "boolean"}},
+                   "honorLabels": {"type": "boolean"},
+                   "relabelings": {"type": "array", "items": {
+                       "type": "object", "additionalProperties": False,
+                       "properties": {"sourceLabels": {"type": "array", "items": {"type": "string"}},
+                                      "separator": {"type": "string"}, "targetLabel": {"type": "string"},
+                                      "regex": {"type": "string"}, "replacement": {"type": "string"},
+                                      "action": {"enum": ["replace", "keep", "drop", "labelmap", "labeldrop",
+                                                          "labelkeep", "hashmod"]}}}}},
 }
 METADATA = {
     "type": "object", "required": ["name"],

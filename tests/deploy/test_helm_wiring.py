@@ -278,3 +278,32 @@ def test_the_store_ssd_volume(renderer, tmp_path, variant):
         assert any(e["name"] == "POD_NAME" for e in container["env"])
     assert run_renderer(renderer, {"store": {"ssd": {"enabled": True, "type": "hostPath"}}},
                         tmp_path).returncode != 0  # a hostPath volume needs its path
+
+
+def _relabelled(rules: list[dict], pod: dict[str, str]) -> dict[str, str]:
+    """Prometheus' `replace` relabelling of a target whose pod has labels `pod` (kubernetes_sd
+    exposes each as __meta_kubernetes_pod_label_<name, non-alphanumerics as _>)."""
+    import re
+    meta = {"__meta_kubernetes_pod_label_" + re.sub(r"[^a-zA-Z0-9_]", "_", k): v for k, v in pod.items()}
+    out = {}
+    for rule in rules:
+        assert rule.get("action", "replace") == "replace"
+        value = rule.get("separator", ";").join(meta.get(s, "") for s in rule["sourceLabels"])
+        match = re.fullmatch(rule.get("regex", "(.*)"), value)
+        if match:
+            out[rule["targetLabel"]] = match.expand(rule.get("replacement", "$1").replace("$", "\\"))
+    return out
+
+
+@pytest.mark.parametrize("monitor", ["ServiceMonitor", "PodMonitor"])
+def test_monitors_label_each_worker_with_its_role(renderer, tmp_path, monitor):
+    # The recording rules sum worker throughput by role, as prometheus.yml labels it.
+    docs, _ = render(renderer, {"metrics": {"monitor": monitor}}, tmp_path)
+    (mon,) = by_kind(docs, monitor)
+    endpoints = mon["spec"]["endpoints" if monitor == "ServiceMonitor" else "podMetricsEndpoints"]
+    pods = workloads(docs)
+    for endpoint in endpoints:
+        rules = endpoint.get("relabelings", [])
+        for role in ("prefill", "decode"):
+            assert _relabelled(rules, pod_labels(pods[role])).get("role") == role
+        assert "role" not in _relabelled(rules, pod_labels(pods["conductor"]))
