@@ -2,9 +2,12 @@
 
 On one machine `serve` is the workers' process manager, as systemd or Kubernetes is on many: a
 worker that dies (a crash, the OOM killer, a kill by hand) is noticed within a poll, its engine
-processes are killed with it (vLLM's EngineCore and workers live in the worker's process group
+processes are stopped with it (vLLM's EngineCore and workers live in the worker's process group
 and would otherwise linger, holding gigabytes), and it is started again with the same command
-after a back-off. A worker that keeps dying is given up on after `max_restarts` within
+after a back-off. They are asked first (SIGTERM), as systemd and Kubernetes do, and killed
+(SIGKILL) once `stop_grace_s` has passed: killed outright, they left their shared-memory
+segments in /dev/shm (vLLM's, hundreds of MB each, and the multiprocessing resource tracker
+that would unlink them died with them). A restart waits until the group is gone. A worker that keeps dying is given up on after `max_restarts` within
 `window_s`, and the cluster goes on with the others (the conductor routes around it and its
 /health says "degraded"). Pure but for the processes: the clock and the spawning are passed in.
 """
@@ -38,10 +41,14 @@ class RestartPolicy:
     first_delay_s: float = 1.0
     """Back-off before the first restart, doubled for each restart within window_s."""
     max_delay_s: float = 30.0
+    stop_grace_s: float = 5.0
+    """How long a dead worker's engine processes have to exit after SIGTERM before SIGKILL."""
 
     def __post_init__(self) -> None:
-        if self.max_restarts < 0 or self.window_s <= 0 or not 0 <= self.first_delay_s <= self.max_delay_s:
-            raise ValueError(f"need max_restarts >= 0, window_s > 0 and 0 <= first_delay_s <= max_delay_s: {self}")
+        if (self.max_restarts < 0 or self.window_s <= 0 or not 0 <= self.first_delay_s <= self.max_delay_s
+                or self.stop_grace_s < 0):
+            raise ValueError("need max_restarts >= 0, window_s > 0, 0 <= first_delay_s <= max_delay_s and "
+                             f"stop_grace_s >= 0: {self}")
 
 
 class Supervisor:
@@ -53,19 +60,24 @@ class Supervisor:
         self._clock = clock
         self._restarted: dict[str, list[float]] = {}  # worker url -> when it was restarted
         self._due: dict[str, float] = {}  # worker url -> when its restart is due
+        self._stopping: dict[str, tuple[subprocess.Popen, float]] = {}  # url -> (dead leader, SIGKILL at)
         self.given_up: set[str] = set()
 
     def check(self) -> None:
-        """One poll: notice deaths, start what is due."""
+        """One poll: notice deaths, stop what they left, start what is due."""
         now = self._clock()
         for w in self._workers:
+            self._finish_stopping(w.url, now)
             if w.url in self.given_up or w.process.poll() is None:
                 continue
             if w.url in self._due:
-                if now >= self._due[w.url]:
+                if now >= self._due[w.url] and w.url not in self._stopping:
                     self._restart(w, now)
                 continue
-            kill_group(w.process)  # its engine processes outlive it otherwise
+            # Its engine processes outlive it otherwise; asked first, so they can clean up.
+            kill_group(w.process, signal.SIGTERM)
+            self._stopping[w.url] = (w.process, now + self._policy.stop_grace_s)
+            self._finish_stopping(w.url, now)
             recent = [t for t in self._restarted.get(w.url, []) if now - t < self._policy.window_s]
             self._restarted[w.url] = recent
             code = w.process.returncode
@@ -80,6 +92,17 @@ class Supervisor:
             log.error("%s worker %s (pid %d) exited with code %s; restarting it in %.0f s (restart %d of %d within "
                       "%.0f s); its log is above", w.role, w.url, w.process.pid, code, delay, len(recent) + 1,
                       self._policy.max_restarts, self._policy.window_s)
+
+    def _finish_stopping(self, url: str, now: float) -> None:
+        """The dead worker's group is gone, or its grace has passed and it is killed."""
+        if url not in self._stopping:
+            return
+        leader, kill_at = self._stopping[url]
+        if now >= kill_at:
+            kill_group(leader)
+        elif group_running(leader.pid):
+            return
+        del self._stopping[url]
 
     def _restart(self, w: Supervised, now: float) -> None:
         del self._due[w.url]

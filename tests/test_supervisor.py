@@ -11,11 +11,12 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import pytest
 
-from mooncake.supervisor import RestartPolicy, Supervisor, group_running
+from mooncake.supervisor import RestartPolicy, Supervisor, group_running, kill_group
 
 # A worker that starts a child in its own process group (as vLLM's EngineCore is), then dies.
 DIES_LEAVING_A_CHILD = ("import subprocess, sys, time; "
@@ -137,6 +138,8 @@ def test_the_policy_refuses_nonsense():
         RestartPolicy(max_restarts=-1)
     with pytest.raises(ValueError):
         RestartPolicy(first_delay_s=60, max_delay_s=30)
+    with pytest.raises(ValueError):
+        RestartPolicy(stop_grace_s=-1)
 
 
 def test_a_group_runs_while_a_member_runs_and_not_once_only_zombies_are_left(tmp_path):
@@ -188,6 +191,80 @@ def test_stopping_the_cluster_lets_the_engine_processes_shut_down_before_killing
     cluster.stop(grace_s=10.0)
     assert done.read_text() == "done"  # it finished its shutdown: not SIGKILLed when its leader exited
     assert not group_running(leader.pid)
+
+
+# A worker that dies leaving a child: the slow one above, or one that ignores SIGTERM.
+DIES_LEAVING = ("import subprocess, sys, time\n"
+                "subprocess.Popen([sys.executable, '-c', sys.argv[1], sys.argv[2]])\n"
+                "time.sleep(0.5); sys.exit(3)\n")
+DEAF_CHILD = ("import pathlib, signal, sys, time\n"
+              "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+              "pathlib.Path(sys.argv[1] + '.ready').touch()\n"
+              "time.sleep(120)\n")
+
+
+def _dying_worker(tmp_path, child: str, started: list) -> tuple[Worker, Callable]:
+    def spawn(worker: Worker) -> subprocess.Popen:
+        proc = subprocess.Popen([sys.executable, "-c", worker.code, child, str(tmp_path / "child-done")],
+                                start_new_session=True)
+        started.append(proc)
+        return proc
+
+    worker = Worker("decode", "http://w5", None, DIES_LEAVING)
+    worker.process = spawn(worker)
+    deadline = time.monotonic() + 30
+    while not (tmp_path / "child-done.ready").exists():
+        assert time.monotonic() < deadline, "the child never started"
+        time.sleep(0.05)
+    wait_exit(worker.process)
+    return worker, spawn
+
+
+def test_a_dead_workers_engine_processes_are_asked_to_stop_and_the_restart_waits_for_them(tmp_path):
+    started: list[subprocess.Popen] = []
+    try:
+        worker, spawn = _dying_worker(tmp_path, SLOW_CHILD, started)
+        dead = worker.process
+        now = [0.0]
+        keeper = Supervisor([worker], spawn, RestartPolicy(first_delay_s=0, stop_grace_s=30), lambda: now[0])
+        keeper.check()  # SIGTERM: the child takes a second to shut down
+        keeper.check()
+        assert worker.process is dead and group_running(dead.pid)  # restart waits for the group
+        deadline = time.monotonic() + 20
+        while worker.process is dead:
+            assert time.monotonic() < deadline, "never restarted"
+            time.sleep(0.1)
+            keeper.check()
+        assert (tmp_path / "child-done").read_text() == "done"  # it shut down cleanly, not killed
+        assert not group_running(dead.pid)
+    finally:
+        for proc in started:
+            kill_group(proc)
+
+
+def test_engine_processes_that_ignore_sigterm_are_killed_after_the_grace(tmp_path):
+    started: list[subprocess.Popen] = []
+    try:
+        worker, spawn = _dying_worker(tmp_path, DEAF_CHILD, started)
+        dead = worker.process
+        now = [0.0]
+        keeper = Supervisor([worker], spawn, RestartPolicy(first_delay_s=0, stop_grace_s=5), lambda: now[0])
+        keeper.check()
+        time.sleep(0.5)
+        now[0] = 4.9
+        keeper.check()
+        assert group_running(dead.pid) and worker.process is dead
+        now[0] = 5.0
+        keeper.check()  # grace over: SIGKILL
+        deadline = time.monotonic() + 10
+        while group_running(dead.pid):
+            assert time.monotonic() < deadline, "the deaf child was never killed"
+            time.sleep(0.05)
+        keeper.check()
+        assert worker.process is not dead
+    finally:
+        for proc in started:
+            kill_group(proc)
 
 
 def test_serve_gives_decode_workers_their_own_chunk_size_when_prefill_workers_exist(monkeypatch):
