@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import pathlib
 import random
@@ -23,6 +24,7 @@ from conductor.core.profile_table import DecodeRow, PrefillRow, ProfileTable, sa
 from mooncake import defaults
 from mooncake.cli_help import DefaultsHelpFormatter
 from mooncake.defaults import Dtype
+from mooncake.paths import unusable_directory
 
 DTYPE_BYTES = {Dtype.FLOAT32: 4, Dtype.BFLOAT16: 2, Dtype.FLOAT16: 2}  # of one KV element
 
@@ -72,14 +74,37 @@ def table_name(model: pathlib.Path, dtype: Dtype) -> str:
     return defaults.profile_name(f"{model.name.lower()}-cpu", dtype)
 
 
+def option_errors(args: argparse.Namespace) -> list[str]:
+    """What is wrong with the options, as sentences: checked before minutes of measuring, not by
+    the fit or the write at the end."""
+    errors = []
+    if len(args.prompt_lengths) * len(args.cached_shares) < 4 or len(args.batch_sizes) * len(args.contexts) < 3:
+        errors.append("the fit needs >= 4 prefill points (lengths x shares) and >= 3 decode points "
+                      "(batch sizes x contexts)")
+    if min(args.prompt_lengths) < 1 or min(args.batch_sizes) < 1 or min(args.contexts) < 1:
+        errors.append("--prompt-lengths, --batch-sizes and --contexts must be positive")
+    if not all(0 <= share < 1 for share in args.cached_shares):
+        errors.append("--cached-shares must each be in [0, 1)")
+    if args.decode_tokens < 2 or args.repeats < 1:
+        errors.append("--decode-tokens must be >= 2 (a step is a difference) and --repeats >= 1")
+    if (error := defaults.block_size_error(args.block_size)) is not None:
+        errors.append(error)
+    if args.kv_cache_gib < 1:
+        errors.append(f"--kv-cache-gib must be >= 1 (VLLM_CPU_KVCACHE_SPACE is whole GiB), got {args.kv_cache_gib}")
+    if not (math.isfinite(args.bandwidth) and args.bandwidth > 0):
+        errors.append(f"--bandwidth must be a positive number of bytes per second, got {args.bandwidth}")
+    if args.out.is_dir():
+        errors.append(f"--out {args.out} is a directory: name the profile file to write")
+    elif (error := unusable_directory(str(args.out.parent), create=False)) is not None:
+        errors.append(f"--out {args.out}: {error}")
+    return errors
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
-    # Checked before minutes of measuring, not by the fit at the end.
-    if len(args.prompt_lengths) * len(args.cached_shares) < 4 or len(args.batch_sizes) * len(args.contexts) < 3:
-        ap.error("the fit needs >= 4 prefill points (lengths x shares) and >= 3 decode points (batch sizes x contexts)")
-    if args.decode_tokens < 2 or args.repeats < 1:
-        ap.error("--decode-tokens must be >= 2 (a step is a difference) and --repeats >= 1")
+    if errors := option_errors(args):
+        ap.error("; ".join(errors))
     try:
         cfg = json.loads((args.model / "config.json").read_text())
     except (OSError, ValueError) as exc:
@@ -88,7 +113,13 @@ def main(argv: list[str] | None = None) -> int:
     head_dim = cfg.get("head_dim", cfg["hidden_size"] // heads)
     dtype = Dtype(args.dtype)
     kv_bpt = 2 * cfg["num_hidden_layers"] * cfg.get("num_key_value_heads", heads) * head_dim * DTYPE_BYTES[dtype]
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(args.kv_cache_gib))  # before vllm is imported
+    # The table's KV capacity is computed from --kv-cache-gib, so the engine gets exactly that
+    # (before vllm is imported), whatever the environment said.
+    space = os.environ.get("VLLM_CPU_KVCACHE_SPACE")
+    if space not in (None, str(args.kv_cache_gib)):
+        print(f"VLLM_CPU_KVCACHE_SPACE={space} in the environment is replaced by --kv-cache-gib "
+              f"{args.kv_cache_gib}", file=sys.stderr)
+    os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(args.kv_cache_gib)
     from vllm import LLM, SamplingParams
 
     max_len = max(max(args.prompt_lengths), max(args.contexts) + args.decode_tokens) + args.block_size
