@@ -17,6 +17,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client.core import GaugeMetricFamily
 
 from mooncake import defaults
+from mooncake.prometheus_text import WithoutCreated
 
 _LATENCY_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0)
 _TBT_S = (0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 1.0, 2.0)
@@ -39,6 +40,8 @@ class LiveState:
     """What the scrape-time gauges show, read from the app's state at each scrape."""
     in_flight: int = 0
     ready_workers: dict[str, int] = field(default_factory=dict)  # by role
+    can_serve: bool = False
+    """Some ready worker can decode (conductor.workers.can_serve): else every request gets 503."""
     push_bandwidth_Bps: dict[str, float] = field(default_factory=dict)  # by instance (measured ones only)
     estimators: dict[str, dict[str, Any]] = field(default_factory=dict)
     """By instance: Calibration.describe() (conductor/core/calibration.py)."""
@@ -59,6 +62,10 @@ class _LiveCollector:
         for role, n in sorted(state.ready_workers.items()):
             ready.add_metric([role], n)
         yield ready
+        yield GaugeMetricFamily(
+            "mooncake_serving_ready", "1 when some ready worker can decode a request (any ready worker with "
+            "flexible roles, a decode worker with fixed roles), else 0: every request gets 503.",
+            value=int(state.can_serve))
         bandwidth = GaugeMetricFamily(
             "mooncake_kv_push_bandwidth_bytes_per_second",
             "Measured KV push bandwidth of each prefill worker, as the scheduler prices transfers with it "
@@ -108,20 +115,6 @@ def _estimator_gauges(estimators: dict[str, dict[str, Any]]):
             samples.add_metric([instance, kind], fits[kind]["samples"])
     yield from families.values()
     yield samples
-
-
-class _WithoutCreated:
-    """The registry's families less prometheus_client's `_created` timestamps, which the text
-    format shows as extra gauge families. Turning them off is process-wide
-    (disable_created_metrics); filtering at render time keeps it to this app."""
-
-    def __init__(self, registry: CollectorRegistry):
-        self._registry = registry
-
-    def collect(self):
-        for family in self._registry.collect():
-            family.samples = [s for s in family.samples if not s.name.endswith("_created")]
-            yield family
 
 
 class ConductorMetrics:
@@ -198,7 +191,7 @@ class ConductorMetrics:
 
     def render(self) -> bytes:
         """The Prometheus text exposition (CONTENT_TYPE)."""
-        return generate_latest(_WithoutCreated(self.registry))
+        return generate_latest(WithoutCreated(self.registry))
 
     def value(self, name: str, **labels: str) -> float:
         """One sample's current value by its exposed name (0 when never set); for tests and tools."""

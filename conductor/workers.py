@@ -136,6 +136,12 @@ class WorkerPool:
         return list(self.handles.values())
 
 
+def can_serve(pool: WorkerPool, flexible_roles: bool) -> bool:
+    """Some ready worker can decode a request: with flexible roles any ready worker can, with
+    fixed roles only a decode (or both-role) worker. Otherwise every request gets 503."""
+    return bool(pool.ready("decode")) or (flexible_roles and any(h.ready for h in pool.all()))
+
+
 class WorkerClient:
     def __init__(self, token_timeout_s: float, connect_timeout_s: float = 5.0, cluster_token: str | None = None,
                  health_timeouts_tolerated: int = HEALTH_TIMEOUTS_TOLERATED, health_timeout_s: float = 2.0,

@@ -14,6 +14,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
+from mooncake.prometheus_text import WithoutCreated
+
 _TTFT_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 # Connector counters (ConnectorStats field -> metric name, help text). prometheus_client drops the
 # `_total` from a counter family's name and puts it back on the sample, so the exposed name is this one.
@@ -172,4 +174,4 @@ class WorkerMetrics:
         scrape.register(ConnectorCounters(kv))
         scrape.register(MessengerMetrics(messenger or {}))
         scrape.register(PoolMetrics(pool or {}))
-        return generate_latest(scrape)
+        return generate_latest(WithoutCreated(scrape))

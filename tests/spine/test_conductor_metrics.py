@@ -36,3 +36,19 @@ def test_the_retry_backlog_is_a_gauge_by_resource_in_seconds():
     metrics.watch(lambda: LiveState(retry_backlog_s={"prefill": 7.5, "decode": 0.0}))
     assert metrics.value("mooncake_retry_backlog_seconds", resource="prefill") == 7.5
     assert metrics.value("mooncake_retry_backlog_seconds", resource="decode") == 0.0
+
+
+def test_serving_ready_follows_whether_some_ready_worker_can_decode():
+    from conductor.workers import WorkerPool, can_serve
+
+    pool = WorkerPool()
+    prefill = pool.add("http://p")
+    prefill.role, prefill.ready = "prefill", True
+    decode = pool.add("http://d")
+    decode.role, decode.ready = "decode", False
+    assert can_serve(pool, flexible_roles=True) and not can_serve(pool, flexible_roles=False)
+    decode.ready = True
+    assert can_serve(pool, flexible_roles=False)
+    metrics = ConductorMetrics()
+    metrics.watch(lambda: LiveState(can_serve=False))
+    assert metrics.value("mooncake_serving_ready") == 0

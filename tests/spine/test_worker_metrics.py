@@ -149,3 +149,12 @@ def test_stream_records_tokens_first_token_and_outcome(monkeypatch, fail, outcom
     ttft = families["mooncake_worker_first_token_seconds"][1]
     assert ttft[("mooncake_worker_first_token_seconds_count", ())] == 1
     assert state.in_flight == {}
+
+
+def test_no_created_timestamps_are_exposed():
+    # prometheus_client adds a `_created` series beside each counter and histogram; no rule or
+    # panel reads them, and the conductor leaves them out too (mooncake/prometheus_text.py).
+    m = WorkerMetrics()
+    m.requests.labels(outcome="ok").inc()
+    text = m.render(LOAD, {key: 0 for key in _KV_COUNTERS}).decode()
+    assert "mooncake_worker_requests_total" in text and "_created" not in text
