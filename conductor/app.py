@@ -26,7 +26,7 @@ from conductor.routing import Router
 from conductor.prompts import detokenize_body, prefix_request_ids, tokenize_body, tokenize_request
 from conductor.schemas import ChatCompletionRequest, CompletionRequest, DetokenizeRequest
 from conductor.serving import CompletionService
-from conductor.workers import WorkerClient, WorkerPool
+from conductor.workers import WorkerClient, WorkerPool, can_serve
 from mooncake.auth import ClusterTokenGuard, token_headers
 from mooncake.body_limit import BodyLimitMiddleware
 from mooncake.drain import Drain, wait_idle
@@ -65,6 +65,7 @@ def create_app(config: ConductorConfig) -> FastAPI:
         app.state.metrics.watch(lambda: LiveState(
             in_flight=service.in_flight,
             ready_workers={"prefill": len(pool.ready("prefill")), "decode": len(pool.ready("decode"))},
+            can_serve=can_serve(pool, config.scheduler.flexible_roles),
             push_bandwidth_Bps={h.name: h.push_bandwidth.estimate_Bps for h in pool.all()
                                 if h.push_bandwidth.estimate_Bps},
             estimators=estimators_report(router),
@@ -147,8 +148,7 @@ def create_app(config: ConductorConfig) -> FastAPI:
         workers = [{"url": h.http_url, "instance_id": h.instance_id, "role": h.role, "status": h.status,
                     "error": h.last_error, "kv_push_bandwidth_Bps": h.push_bandwidth.estimate_Bps}
                    for h in pool.all()]
-        # Ready to serve when some worker can decode: with flexible roles, any ready worker can.
-        ok = bool(pool.ready("decode")) or (config.scheduler.flexible_roles and any(h.ready for h in pool.all()))
+        ok = can_serve(pool, config.scheduler.flexible_roles)
         view = request.app.state.view
         draining = request.app.state.drain.active  # SIGTERM: a balancer takes this replica out
         ok = ok and not draining
@@ -203,7 +203,17 @@ async def drain_conductor(app: FastAPI) -> None:
     log.info("draining: %d requests in flight, waiting up to %.0f s", busy(), config.drain_timeout_s)
     left = await wait_idle(busy, config.drain_timeout_s)
     if left:
-        log.warning("drain grace of %.0f s over with %d requests in flight", config.drain_timeout_s, left)
+        log.warning("drain grace of %.0f s over with %d requests in flight: ending them with an error",
+                    config.drain_timeout_s, left)
+        close_streams(app)
+
+
+def close_streams(app: FastAPI) -> None:
+    """The server is shutting down: answers in progress end at their next token with a 503 error
+    (an error event in a stream), not cut off mid-stream. Safe in a signal handler: sets a flag."""
+    service = getattr(app.state, "service", None)  # None: before the lifespan started
+    if service is not None:
+        service.closing = True
 
 
 def followed_registry(config: ConductorConfig):

@@ -65,6 +65,15 @@ class Started:
     events: AsyncIterator[ChoiceEvent]
 
 
+class ServerClosing(Exception):
+    """The server is shutting down with this answer unfinished (CompletionService.closing)."""
+
+
+def shutdown_error() -> APIError:
+    return APIError(503, "the server is shutting down before this answer was finished; send the request again",
+                    code="server_shutting_down")
+
+
 class CompletionService:
     def __init__(self, config: ConductorConfig, tokenizer, router: Router, relay: Relay,
                  metrics: ConductorMetrics, clock: Callable[[], float] = time.monotonic):
@@ -76,6 +85,10 @@ class CompletionService:
         self.clock = clock
         self.token_text = TokenText(tokenizer)
         self.live: dict[str, RequestLife] = {}  # admitted and not released, by request id
+        # Set when the server shuts down with answers unfinished (Ctrl-C, a drain's grace over): each
+        # ends at its next token with an error, not cut off mid-stream by uvicorn looking whole.
+        # A plain flag: the signal handler sets it, the event loop reads it between tokens.
+        self.closing = False
         self.slo_policy = SLOPolicy.of(router.scheduler.config, config.slo_bounds)  # the classes the core admits by
 
     # -- validation -----------------------------------------------------------------------------
@@ -266,6 +279,8 @@ class CompletionService:
                     pass
             except WorkerError as exc:
                 raise APIError(502, f"a worker failed mid-request: {exc}") from exc
+            except ServerClosing:
+                raise shutdown_error() from None
             headers["x-mooncake-decode-instance"] = stats.decode_instance
             headers["x-mooncake-decode-cached-tokens"] = str(stats.decode_cached_tokens or 0)
             if stats.sibling_cached_tokens:
@@ -344,6 +359,8 @@ class CompletionService:
                 yield event
             if all(c.done for c in choices):
                 return
+            if self.closing:
+                raise ServerClosing
             item = await anext(life.chunks, None)
         for choice in choices:  # the stream ended without a finish reason
             if not choice.done:
@@ -369,6 +386,9 @@ class CompletionService:
         except WorkerError as exc:
             status = "502"
             yield sse_error(APIError(502, f"a worker failed mid-stream: {exc}", code="worker_failed"))
+        except ServerClosing:
+            status = "503"
+            yield sse_error(shutdown_error())
         if req.include_usage:
             yield responses.chunk(req.meta, None, usage_body=_usage(parts), no_choices=True)
         yield responses.DONE

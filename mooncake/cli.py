@@ -153,7 +153,7 @@ def _auth_errors(args: argparse.Namespace) -> list[str]:
 
 
 def _cmd_conductor(args: argparse.Namespace) -> int:
-    from conductor.app import create_app, drain_conductor
+    from conductor.app import close_streams, create_app, drain_conductor
     from conductor.config import ConductorConfig
     from mooncake.drain import DrainingServer
     from mooncake.net import http_server_config
@@ -179,7 +179,7 @@ def _cmd_conductor(args: argparse.Namespace) -> int:
     )
     app = create_app(config)
     DrainingServer(http_server_config(app, args.host, args.port, log_level="info", log_config=uvicorn_log_config()),
-                   drain=lambda: drain_conductor(app)).run()
+                   drain=lambda: drain_conductor(app), on_exit=lambda: close_streams(app)).run()
     return 0
 
 

@@ -58,13 +58,15 @@ async def wait_idle(busy: Callable[[], int], grace_s: float, poll_s: float = 0.1
 
 
 class DrainingServer(uvicorn.Server):
-    """A uvicorn server whose first SIGTERM runs `drain()` before the ordinary shutdown.
+    """A uvicorn server whose first SIGTERM runs `drain()` before the ordinary shutdown (drain
+    None: SIGTERM is the ordinary shutdown, as Ctrl-C is).
 
     `on_exit()` runs when the ordinary shutdown is asked for without a drain (Ctrl-C, a second
-    SIGTERM): requests that wait for news (held polls) end then, rather than holding the exit up
-    to uvicorn's graceful timeout. It runs in a signal handler: set flags only."""
+    SIGTERM, a SIGTERM with no drain): requests that wait for news (held polls) end then, and
+    answers in progress end with an error, rather than holding the exit up to uvicorn's graceful
+    timeout or being cut off. It runs in a signal handler: set flags only."""
 
-    def __init__(self, config: uvicorn.Config, drain: Callable[[], Awaitable[None]],
+    def __init__(self, config: uvicorn.Config, drain: Callable[[], Awaitable[None]] | None,
                  on_exit: Callable[[], None] | None = None):
         super().__init__(config)
         self._drain = drain
@@ -79,7 +81,8 @@ class DrainingServer(uvicorn.Server):
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         # Runs as a signal handler on the event loop's thread: only flags and a thread-safe hand-off.
-        if sig == signal.SIGTERM and not self._drain_requested and not self.should_exit and self._loop:
+        if (sig == signal.SIGTERM and self._drain is not None and not self._drain_requested and not self.should_exit
+                and self._loop):
             self._drain_requested = True
             self._loop.call_soon_threadsafe(self._start_drain)
             return

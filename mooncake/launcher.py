@@ -228,10 +228,9 @@ def _exit_on_sigterm(signum, frame) -> None:
 
 def serve(config: ClusterConfig) -> int:
     """Run the cluster until Ctrl-C / SIGTERM (0) or until a worker dies while starting (1)."""
-    import uvicorn
-
-    from conductor.app import create_app
+    from conductor.app import close_streams, create_app
     from conductor.config import ConductorConfig
+    from mooncake.drain import DrainingServer
 
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     cluster = Cluster(config, config.cluster_token or generate_token())
@@ -247,8 +246,11 @@ def serve(config: ClusterConfig) -> int:
             api_keys=config.api_keys, cluster_token=cluster.cluster_token, scheduler=config.scheduler,
             profile=config.profile, dtype=config.dtype, slo_bounds=config.slo_bounds,
         ))
-        server = uvicorn.Server(http_server_config(app, config.host, config.port, log_level="info",
-                                                   timeout_graceful_shutdown=5, log_config=uvicorn_log_config()))
+        # Ctrl-C or SIGTERM: answers in progress end at their next token with an error event
+        # (close_streams), and uvicorn cuts what is left (a request before its first token) after 5 s.
+        server = DrainingServer(http_server_config(app, config.host, config.port, log_level="info",
+                                                   timeout_graceful_shutdown=5, log_config=uvicorn_log_config()),
+                                drain=None, on_exit=lambda: close_streams(app))
 
         def watch() -> None:
             error = wait_until_ready(cluster.workers, fetch_health, stop)

@@ -251,3 +251,33 @@ def test_an_exit_without_a_drain_runs_on_exit_and_a_first_sigterm_does_not():
         await asyncio.sleep(0.05)  # let the drain task that the first SIGTERM started finish
 
     asyncio.run(run())
+
+
+def test_without_a_drain_a_first_sigterm_is_the_ordinary_shutdown_and_runs_on_exit():
+    """`mooncake serve` has no drain: SIGTERM shuts down as Ctrl-C does, ending answers in
+    progress with an error first (on_exit = conductor.app.close_streams)."""
+    import uvicorn
+
+    from mooncake.drain import DrainingServer
+
+    calls = []
+
+    async def run():
+        server = DrainingServer(uvicorn.Config(lambda scope, receive, send: None), drain=None,
+                                on_exit=lambda: calls.append("exit"))
+        server._loop = asyncio.get_running_loop()
+        server.handle_exit(signal.SIGTERM, None)
+        assert calls == ["exit"] and server.should_exit
+
+    asyncio.run(run())
+
+
+def test_a_conductor_whose_drain_grace_ends_closes_the_answers_still_running():
+    async def main():
+        app = create_conductor_app(ConductorConfig(model_path="unused", served_model_name="m",
+                                                   drain_timeout_s=0.2))
+        service = SimpleNamespace(in_flight=1, closing=False)
+        app.state.service = service
+        await asyncio.wait_for(drain_conductor(app), 5)
+        assert service.closing  # each ends at its next token with a 503 error (serving.ServerClosing)
+    asyncio.run(main())

@@ -335,6 +335,38 @@ def test_worker_failure_mid_request_releases_with_502(stream):
     asyncio.run(main())
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_shutdown_mid_answer_ends_it_with_a_503_error_not_a_cut(stream):
+    # Ctrl-C, or a drain's grace over (conductor.app.close_streams): the answer ends at its next
+    # token with an error the client can tell from a whole answer, and everything is released.
+    async def main():
+        relay = ScriptedRelay(list(range(200)), pause_s=0.01)
+        service = make_service(relay)
+        req = await prepared(service, max_tokens=200, stream=stream)
+
+        async def close_soon():
+            await asyncio.sleep(0.2)
+            service.closing = True
+
+        closer = asyncio.create_task(close_soon())
+        if stream:
+            response = await service.serve(req, "completions")
+            client = Client()
+            await drive(response, client)
+            text = client.text()
+            assert "server_shutting_down" in text and text.rstrip().endswith("data: [DONE]")
+            assert '"finish_reason": "length"' not in text.replace('":"', '": "')
+        else:
+            with pytest.raises(APIError) as info:
+                await service.serve(req, "completions")
+            assert info.value.status == 503 and info.value.code == "server_shutting_down"
+        await closer
+        assert relay.closed_early == 1 and relay.completed == 0
+        assert_all_released(service, "503")
+
+    asyncio.run(main())
+
+
 def test_refused_at_admission_holds_nothing_and_is_counted_once():
     async def main():
         service = make_service(ScriptedRelay([1]), specs=(("p1", "prefill"),))  # no decode worker
