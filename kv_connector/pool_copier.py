@@ -165,7 +165,8 @@ class PoolCopier:
         self._layer_of = {name: i for i, name in enumerate(self._layout.names)}
         try:
             info = self._client.configure(self._layout.block_bytes,
-                                          self._layout.describe(self._caches, self._block_size))
+                                          self._layout.describe(self._caches, self._block_size),
+                                          timeout_s=self._load_timeout_s)
             self._mapping = Arena.attach(info)
         except (PoolUnavailable, OSError, ValueError) as exc:
             # No arena (shared memory full, a pool of another layout...): the engine runs without

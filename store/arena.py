@@ -15,6 +15,7 @@ so a segment left by a shell that was SIGKILLed is removed by the next one to st
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import glob
@@ -64,17 +65,25 @@ class Arena:
             raise ValueError(f"an arena needs slots > 0 and block_bytes > 0, got {slots} x {block_bytes}")
         directory = directory or (SHM_DIR if os.path.isdir(SHM_DIR) else "/tmp")
         remove_stale(directory)
-        slots = fitting_slots(directory, slots, block_bytes)
-        path = os.path.join(directory, f"{PREFIX}{os.getpid()}-{secrets.token_hex(4)}")
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        # Sized and made under a lock on the directory: two pools starting together (serve's
+        # prefill and decode workers) would each see the same free space and be given it twice.
+        with _directory_lock(directory):
+            slots = fitting_slots(directory, slots, block_bytes)
+            path = os.path.join(directory, f"{PREFIX}{os.getpid()}-{secrets.token_hex(4)}")
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held while this process lives: see remove_stale
+                os.ftruncate(fd, slots * block_bytes)
+            except OSError:
+                os.close(fd)
+                os.unlink(path)
+                raise
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held while this process lives: see remove_stale
-            os.ftruncate(fd, slots * block_bytes)
-        except OSError:
+            arena = cls(ArenaInfo(path, block_bytes, slots), owner=True)
+        except BaseException:
             os.close(fd)
             os.unlink(path)
             raise
-        arena = cls(ArenaInfo(path, block_bytes, slots), owner=True)
         arena._lock_fd = fd
         return arena
 
@@ -127,22 +136,50 @@ SHM_HEADROOM = 0.1
 def fitting_slots(directory: str, slots: int, block_bytes: int) -> int:
     """As many of `slots` as the filesystem has room for now. The file is sparse, so creating it
     always succeeds; a write past what tmpfs can hold kills the writer with SIGBUS (a container's
-    /dev/shm is 64 MiB unless set, the pool's default 2 GiB). Fewer slots, said once, instead."""
+    /dev/shm is 64 MiB unless set, the pool's default 2 GiB). Fewer slots, said once, instead.
+    Other arenas' pages not yet taken count as used: two pools on one host were each given the
+    same free space, and filling both killed one with SIGBUS. Call under _directory_lock."""
     try:
         fs = os.statvfs(directory)
     except OSError:
         return slots
-    free = int(fs.f_bavail * fs.f_frsize * (1 - SHM_HEADROOM))
+    promised = promised_bytes(directory)  # the other arenas' pages not taken yet: free now, not for us
+    free = int(fs.f_bavail * fs.f_frsize * (1 - SHM_HEADROOM)) - promised
     if slots * block_bytes <= free:
         return slots
-    fit = free // block_bytes
+    fit = max(free, 0) // block_bytes
+    room = f"{fs.f_bavail * fs.f_frsize} B free, {promised} B of it promised to other KV pools' arenas"
     if fit < 1:
-        raise OSError(errno.ENOSPC, f"{directory} has {fs.f_bavail * fs.f_frsize} B free, less than one "
-                                    f"KV block of {block_bytes} B: no KVCache pool (raise the container's shm size)")
-    log.warning("KV pool: %s has room for %d of the %d blocks asked (%d B free); the DRAM tier is smaller "
-                "(raise the container's shm size, or --pool-dram-gib to fit)", directory, fit, slots,
-                fs.f_bavail * fs.f_frsize)
+        raise OSError(errno.ENOSPC, f"{directory} has {room}: less than one KV block of {block_bytes} B is left, "
+                                    f"so no KVCache pool (raise the container's shm size, or lower --pool-dram-gib)")
+    log.warning("KV pool: %s has room for %d of the %d blocks asked (%s); the DRAM tier is smaller "
+                "(raise the container's shm size, or --pool-dram-gib to fit)", directory, fit, slots, room)
     return fit
+
+
+def promised_bytes(directory: str) -> int:
+    """Bytes the arenas in `directory` may still take: each file's size less what it holds (its
+    pages are taken as its slots are first written)."""
+    total = 0
+    for path in glob.glob(os.path.join(directory, PREFIX + "*")):
+        try:
+            st = os.stat(path)
+        except OSError:
+            continue  # gone meanwhile
+        total += max(st.st_size - st.st_blocks * 512, 0)
+    return total
+
+
+@contextlib.contextmanager
+def _directory_lock(directory: str):
+    """An exclusive lock on the directory itself (flock on its descriptor: no lock file left
+    behind), held while an arena is sized and made."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 STALE_MIN_AGE_S = 10.0

@@ -77,10 +77,13 @@ class PoolClient:
         self._lock = threading.Lock()
         self._conn: Connection | None = None
 
-    def configure(self, block_bytes: int, layout: str) -> ArenaInfo:
+    def configure(self, block_bytes: int, layout: str, timeout_s: float | None = None) -> ArenaInfo:
         """Tell the pool the engine's block size and KV layout; the first call creates the
-        arena. Returns where to map it (store.arena.Arena.attach)."""
-        reply = self._call({"op": "configure", "block_bytes": block_bytes, "layout": layout})
+        arena. Returns where to map it (store.arena.Arena.attach). timeout_s: longer than a
+        call's (the first configure rebuilds the SSD index by reading every block file's header,
+        seconds for a full tier on a cold disk), since a timeout leaves the engine without the
+        pool for its life."""
+        reply = self._call({"op": "configure", "block_bytes": block_bytes, "layout": layout}, timeout_s)
         return ArenaInfo(**reply["arena"])
 
     def lookup(self, keys: Sequence[int]) -> list[str]:
@@ -148,16 +151,17 @@ class PoolClient:
                     if attempt:
                         raise PoolUnavailable(f"pool message {request['op']!r} failed: {exc}") from exc
 
-    def _call(self, request: dict[str, Any]) -> dict[str, Any]:
+    def _call(self, request: dict[str, Any], timeout_s: float | None = None) -> dict[str, Any]:
         payload = encode(request)
+        timeout_s = self._timeout_s if timeout_s is None else timeout_s
         with self._lock:
             for attempt in (0, 1):
                 try:
                     if self._conn is None:
                         self._conn = Client(self._endpoint.path, family="AF_UNIX", authkey=self._endpoint.authkey)
                     self._conn.send_bytes(payload)
-                    if not self._conn.poll(self._timeout_s):
-                        raise TimeoutError(f"no answer within {self._timeout_s} s")
+                    if not self._conn.poll(timeout_s):
+                        raise TimeoutError(f"no answer within {timeout_s} s")
                     reply = decode(self._conn.recv_bytes())
                     break
                 except (OSError, EOFError, AuthenticationError, TimeoutError) as exc:

@@ -40,11 +40,15 @@ def describe(arena: Arena) -> dict:
 
 
 class PeerArenas:
-    """The arenas of same-host peers, mapped read-only, one per peer; and which peers cannot be."""
+    """The arenas of same-host peers, mapped read-only, one per peer; and which peers cannot be.
+
+    A peer that restarts comes back under a new name (its pid is in it) with a new arena; the old
+    mapping would hold the dead arena's pages, unlinked but still allocated in /dev/shm, for the
+    life of this process. So when a new arena is mapped, those whose file is gone are unmapped."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._mapped: dict[str, Arena] = {}
+        self._mapped: dict[str, tuple[Arena, tuple[int, int]]] = {}  # peer -> (arena, its file's dev and inode)
         self._refused: set[str] = set()
 
     def refused(self, peer: str) -> bool:
@@ -54,7 +58,7 @@ class PeerArenas:
         """The peer's arena as `described` by its pin reply. Raises NotMappable (and remembers it)."""
         info = ArenaInfo(described["path"], described["block_bytes"], described["slots"])
         with self._lock:
-            arena = self._mapped.get(peer)
+            arena, _ = self._mapped.get(peer, (None, None))
             if arena is not None and arena.info == info:
                 return arena
             try:
@@ -72,12 +76,31 @@ class PeerArenas:
                 raise
             if arena is not None:  # the peer restarted with a new arena
                 arena.close()
-            self._mapped[peer] = fresh
+            self._mapped[peer] = (fresh, (st.st_dev, st.st_ino))
+            self._unmap_gone(keep=peer)
             return fresh
+
+    def _unmap_gone(self, keep: str) -> None:
+        """Close the mappings whose arena file was removed (its pool ended) or replaced."""
+        for name, (arena, identity) in list(self._mapped.items()):
+            if name == keep:
+                continue
+            try:
+                st = os.stat(arena.info.path)
+                gone = (st.st_dev, st.st_ino) != identity
+            except OSError:
+                gone = True
+            if gone:
+                del self._mapped[name]
+                arena.close()
+
+    def mapped(self) -> list[str]:
+        with self._lock:
+            return sorted(self._mapped)
 
     def close(self) -> None:
         with self._lock:
-            arenas, self._mapped = list(self._mapped.values()), {}
+            arenas, self._mapped = [a for a, _ in self._mapped.values()], {}
         for arena in arenas:
             arena.close()
 

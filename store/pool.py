@@ -61,11 +61,14 @@ def checksum(data) -> int:
 @dataclass(frozen=True)
 class Spill:
     """Copy `slot` (block `key`, its `checksum`) out before the slot is handed to anyone else,
-    then write it to the SSD tier and report ssd_written(key, ok)."""
+    then write it to the SSD tier and report ssd_written(key, ok, seq)."""
 
     key: int
     slot: int
     checksum: int
+    seq: int = 0
+    """This spill's number: a key removed and spilled again while its first write is queued has
+    two writes in flight, and only the last one's end may mark the entry written."""
 
 
 @dataclass
@@ -110,6 +113,7 @@ class _SsdEntry:
     checksum: int
     ready: bool  # the file is written (a spill in flight is not: its owner still holds a copy)
     readers: int = 0  # promotions reading the file now: not evicted meanwhile
+    seq: int = 0  # the spill that writes it (Spill.seq); 0 for a file found at start-up
 
 
 Event = tuple[str, int, str]  # ("stored" | "removed", key, "dram" | "ssd")
@@ -131,6 +135,7 @@ class BlockPool:
         self._ssd_order = make_policy(config.policy)
         self._events: list[Event] = []
         self._reserved_at: dict[int, float] = {}  # key -> when reserved, oldest first
+        self._spills_made = 0  # numbers the spills (Spill.seq)
         self.counters = {"spills": 0, "promotions": 0, "corrupt": 0, "dram_evictions": 0, "ssd_evictions": 0,
                          "spill_failures": 0, "reservations_expired": 0}
 
@@ -297,12 +302,14 @@ class BlockPool:
             return entry.pins if entry is not None else 0
 
     # --- the SSD tier ----------------------------------------------------------------------
-    def ssd_written(self, key: int, ok: bool) -> Plan:
-        """A spill's write ended. Not ok: the block is gone from the SSD tier."""
+    def ssd_written(self, key: int, ok: bool, seq: int | None = None) -> Plan:
+        """A spill's write ended. Not ok: the block is gone from the SSD tier. seq: the spill's
+        number; the end of an earlier spill of the same key (removed and spilled again since)
+        changes nothing: the entry waits for its own write."""
         plan = Plan()
         with self._lock:
             ssd = self._ssd.get(key)
-            if ssd is None or ssd.ready:
+            if ssd is None or ssd.ready or (seq is not None and seq != ssd.seq):
                 return plan
             if ok:
                 ssd.ready = True
@@ -374,9 +381,10 @@ class BlockPool:
             return None
         entry = self._dram[victim]
         if victim not in self._ssd and self._ssd_room(plan):
-            self._ssd[victim] = _SsdEntry(entry.checksum, ready=False)
+            self._spills_made += 1
+            self._ssd[victim] = _SsdEntry(entry.checksum, ready=False, seq=self._spills_made)
             self._ssd_order.insert(victim, 0.0)
-            plan.spills.append(Spill(victim, entry.slot, entry.checksum))
+            plan.spills.append(Spill(victim, entry.slot, entry.checksum, self._spills_made))
             self.counters["spills"] += 1
         self.counters["dram_evictions"] += 1
         return self._drop_dram(victim, free=False)

@@ -17,6 +17,7 @@ checksum on the way back from disk is a miss (counted as `corrupt`), and the cal
 
 from __future__ import annotations
 
+import collections
 import errno
 import logging
 import os
@@ -70,7 +71,10 @@ class PoolService:
         self._closed = threading.Event()
         self._want_remote = remote
         self._ssd_off = False
-        self._spilling: dict[int, bytes] = {}  # key -> bytes of a spill not yet on disk
+        self._spilling: dict[int, tuple[int, bytes]] = {}  # key -> (Spill.seq, bytes) of its last spill not on disk
+        # Per key, the numbers of its spills queued to the writer, oldest first: the writer ends
+        # them in that order, so each end is matched to its own spill.
+        self._spills_queued: dict[int, collections.deque[int]] = {}
         self._engine_config = engine_config
         self.remote = None  # store.remote.RemotePool once configured
 
@@ -101,13 +105,24 @@ class PoolService:
             arena = Arena.create(config.dram_slots, block_bytes)
             if arena.slots < config.dram_slots:  # the shared memory had room for fewer (store/arena.py)
                 config = replace(config, dram_bytes=arena.slots * block_bytes)
+            before = self.config
             self.config, self.layout, self.arena = config, layout, arena
-            self.pool = BlockPool(config)
-            self._open_ssd()
-            if self._want_remote:
-                from store.remote import RemotePool
+            try:
+                self.pool = BlockPool(config)
+                self._open_ssd()
+                if self._want_remote:
+                    from store.remote import RemotePool
 
-                self.remote = RemotePool(self, self._engine_config)
+                    self.remote = RemotePool(self, self._engine_config)
+            except BaseException:
+                # All or nothing: half configured, a later configure would answer the arena as if
+                # the pool were whole (no remote side, and fetches blamed on "not configured").
+                if self._writer is not None:
+                    self._writer.close()
+                self.pool = self.ssd = self._writer = self.remote = self.layout = None
+                self.arena, self.config = None, before
+                arena.close()
+                raise
             log.info("KV pool: %d DRAM slots of %d B (%s)%s", config.dram_slots, block_bytes, arena.info.path,
                      f", SSD {config.ssd_bytes} B in {self.ssd.root}" if self.ssd else ", no SSD tier")
             return arena.info
@@ -280,19 +295,25 @@ class PoolService:
                 self._writer.delete(key)  # in order with the writes (store/ssd.py, SpillWriter)
         for spill in plan.spills:
             if self._writer is None:
-                self.pool.ssd_written(spill.key, False)
+                self.pool.ssd_written(spill.key, False, spill.seq)
                 continue
             data = self.arena.slot(spill.slot).tobytes()  # before the slot is handed out again
-            self._spilling[spill.key] = data  # readable until it is on disk
             if not self._writer.submit(spill.key, data, spill.checksum):
                 self.counters["spills_dropped"] += 1
-                self._execute(self.pool.ssd_written(spill.key, False))
-                self._spilling.pop(spill.key, None)
+                self._execute(self.pool.ssd_written(spill.key, False, spill.seq))
+                continue
+            self._spilling[spill.key] = (spill.seq, data)  # readable until it is on disk
+            self._spills_queued.setdefault(spill.key, collections.deque()).append(spill.seq)
 
     def _spill_done(self, key: int, error: OSError | None) -> None:
         with self._io_lock:
-            self._execute(self.pool.ssd_written(key, error is None))
-            self._spilling.pop(key, None)
+            queued = self._spills_queued[key]
+            seq = queued.popleft()
+            if not queued:
+                del self._spills_queued[key]
+            self._execute(self.pool.ssd_written(key, error is None, seq))
+            if self._spilling.get(key, (None,))[0] == seq:  # a later spill keeps its copy
+                del self._spilling[key]
         if error is not None:
             if error.errno in _FATAL_SSD_ERRNOS:
                 self._degrade(error, "writing a block failed")
@@ -302,7 +323,7 @@ class PoolService:
         self._flush_events()
 
     def _promote(self, key: int, slot: int, digest: int) -> bool:
-        pending = self._spilling.get(key)
+        pending = self._spilling.get(key, (None, None))[1]
         ssd = self.ssd  # read once: the spill writer's thread may turn the tier off meanwhile
         ok = False
         try:
@@ -401,8 +422,13 @@ class PoolService:
             return {"keys": channel.pack_keys([k for k, _, _ in got]), "slots": [s for _, s, _ in got],
                     "checksums": [c for _, _, c in got]}
         if op == "release":
-            held = [k for k in keys if pins[k] > 0]
-            pins.subtract(held)
+            # Only what this connection holds, counted as it goes: a key named twice must not
+            # take another reader's pin (its block could then be evicted mid-copy).
+            held = []
+            for k in keys:
+                if pins[k] > 0:
+                    pins[k] -= 1
+                    held.append(k)
             self.release(held)
             return {}
         if op == "discard":

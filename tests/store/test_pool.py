@@ -247,3 +247,22 @@ def test_invariants_under_random_operations_from_threads():
     assert sorted(slots + pool._free_slots) == list(range(8))
     assert all(e.pins == 0 for e in pool._dram.values())
     assert len(pool._ssd) <= 8
+
+
+def test_the_end_of_an_earlier_spill_of_a_key_does_not_mark_its_later_spill_written():
+    # K is spilled, removed, and spilled again while the first write is still queued: the first
+    # write's end used to mark the second entry ready (its file not written yet, and deleted next),
+    # and the second write's failure was then ignored, leaving an SSD entry with no file.
+    pool = make(dram_blocks=1, ssd_blocks=8)
+    k = 7
+    put(pool, [k])
+    first = put(pool, [8]).plan.spills  # evicts K: spill #1
+    assert [s.key for s in first] == [k]
+    assert pool.remove([k]).ssd_deletes == [k]
+    second = put(pool, [k]).plan.spills + put(pool, [9]).plan.spills  # K back, and evicted again: spill #2
+    (spill2,) = [s for s in second if s.key == k]
+    assert spill2.seq != first[0].seq
+    pool.ssd_written(k, True, first[0].seq)  # the writer ends spill #1
+    assert pool.lookup([k]) == [Tier.SSD] and not pool._ssd[k].ready  # still waiting for its own write
+    assert pool.ssd_written(k, False, spill2.seq).ssd_deletes == [k]  # spill #2 failed: gone
+    assert pool.lookup([k]) == []

@@ -338,3 +338,24 @@ def test_pending_releases_after_close_are_handed_back_not_sent():
     releases.add("a", 2)  # a fetch finishing after close
     time.sleep(0.2)
     assert sent == [] and releases.take("a") == []
+
+
+def test_the_arena_of_a_peer_that_ended_is_unmapped_when_a_new_one_is_mapped(tmp_path):
+    # A restarted peer comes back under a new name with a new arena; the old mapping held the
+    # dead arena's pages in /dev/shm for the life of the reader.
+    from store.arena import Arena
+    from store.peer_arena import PeerArenas, describe
+
+    arenas = PeerArenas()
+    first = Arena.create(2, 4096, directory=str(tmp_path))
+    arenas.get("pool-host-100", describe(first))
+    first.close()  # the peer ended: its file is unlinked
+    second = Arena.create(2, 4096, directory=str(tmp_path))
+    third = Arena.create(2, 4096, directory=str(tmp_path))
+    arenas.get("pool-host-101", describe(second))
+    assert arenas.mapped() == ["pool-host-101"]
+    arenas.get("pool-host-102", describe(third))  # a live peer's mapping is kept
+    assert arenas.mapped() == ["pool-host-101", "pool-host-102"]
+    arenas.close()
+    second.close()
+    third.close()

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import numpy as np
 import pytest
@@ -112,6 +113,21 @@ def test_client_roundtrip_pins_and_releases(svc):
         import time
         time.sleep(0.01)
     assert svc.pool.pins(1) == 0
+
+
+def test_a_release_naming_a_key_twice_takes_only_the_pins_its_connection_holds(svc):
+    a, b = PoolClient(svc.endpoint), PoolClient(svc.endpoint)
+    try:
+        put(svc, [1])
+        a.read([1])
+        b.read([1])
+        assert svc.pool.pins(1) == 2
+        b.release([1, 1])  # b holds one pin: a's must stay, or the block could go mid-copy
+        b.lookup([1])  # a round trip: the release is applied
+        assert svc.pool.pins(1) == 1
+    finally:
+        a.close()
+        b.close()
 
 
 def test_wrong_key_is_refused(svc):
@@ -344,6 +360,29 @@ def test_an_arena_larger_than_the_free_shared_memory_shrinks_to_fit(tmp_path, mo
         Arena.create(16, BB, directory=str(tmp_path))
 
 
+def test_a_second_arena_counts_the_first_ones_untaken_pages_as_used(tmp_path, monkeypatch):
+    """Two pools on one host (serve's prefill and decode workers): the first arena's sparse pages
+    are free until written, but promised. Each used to be given the same free space, and filling
+    both killed a writer with SIGBUS; the second now gets what is left, or a clear error."""
+    import types
+
+    import store.arena as arena_module
+
+    free = int(10 * BB / (1 - arena_module.SHM_HEADROOM)) + 1  # room for 10 blocks, with the headroom
+    real = os.statvfs
+    monkeypatch.setattr(arena_module.os, "statvfs", lambda d: types.SimpleNamespace(
+        f_bavail=free, f_frsize=1) if d == str(tmp_path) else real(d))  # the first's pages: still free
+    first = Arena.create(6, BB, directory=str(tmp_path))
+    second = Arena.create(6, BB, directory=str(tmp_path))
+    assert (first.slots, second.slots) == (6, 4)
+    with pytest.raises(OSError, match="promised to other KV pools"):
+        Arena.create(6, BB, directory=str(tmp_path))
+    first.slot(5)[:] = 1  # written pages are no longer promised (the fake statvfs does not see them go)
+    assert arena_module.promised_bytes(str(tmp_path)) < 10 * BB
+    first.close()
+    second.close()
+
+
 def test_stale_arena_of_a_dead_process_is_removed(tmp_path):
     from store.arena import PREFIX, remove_stale
 
@@ -434,4 +473,50 @@ def test_concurrent_connectors_never_read_wrong_bytes(tmp_path):
         stats = s.stats()
         assert stats["counters"]["spills"] > 0 and stats["counters"]["corrupt"] == 0
     finally:
+        s.close()
+
+
+def test_a_configure_that_fails_part_way_leaves_no_half_configured_pool(tmp_path, monkeypatch):
+    # The messenger side failing to start (a port taken) used to leave the arena and index up: the
+    # next configure then answered as if the pool were whole, with no remote side for good.
+    import store.remote
+
+    def refuse(self, service, engine_config=None):
+        raise OSError(98, "Address already in use")
+
+    monkeypatch.setattr(store.remote.RemotePool, "__init__", refuse)
+    s = PoolService(PoolConfig(dram_bytes=4 * BB, ssd_dir=str(tmp_path / "ssd"), ssd_bytes=4 * BB),
+                    remote=True).start()
+    try:
+        for _ in range(2):  # every try fails the same way, and holds nothing after
+            with pytest.raises(OSError, match="Address already in use"):
+                s.configure(BB, LAYOUT)
+            assert s.arena is None and s.pool is None and s.ssd is None and s.lookup([1]) == []
+        monkeypatch.undo()
+        s._want_remote = False
+        s.configure(BB, LAYOUT)  # and it can still be configured once the cause is gone
+        assert s.arena is not None and s.ssd is not None
+    finally:
+        s.close()
+
+
+def test_configure_may_take_longer_than_a_call(tmp_path, monkeypatch):
+    # The first configure rebuilds the SSD index (a header read per file: seconds for a full tier
+    # on a cold disk); under the 2 s of an ordinary call the engine ran without the pool for good.
+    # The copier gives it the load timeout (kv_connector/pool_copier.py).
+    slow_open = PoolService._open_ssd
+
+    def slow(self):
+        time.sleep(0.5)
+        slow_open(self)
+
+    monkeypatch.setattr(PoolService, "_open_ssd", slow)
+    s = PoolService(PoolConfig(dram_bytes=4 * BB, ssd_dir=str(tmp_path / "ssd"), ssd_bytes=4 * BB),
+                    remote=False).start()
+    client = PoolClient(s.endpoint, timeout_s=0.1)
+    try:
+        info = client.configure(BB, LAYOUT, timeout_s=10.0)
+        assert info.slots == 4 and client.lookup([1]) == []
+    finally:
+        client.close()
         s.close()
