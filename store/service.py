@@ -59,6 +59,7 @@ class PoolService:
         self.pool: BlockPool | None = None
         self.arena: Arena | None = None
         self.ssd: SsdTier | None = None
+        self._taken_ssd: SsdTier | None = None  # the tier whose directory this pool holds, even once turned off
         self._writer: SpillWriter | None = None
         self.events = TierEventLog()
         self._events_lock = threading.Lock()
@@ -119,7 +120,9 @@ class PoolService:
                 # the pool were whole (no remote side, and fetches blamed on "not configured").
                 if self._writer is not None:
                     self._writer.close()
-                self.pool = self.ssd = self._writer = self.remote = self.layout = None
+                if self._taken_ssd is not None:
+                    self._taken_ssd.close()
+                self.pool = self.ssd = self._taken_ssd = self._writer = self.remote = self.layout = None
                 self.arena, self.config = None, before
                 arena.close()
                 raise
@@ -138,6 +141,8 @@ class PoolService:
             self.remote.close()
         if self._writer is not None:
             self._writer.close()
+        if self._taken_ssd is not None:
+            self._taken_ssd.close()
         if self.arena is not None:
             self.arena.close()
         shutil.rmtree(os.path.dirname(self.endpoint.path), ignore_errors=True)
@@ -256,6 +261,11 @@ class PoolService:
         tier = SsdTier(self.config.ssd_dir, self.layout or "", self.config.block_bytes)
         try:
             tier.open()
+        except OSError as exc:
+            self._degrade(exc, f"cannot use {self.config.ssd_dir}")
+            return
+        self._taken_ssd = tier
+        try:
             found = tier.scan()
         except OSError as exc:
             self._degrade(exc, f"cannot use {self.config.ssd_dir}")

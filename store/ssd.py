@@ -24,6 +24,8 @@ into a DRAM-only pool with a warning and a counter (store/service.py).
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import logging
 import os
 import queue
@@ -59,14 +61,32 @@ class SsdTier:
         self.root = os.path.join(directory, format(self.layout_id, "016x"))
         self.block_bytes = block_bytes
         self.skipped = {"foreign": 0, "truncated": 0}
+        self._lock_fd: int | None = None
 
     def open(self) -> None:
-        """Create the directory and prove it is writable (raises OSError if not)."""
+        """Create the directory, prove it is writable and take it for this pool (raises OSError
+        if not). Two pools in one directory would each restore the other's files as their own
+        and evict them, and the disk would hold twice the limit: the second is refused, while the
+        first lives (the lock goes with its process)."""
         os.makedirs(self.root, exist_ok=True)
         probe = os.path.join(self.root, ".probe")
         with open(probe, "wb") as f:
             f.write(b"ok")
         os.unlink(probe)
+        fd = os.open(os.path.join(self.root, ".lock"), os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise OSError(errno.EBUSY, f"{self.root} is in use by another KV pool; give each worker its own "
+                                       f"--pool-ssd-dir") from None
+        self._lock_fd = fd
+
+    def close(self) -> None:
+        """Let the directory go (another pool may take it)."""
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
 
     def path(self, key: int) -> str:
         name = format(key, "032x")

@@ -520,3 +520,25 @@ def test_configure_may_take_longer_than_a_call(tmp_path, monkeypatch):
     finally:
         client.close()
         s.close()
+
+
+def test_a_second_pool_on_the_same_ssd_directory_runs_dram_only(tmp_path, caplog):
+    # Sharing one directory, each pool restored the other's files as its own and evicted them,
+    # and the disk held twice the limit.
+    first = service(tmp_path)
+    try:
+        with caplog.at_level(logging.WARNING):
+            second = service(tmp_path)
+        try:
+            assert first.ssd is not None and second.ssd is None
+            assert "in use by another KV pool" in caplog.text
+        finally:
+            second.close()
+        third = service(tmp_path)  # the second held nothing: still refused while the first lives
+        assert third.ssd is None
+        third.close()
+    finally:
+        first.close()
+    again = service(tmp_path)  # the first let it go
+    assert again.ssd is not None
+    again.close()

@@ -32,6 +32,7 @@ def test_write_read_roundtrip_and_scan(tmp_path):
     out = bytearray(BB)
     assert t.read_into(2**127 + 5, out, checksum(data[2**127 + 5]))
     assert bytes(out) == data[2**127 + 5]
+    t.close()  # the pool ends, and lets the directory go
     found = {b.key: b.checksum for b in tier(tmp_path).scan()}  # a new process: rebuilt from headers
     assert found == {key: checksum(value) for key, value in data.items()}
     assert os.path.getsize(t.path(1)) == HEADER.size + BB
@@ -69,6 +70,7 @@ def test_truncated_foreign_and_other_layout_files_are_skipped_with_a_warning(tmp
         os.makedirs(os.path.dirname(t.path(4)), exist_ok=True)
     os.mkfifo(os.path.join(t.root, "ab", "a-fifo"))  # opening it would block the start-up
     os.symlink(t.path(2), t.path(5))  # a link to a block, under another block's name
+    t.close()
     with caplog.at_level(logging.WARNING):
         found = tier(tmp_path).scan()
     assert [b.key for b in found] == [2]
