@@ -9,8 +9,8 @@ skipped silently (blank lines excepted).
 from __future__ import annotations
 
 import json
-import math
 import pathlib
+import sys
 from dataclasses import dataclass
 
 
@@ -36,12 +36,18 @@ MAX_TIMESTAMP_MS = 1e15
 """About 30,000 years in ms: epoch timestamps fit; larger is a broken line."""
 
 
+def shown(value: object, limit: int = 40) -> str:
+    """A value as a message quotes it: a broken line's 4000-digit number is cut, not printed whole."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
 def _int_field(obj: dict, key: str, minimum: int, path: str, line: int) -> int:
     v = obj.get(key)
     if isinstance(v, bool) or not isinstance(v, int):
-        raise TraceError(path, line, f"'{key}' must be an integer, got {v!r}")
+        raise TraceError(path, line, f"'{key}' must be an integer, got {shown(v)}")
     if not minimum <= v <= MAX_TOKENS:
-        raise TraceError(path, line, f"'{key}' must be in [{minimum}, {MAX_TOKENS:,}], got {v}")
+        raise TraceError(path, line, f"'{key}' must be in [{minimum}, {MAX_TOKENS:,}], got {shown(v)}")
     return v
 
 
@@ -51,6 +57,10 @@ def json_object_line(text: str, line: int, path: str, error: type[TraceError] = 
         obj = json.loads(text)
     except json.JSONDecodeError as exc:
         raise error(path, line, f"not valid JSON ({exc.msg} at column {exc.colno})") from None
+    except ValueError:  # Python refuses to convert an integer literal of more than 4300 digits
+        raise error(path, line, f"holds a number of more than {sys.get_int_max_str_digits()} digits") from None
+    except RecursionError:
+        raise error(path, line, "JSON nested too deeply to read") from None
     if not isinstance(obj, dict):
         raise error(path, line, f"expected a JSON object, got {type(obj).__name__}")
     return obj
@@ -59,8 +69,11 @@ def json_object_line(text: str, line: int, path: str, error: type[TraceError] = 
 def parse_line(text: str, line: int, path: str = "<trace>") -> TraceRecord:
     obj = json_object_line(text, line, path)
     ts = obj.get("timestamp")
-    if isinstance(ts, bool) or not isinstance(ts, int | float) or not math.isfinite(ts) or not 0 <= ts <= MAX_TIMESTAMP_MS:
-        raise TraceError(path, line, f"'timestamp' must be a number of ms in [0, {MAX_TIMESTAMP_MS:g}], got {ts!r}")
+    # Compared as it is, not through float(): an integer past 1e308 does not fit one. The range
+    # excludes nan and inf too (every comparison with nan is false).
+    if isinstance(ts, bool) or not isinstance(ts, int | float) or not 0 <= ts <= MAX_TIMESTAMP_MS:
+        raise TraceError(path, line,
+                         f"'timestamp' must be a number of ms in [0, {MAX_TIMESTAMP_MS:g}], got {shown(ts)}")
     ids = obj.get("hash_ids", [])
     if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
         raise TraceError(path, line, "'hash_ids' must be a list of integers")

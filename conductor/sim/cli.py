@@ -172,6 +172,10 @@ def main(argv: list[str] | None = None) -> int:
     except (TraceError, ValueError, OSError) as exc:
         print(f"mooncake sim: error: {exc}", file=sys.stderr)
         return 2
+    except RuntimeError as exc:  # the replay broke its own invariants: a simulator bug, not bad input
+        print(f"mooncake sim: error: the simulation failed: {exc} (a simulator bug; please report it with "
+              f"the trace and the options)", file=sys.stderr)
+        return 1
     status = 0
     summary = summarize(res, args.ttft_slo, args.tbt_slo)
     summary.update(policy=args.policy, admission=args.admission, speedup=args.speedup, prefill=args.prefill,

@@ -9,7 +9,8 @@ conductor uses. Then the engine plays out the physics (cost_model.py):
   - the KV reaches the decode node kv_handoff_s after prefill ends (layer-wise streaming);
     under any admission but "none" the decode node re-checks (decode_admits) and may refuse,
     wasting the prefill; under "none" a request without KV room waits for room (one larger
-    than the node's whole KV capacity is refused, as it could wait forever);
+    than the node's whole KV capacity is refused, as it could wait forever, also after a
+    colocated prefill);
   - a decode node steps its continuous batch; a colocated prefill rides in one step (whole,
     however long: with no prefill pool that is a colocated cluster, whose long prefills stall
     the batch), reusing the prefix blocks the node keeps from its own earlier prefills.
@@ -257,9 +258,6 @@ class Simulation:
             if reason is not None:
                 self._refuse_after_prefill(job, reason.value)
                 return
-        elif job.prompt > d.kv_capacity:  # would wait for room forever: no admission can place it
-            self._refuse_after_prefill(job, "no_capacity")
-            return
         self._enter_decode(d, job, now)
 
     def _decode_refuses(self, d: DecodeNode, job: Job, now: float):
@@ -287,6 +285,12 @@ class Simulation:
                 break
 
     def _enter_decode(self, d: DecodeNode, job: Job, now: float, start: bool = True) -> None:
+        # Checked here, on every path into the batch (after a prefill node's handoff or a colocated
+        # prefill alike): such a prompt would wait at the head of d.waiting for KV room forever,
+        # blocking every request behind it, as admission "none" never refuses.
+        if job.prompt > d.kv_capacity:
+            self._refuse_after_prefill(job, "no_capacity")
+            return
         if job.output <= 1:
             self._complete(job, now)
             return

@@ -24,7 +24,7 @@ from mooncake.bench.runner import ClientOptions, EndpointError, make_client, pre
 from mooncake.bench.stats import RequestRecord, slo_capacity, summarize
 from mooncake.cli_help import DefaultsHelpFormatter
 from mooncake.paths import unusable_directory
-from mooncake.trace import TraceError, block_size_warning, load_trace
+from mooncake.trace import MAX_TOKENS, TraceError, block_size_warning, load_trace
 
 WARMUP_SALT = 1_000_000  # run i uses salt i: warm-up prompts share no tokens with any measured run
 
@@ -71,7 +71,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     c.add_argument("--retry-after", action="store_true",
                    help="retry a 429 after its Retry-After (latency still counts from the first attempt); "
                         "without it a 429 is a refusal")
-    c.add_argument("--max-retry-wait", type=float, default=30.0, help="seconds a request may wait for retries in all")
+    c.add_argument("--max-retry-wait", type=float, default=30.0,
+                   help="seconds from a request's first send within which it may be retried (the 429 answers' "
+                        "time counts too)")
     c.add_argument("--request-timeout", type=float, default=600.0, help="seconds a request's whole answer may take before it is an error")
     s = p.add_argument_group("SLO and output")
     s.add_argument("--ttft-slo", type=float, default=defaults.TTFT_SLO_S, help="TTFT SLO in seconds")
@@ -86,7 +88,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def parse_input_len(text: str) -> tuple[int, int]:
     lo, _, hi = text.partition("-")
     lo_n, hi_n = int(lo), int(hi or lo)
-    if lo_n < 1 or hi_n < lo_n:
+    if not 1 <= lo_n <= hi_n <= MAX_TOKENS:
         raise ValueError
     return lo_n, hi_n
 
@@ -106,7 +108,8 @@ def check(args: argparse.Namespace) -> list[str]:
     try:
         parse_input_len(args.input_len)
     except ValueError:
-        errors.append(f"--input-len must be N or MIN-MAX with 1 <= MIN <= MAX, got {args.input_len!r}")
+        errors.append(f"--input-len must be N or MIN-MAX with 1 <= MIN <= MAX <= {MAX_TOKENS:,}, "
+                      f"got {args.input_len!r}")
     try:
         rates = parse_rates(args)
         if not rates or any(not (r > 0 and math.isfinite(r)) for r in rates):
@@ -121,10 +124,17 @@ def check(args: argparse.Namespace) -> list[str]:
         errors.append("--output-len and --trace-block-size must be >= 1, --warmup and --shared-prefix >= 0")
     if args.vocab_size <= workload.LOW_TOKEN_ID:
         errors.append(f"--vocab-size must exceed {workload.LOW_TOKEN_ID}")
-    if args.time_scale <= 0 or args.ttft_slo <= 0 or args.tbt_slo <= 0 or args.max_retry_wait < 0:
-        errors.append("--time-scale, --ttft-slo and --tbt-slo must be > 0, --max-retry-wait >= 0")
+    # Written as "not (in range)": nan fails every comparison, so it is refused with the rest.
+    for flag, value in (("--time-scale", args.time_scale), ("--ttft-slo", args.ttft_slo),
+                        ("--tbt-slo", args.tbt_slo)):
+        if not (math.isfinite(value) and value > 0):
+            errors.append(f"{flag} must be a finite number > 0, got {value:g}")
+    if not (math.isfinite(args.max_retry_wait) and args.max_retry_wait >= 0):
+        errors.append(f"--max-retry-wait must be a finite number of seconds >= 0, got {args.max_retry_wait:g}")
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):
+        errors.append(f"--temperature must be a finite number >= 0, got {args.temperature:g}")
     if not 0 < args.attainment_target <= 1:
-        errors.append("--attainment-target must be in (0, 1]")
+        errors.append(f"--attainment-target must be in (0, 1], got {args.attainment_target:g}")
     if not args.request_timeout > 0:
         errors.append(f"--request-timeout must be > 0 seconds, got {args.request_timeout:g}")
     # Checked now, not after a sweep of many minutes whose records would then be lost.

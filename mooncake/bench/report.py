@@ -8,11 +8,16 @@ import pathlib
 from collections import Counter
 from dataclasses import asdict
 
-from mooncake.bench.stats import ERROR, RateSummary, RequestRecord
+from mooncake.bench.stats import ERROR, RateSummary, RequestRecord, lower_rates_missing
 
 
 def _f(v: float | None, digits: int = 3) -> str:
     return "-" if v is None else f"{v:.{digits}f}"
+
+
+def percent(fraction: float) -> str:
+    """One decimal: whole percents round 896 of 1000 up to a 90% that misses a 90% target."""
+    return f"{fraction:.1%}"
 
 
 def table(summaries: list[RateSummary], capacity: float | None, target: float) -> str:
@@ -23,11 +28,16 @@ def table(summaries: list[RateSummary], capacity: float | None, target: float) -
         rows.append((rate_text(s.offered_rate), f"{s.duration_s:.1f}", str(s.completed), str(s.refused), str(s.errors),
                      _f(s.ttft_s["p50"]), _f(s.ttft_s["p90"]), _f(s.ttft_s["p99"]),
                      _f(s.tbt_s["p50"], 4), _f(s.tbt_s["p90"], 4), _f(s.tbt_s["p99"], 4),
-                     _f(s.e2e_s["p50"]), _f(s.e2e_s["p90"]), f"{s.attainment:.0%}", f"{s.goodput:.3f}"))
+                     _f(s.e2e_s["p50"]), _f(s.e2e_s["p90"]), percent(s.attainment), f"{s.goodput:.3f}"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
     cap = "none" if capacity is None else f"{capacity:.3g} req/s"
-    lines.append(f"SLO capacity (highest offered rate with attainment >= {target:.0%}): {cap}")
+    lines.append(f"SLO capacity (highest offered rate with attainment >= {percent(target)}): {cap}")
+    missed = lower_rates_missing(summaries, target, capacity)
+    if missed:
+        rates = ", ".join(f"{rate_text(s.offered_rate)} req/s ({percent(s.attainment)})" for s in missed)
+        lines.append(f"warning: lower rates missed the target: {rates}; attainment is not monotonic in the rate, "
+                     f"so the capacity of {cap} may not hold (rerun, or use more requests per rate)")
     for s in summaries:
         if s.ttft_over_predicted:
             r = s.ttft_over_predicted
@@ -36,6 +46,9 @@ def table(summaries: list[RateSummary], capacity: float | None, target: float) -
         if s.short_outputs:
             lines.append(f"note: at {rate_text(s.offered_rate)} req/s {s.short_outputs} outputs were shorter "
                          f"than max_tokens")
+        if s.without_usage:
+            lines.append(f"note: at {rate_text(s.offered_rate)} req/s the server sent no usage count for "
+                         f"{s.without_usage} answers, so their tokens and TBT are counted per text chunk")
         if s.max_send_lag_s > 0.1:
             lines.append(f"note: at {rate_text(s.offered_rate)} req/s a send left {s.max_send_lag_s:.2f} s late "
                          "(the client could not keep the schedule)")
@@ -109,7 +122,7 @@ def write_plots(out_dir: str | pathlib.Path, runs: list[tuple[RateSummary, list[
     rates = [s.offered_rate for s, _ in runs]
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(9, 3.6), dpi=90)
     a1.plot(rates, [s.attainment for s, _ in runs], "o-")
-    a1.axhline(target, color="grey", ls=":", lw=1, label=f"target {target:.0%}")
+    a1.axhline(target, color="grey", ls=":", lw=1, label=f"target {percent(target)}")
     a1.set_ylim(0, 1.05)
     a1.set_xlabel("offered rate (req/s)")
     a1.set_ylabel("SLO attainment")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import email.utils
+import math
 import time
 from dataclasses import dataclass
 
@@ -19,6 +20,9 @@ from tqdm import tqdm
 from mooncake.bench.stats import ERROR, OK, REFUSED, RequestRecord
 
 PREDICTED_TTFT_HEADER = "x-mooncake-predicted-ttft-ms"
+MAX_ATTEMPTS = 100
+"""Most sends of one request under --retry-after: a server answering 429 with Retry-After: 0
+at once is not asked thousands of times within --max-retry-wait."""
 
 
 class EndpointError(RuntimeError):
@@ -37,7 +41,8 @@ class ClientOptions:
     retry_after: bool = False
     """Honour a 429's Retry-After; otherwise a 429 is a refusal."""
     max_retry_wait_s: float = 30.0
-    """The most a request waits for Retry-After in all (longer asks are refusals)."""
+    """The most time from a request's first send to a retry's send, 429 answers and waits alike
+    (a Retry-After that would pass it is a refusal)."""
     request_timeout_s: float = 600.0
 
 
@@ -50,11 +55,18 @@ async def preflight(client: AsyncOpenAI, model: str | None) -> str:
     """GET /v1/models once: the endpoint answers, and serves `model` (None: its first model).
     Raises EndpointError with what to fix."""
     try:
-        models = [m.id async for m in client.models.list()]
+        # Read as raw JSON: the SDK's parser fails with an AttributeError on a body that is not a
+        # model list (a web page at the wrong URL answers 200 too).
+        raw = await client.models.with_raw_response.list()
     except openai.APIConnectionError as exc:
         raise EndpointError(f"cannot reach {client.base_url}: {exc.__cause__ or exc}; is the server running?") from None
     except openai.APIStatusError as exc:
         raise EndpointError(f"{client.base_url}models answered HTTP {exc.status_code}: {exc.message}") from None
+    models = model_ids(raw.http_response)
+    if models is None:
+        content_type = raw.http_response.headers.get("content-type", "no content type")
+        raise EndpointError(f"{client.base_url}models answered HTTP {raw.http_response.status_code} ({content_type}) "
+                            f"but not an OpenAI model list; is --url the endpoint's /v1 URL?")
     if not models:
         raise EndpointError(f"{client.base_url}models lists no model")
     if model is None:
@@ -64,15 +76,30 @@ async def preflight(client: AsyncOpenAI, model: str | None) -> str:
     return model
 
 
+def model_ids(response) -> list[str] | None:
+    """The ids of a /models answer ({"data": [{"id": ...}, ...]}); None when it is not one."""
+    try:
+        doc = response.json()
+    except (ValueError, RecursionError):  # not JSON (or not UTF-8, or nested past the parser's depth)
+        return None
+    data = doc.get("data") if isinstance(doc, dict) else None
+    if not isinstance(data, list) or not all(isinstance(m, dict) and isinstance(m.get("id"), str) for m in data):
+        return None
+    return [m["id"] for m in data]
+
+
 def retry_after_s(headers) -> float | None:
     """Seconds a Retry-After header asks for (delta-seconds or an HTTP date); None if absent or bad."""
     value = headers.get("retry-after") if headers is not None else None
     if not value:
         return None
     try:
-        return max(0.0, float(value))
+        seconds = float(value)
     except ValueError:
         pass
+    else:
+        # A negative or nan delay is no instruction (the standard allows non-negative integers only).
+        return seconds if 0 <= seconds < math.inf else None
     try:
         return max(0.0, email.utils.parsedate_to_datetime(value).timestamp() - time.time())
     except (TypeError, ValueError):
@@ -89,12 +116,15 @@ def predicted_ttft_s(headers) -> float | None:
         return None
 
 
+class AnswerError(Exception):
+    """A stream that ended without error from the HTTP library but is not a whole answer."""
+
+
 async def send_one(client: AsyncOpenAI, opts: ClientOptions, prompt: str | list[int], rec: RequestRecord,
                    t0: float) -> None:
     """Send one request (retrying after 429 if asked) and fill `rec`; never raises."""
     now = lambda: time.perf_counter() - t0  # noqa: E731
     rec.sent_s = now()
-    waited = 0.0
     # A token-id prompt goes in extra_body, which the SDK sends as given: its own argument is walked
     # element by element (0.3 s for 30k tokens here), on this event loop and inside the latency.
     extra = {"ignore_eos": True} if opts.ignore_eos else {}
@@ -110,8 +140,15 @@ async def send_one(client: AsyncOpenAI, opts: ClientOptions, prompt: str | list[
                     extra_body=extra or None)
                 rec.predicted_ttft_s = predicted_ttft_s(raw.headers)
                 stream = raw.parse()
-                text_chunks, usage_tokens = 0, None
+                text_chunks, usage_tokens, stream_error = 0, None, None
                 async for chunk in stream:
+                    # vLLM's error shape (the SDK raises only for {"error": {...}}). Read on to the
+                    # end, which follows at once: raising here would leave the SDK's generators
+                    # open, and asyncio logs a traceback closing them.
+                    if getattr(chunk, "object", None) == "error":
+                        stream_error = stream_error or getattr(chunk, "message", None) or "no message"
+                    if stream_error is not None:
+                        continue
                     if chunk.choices and chunk.choices[0].text:
                         t = now()
                         if rec.first_token_s is None:
@@ -120,25 +157,46 @@ async def send_one(client: AsyncOpenAI, opts: ClientOptions, prompt: str | list[
                         text_chunks += 1
                     if chunk.usage is not None:
                         usage_tokens = chunk.usage.completion_tokens
-            rec.end_s = now()
+            if stream_error is not None:
+                raise AnswerError(f"the server sent an error mid-stream: {stream_error}")
+            rec.tokens_from_usage = usage_tokens is not None
             rec.tokens = usage_tokens if usage_tokens is not None else text_chunks
             if rec.first_token_s is None:
-                rec.status, rec.error = ERROR, "the stream ended without any text"
-            else:
-                rec.status = OK
+                raise AnswerError("the stream ended without any text")
+            # With ignore_eos only a cut answer is short; its TBT and e2e would flatter the server.
+            # Without a usage count the chunks are no measure of tokens, so nothing is claimed then.
+            if opts.ignore_eos and usage_tokens is not None and usage_tokens < rec.max_tokens:
+                raise AnswerError(f"the answer stopped after {usage_tokens} of {rec.max_tokens} tokens, though "
+                                  f"ignore_eos was asked (--no-ignore-eos if the server does not honour it)")
+            rec.status, rec.end_s = OK, now()
             return
         except openai.RateLimitError as exc:
             wait = retry_after_s(exc.response.headers)
-            if opts.retry_after and wait is not None and waited + wait <= opts.max_retry_wait_s:
-                waited += wait
+            # The whole time since the first send counts, answers included: a Retry-After of 0
+            # sleeps for nothing, and --max-retry-wait must still end the retries.
+            since_first_send = now() - rec.sent_s
+            if not opts.retry_after:
+                why = ""
+            elif wait is None:
+                why = " (no usable Retry-After to wait for)"
+            elif since_first_send + wait > opts.max_retry_wait_s:
+                why = (f" (a retry after {wait:g} s would come {since_first_send + wait:.1f} s after the first send, "
+                       f"past --max-retry-wait {opts.max_retry_wait_s:g} s)")
+            elif rec.attempts >= MAX_ATTEMPTS:
+                why = f" (still refused after {rec.attempts} attempts)"
+            else:
                 await asyncio.sleep(wait)
                 continue
-            rec.status, rec.error, rec.end_s = REFUSED, f"429: {exc.message}", now()
+            rec.status, rec.error, rec.end_s = REFUSED, f"429: {exc.message}{why}", now()
             return
+        except AnswerError as exc:
+            rec.status, rec.error = ERROR, str(exc)
         except openai.APIStatusError as exc:
             rec.status, rec.error = ERROR, f"HTTP {exc.status_code}: {exc.message}"
         except openai.APIConnectionError as exc:
             rec.status, rec.error = ERROR, connection_error_text(exc)
+        except openai.APIError as exc:  # the SDK's reading of a {"error": {...}} event mid-stream
+            rec.status, rec.error = ERROR, f"the server sent an error mid-stream: {exc.message}"
         except TimeoutError:
             rec.status, rec.error = ERROR, f"no whole answer within {opts.request_timeout_s:g} s (--request-timeout)"
         except Exception as exc:  # noqa: BLE001  a broken stream mid-run is that request's error

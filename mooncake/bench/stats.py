@@ -32,6 +32,9 @@ class RequestRecord:
     end_s: float | None = None
     tokens: int = 0
     """Tokens generated (the server's usage count when it sent one, else text chunks)."""
+    tokens_from_usage: bool = False
+    """Whether `tokens` is the server's usage count (else a count of text chunks, which may each
+    carry several tokens: TBT is then per chunk, and a short count proves nothing)."""
     status: str = ERROR
     error: str = ""
     attempts: int = 0
@@ -106,7 +109,10 @@ class RateSummary:
     goodput: float
     """Attaining requests per second of duration_s."""
     short_outputs: int
-    """Completed requests that returned fewer tokens than asked (EOS despite ignore_eos?)."""
+    """Completed requests whose server's usage count is below max_tokens (EOS without ignore_eos;
+    with it, such an answer is an error)."""
+    without_usage: int
+    """Completed requests whose server sent no usage count: their tokens and TBT are per chunk."""
     max_send_lag_s: float
     """Largest delay of a send past its schedule: large values mean the client, not the
     server, set the pace."""
@@ -130,7 +136,8 @@ def summarize(records: list[RequestRecord], offered_rate: float, ttft_slo_s: flo
         e2e_s=percentiles([r.e2e_s for r in done], (50, 90)),
         attainment=good / len(records) if records else 0.0,
         goodput=good / duration if duration > 0 else 0.0,
-        short_outputs=sum(r.tokens < r.max_tokens for r in done),
+        short_outputs=sum(r.tokens_from_usage and r.tokens < r.max_tokens for r in done),
+        without_usage=sum(not r.tokens_from_usage for r in done),
         max_send_lag_s=max((r.sent_s - r.scheduled_s for r in records if not math.isnan(r.sent_s)), default=0.0),
         ttft_over_predicted=_ratio_percentiles([r.ttft_over_predicted for r in done]),
     )
@@ -146,3 +153,12 @@ def slo_capacity(summaries: list[RateSummary], target: float) -> float | None:
     # A schedule with every arrival at one instant (a one-line trace) offers no defined rate.
     met = [s.offered_rate for s in summaries if s.attainment >= target and math.isfinite(s.offered_rate)]
     return max(met) if met else None
+
+
+def lower_rates_missing(summaries: list[RateSummary], target: float, capacity: float | None) -> list[RateSummary]:
+    """The rates below `capacity` that missed the target: attainment that is not monotonic in the
+    rate (noise, a cold cache, a server that refuses early) makes the capacity a lucky rate."""
+    if capacity is None:
+        return []
+    return sorted((s for s in summaries if s.offered_rate < capacity and s.attainment < target),
+                  key=lambda s: s.offered_rate)

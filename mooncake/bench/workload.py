@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mooncake.trace import TraceError, TraceRecord, json_object_line
+from mooncake.trace import MAX_TOKENS, TraceError, TraceRecord, json_object_line, shown
 
 LOW_TOKEN_ID = 1000
 """Token ids are drawn from [LOW_TOKEN_ID, vocab_size): the low end holds special tokens."""
@@ -125,8 +125,8 @@ def _prompt_line(text: str, line: int, path: str, index: int) -> RequestSpec:
     if not (isinstance(prompt, str) and prompt) and not is_ids:
         raise PromptsFileError(path, line, "'prompt' must be a non-empty string or list of token ids")
     mt = obj.get("max_tokens")
-    if isinstance(mt, bool) or not isinstance(mt, int) or mt < 1:
-        raise PromptsFileError(path, line, f"'max_tokens' must be an integer >= 1, got {mt!r}")
+    if isinstance(mt, bool) or not isinstance(mt, int) or not 1 <= mt <= MAX_TOKENS:
+        raise PromptsFileError(path, line, f"'max_tokens' must be an integer in [1, {MAX_TOKENS:,}], got {shown(mt)}")
     return RequestSpec(index, len(prompt) if is_ids else 0, mt, text=prompt)
 
 

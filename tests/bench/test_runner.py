@@ -3,10 +3,11 @@ timing capture, Retry-After, errors mid-run, and a down endpoint."""
 
 import asyncio
 import json
+import time
 
 import pytest
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
 
 from mooncake.bench.cli import main
 from tests.http_server import served
@@ -33,18 +34,30 @@ def fake_app() -> FastAPI:
                                 headers={"Retry-After": str(RETRY_AFTER_S)})
         if body["prompt"] == "fail":
             return JSONResponse({"error": {"message": "boom"}}, status_code=500)
+        mode = body["prompt"] if isinstance(body["prompt"], str) else "token ids"
+        if "retry-after:" in mode:  # refused every time, with that Retry-After
+            if mode.startswith("slow-"):
+                await asyncio.sleep(0.2)
+            return JSONResponse({"error": {"message": "busy"}}, status_code=429,
+                                headers={"Retry-After": mode.partition("retry-after:")[2]})
+        # "short": stops early by its usage count; "no-usage": sends none; "vllm-error": vLLM's
+        # mid-stream error shape after one token
+        texts = {"short": 2, "vllm-error": 1}.get(mode, TOKENS)
 
         async def stream():
             def event(obj):
                 return f"data: {json.dumps(obj)}\n\n"
             base = {"id": "c", "object": "text_completion", "created": 0, "model": "fake"}
             await asyncio.sleep(FIRST_TOKEN_S)
-            for k in range(TOKENS):
+            for k in range(texts):
                 if k:
                     await asyncio.sleep(GAP_S)
                 yield event(base | {"choices": [{"index": 0, "text": "x", "finish_reason": None, "logprobs": None}]})
-            yield event(base | {"choices": [], "usage": {"prompt_tokens": 1, "completion_tokens": TOKENS,
-                                                           "total_tokens": TOKENS + 1}})
+            if mode == "vllm-error":
+                yield event({"object": "error", "message": "engine died", "type": "InternalServerError", "code": 500})
+            elif mode != "no-usage":
+                yield event(base | {"choices": [], "usage": {"prompt_tokens": 1, "completion_tokens": texts,
+                                                               "total_tokens": texts + 1}})
             yield "data: [DONE]\n\n"
         return StreamingResponse(stream(), media_type="text/event-stream")
 
@@ -58,10 +71,9 @@ def server():
         yield app, url + "/v1"
 
 
-def run(tmp_path, url, *extra):
+def run(tmp_path, url, *extra, prompts_sent=("ok", "limit", "fail")):
     prompts = tmp_path / "p.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": p, "max_tokens": TOKENS}) + "\n"
-                               for p in ("ok", "limit", "fail")))
+    prompts.write_text("".join(json.dumps({"prompt": p, "max_tokens": TOKENS}) + "\n" for p in prompts_sent))
     out = tmp_path / "r.json"
     rc = main(["--url", url, "--prompts-file", str(prompts), "--rate", "100", "--out", str(out), *extra])
     return rc, json.loads(out.read_text()) if out.exists() else None
@@ -226,3 +238,92 @@ def test_a_prompts_files_requests_are_capped_as_the_options_say(server, tmp_path
     sent = [(b["prompt"], b["max_tokens"]) for b in app.state.bodies]
     assert sent[:2] == [(list(range(1000, 1004)), 3), ("a text", 2)] and sent[2:] == sent[:2]
     assert "sent as written at every rate" in capsys.readouterr().err
+
+
+def send_one_to(url, prompt, **opts):
+    """One request through send_one, its record back; a send_one that never returns fails the test
+    in 20 s rather than hanging the suite."""
+    from mooncake.bench.runner import ClientOptions, make_client, send_one
+    from mooncake.bench.stats import RequestRecord
+
+    async def go():
+        options = ClientOptions(url, "fake", **opts)
+        client = make_client(options)
+        rec = RequestRecord(0, 1, TOKENS, 0.0)
+        try:
+            await asyncio.wait_for(send_one(client, options, prompt, rec, time.perf_counter()), 20)
+        finally:
+            await client.close()
+        return rec
+
+    return asyncio.run(go())
+
+
+@pytest.mark.parametrize("header", ["0", "nan", "-3", "inf", "soon"])
+def test_retry_after_ends_whatever_the_header_says(server, header):
+    """A Retry-After of 0 (or nan or -3, read as 0) used to be retried forever: the sleeps, 0 s
+    each, never added up to --max-retry-wait."""
+    from mooncake.bench.runner import MAX_ATTEMPTS
+
+    _, url = server
+    started = time.perf_counter()
+    rec = send_one_to(url, f"retry-after:{header}", retry_after=True, max_retry_wait_s=1.0)
+    assert rec.status == "refused" and time.perf_counter() - started < 5
+    if header == "0":  # retried at once, until the attempts cap or --max-retry-wait
+        assert 1 < rec.attempts <= MAX_ATTEMPTS and rec.end_s - rec.sent_s <= 1.0 + 0.5
+    else:  # no usable delay: a refusal, not a retry
+        assert rec.attempts == 1 and "no usable Retry-After" in rec.error
+
+
+def test_max_retry_wait_counts_the_time_of_the_refused_attempts_too(server):
+    """Slow 429 answers with Retry-After: 0 still end within --max-retry-wait."""
+    _, url = server
+    rec = send_one_to(url, "slow-retry-after:0", retry_after=True, max_retry_wait_s=1.0)
+    assert rec.status == "refused" and 2 <= rec.attempts <= 6 and "--max-retry-wait 1 s" in rec.error
+
+
+def test_retry_after_values():
+    from mooncake.bench.runner import retry_after_s
+
+    assert retry_after_s({"retry-after": "2.5"}) == 2.5 and retry_after_s({"retry-after": "0"}) == 0.0
+    for bad in ("nan", "-1", "inf", "soon", ""):
+        assert retry_after_s({"retry-after": bad}) is None
+
+
+def test_an_answer_cut_short_under_ignore_eos_is_an_error(server, tmp_path, capsys):
+    """By the server's usage count it stopped early; counted OK it used to flatter TBT and e2e."""
+    _, url = server
+    rc, doc = run(tmp_path, url, prompts_sent=("ok", "short", "vllm-error"))
+    ok, short, failed = (by_index(doc)[i] for i in range(3))
+    assert rc == 0 and ok["status"] == "ok" and ok["tokens_from_usage"]
+    assert short["status"] == "error" and short["error"].startswith(f"the answer stopped after 2 of {TOKENS} tokens")
+    assert short["ttft_s"] is None
+    assert failed["status"] == "error" and failed["error"] == "the server sent an error mid-stream: engine died"
+    assert doc["runs"][0]["summary"]["attainment"] == pytest.approx(1 / 3)
+    assert "1 x the answer stopped after 2 of" in capsys.readouterr().out
+    # without ignore_eos a short answer is a result (EOS), noted as short
+    rc, doc = run(tmp_path, url, "--no-ignore-eos", prompts_sent=("short",))
+    assert by_index(doc)[0]["status"] == "ok" and doc["runs"][0]["summary"]["short_outputs"] == 1
+
+
+def test_an_answer_without_usage_is_counted_per_chunk_and_said_so(server, tmp_path, capsys):
+    _, url = server
+    rc, doc = run(tmp_path, url, prompts_sent=("no-usage",))
+    rec, summary = by_index(doc)[0], doc["runs"][0]["summary"]
+    assert rc == 0 and rec["status"] == "ok" and rec["tokens"] == TOKENS and not rec["tokens_from_usage"]
+    assert summary["without_usage"] == 1 and summary["short_outputs"] == 0
+    out = capsys.readouterr().out
+    assert "sent no usage count for 1 answers" in out and "counted per text chunk" in out
+
+
+@pytest.mark.parametrize("answer", [HTMLResponse("<html>a web page</html>"), JSONResponse({"object": "list"}),
+                                    JSONResponse([1, 2])])
+def test_a_models_url_answering_something_else_is_an_endpoint_error(answer, capsys):
+    """A web page at the URL answered 200: the SDK's parser raised an AttributeError."""
+    app = FastAPI()
+    app.get("/v1/models")(lambda: answer)
+    with served(app) as base:
+        assert main(["--url", base + "/v1", "--num-requests", "1"]) == 1
+    err = capsys.readouterr().err
+    assert f"{base}/v1/models answered HTTP 200" in err and "not an OpenAI model list" in err
+    assert "Traceback" not in err

@@ -98,8 +98,9 @@ def test_trace_schedule_starts_at_zero_and_scales():
     assert workload.trace_offsets(specs, 0.5) == [0.0, 0.25, 1.0]
 
 
-def rec(i, status=OK, ttft=0.5, tbt=0.05, tokens=5, sent=0.0, max_tokens=5):
-    r = RequestRecord(i, 100, max_tokens, scheduled_s=sent, sent_s=sent, status=status, tokens=tokens)
+def rec(i, status=OK, ttft=0.5, tbt=0.05, tokens=5, sent=0.0, max_tokens=5, usage=True):
+    r = RequestRecord(i, 100, max_tokens, scheduled_s=sent, sent_s=sent, status=status, tokens=tokens,
+                      tokens_from_usage=usage)
     if status == OK:
         r.first_token_s = sent + ttft
         r.chunk_s = [sent + ttft + k * tbt for k in range(tokens)]
@@ -135,7 +136,18 @@ def test_attainment_and_goodput_count_refusals_and_errors_as_misses():
 
 def test_short_outputs_are_counted():
     s = summarize([rec(0, tokens=3, max_tokens=5), rec(1)], 1.0, 1.0, 1.0)
-    assert s.short_outputs == 1
+    assert s.short_outputs == 1 and s.without_usage == 0
+
+
+def test_outputs_counted_in_chunks_are_not_called_short():
+    """Without the server's usage count a chunk may carry several tokens: fewer chunks than
+    max_tokens proves nothing, and the table says the counts are per chunk."""
+    from mooncake.bench.report import table
+
+    s = summarize([rec(0, tokens=3, max_tokens=5, usage=False), rec(1)], 1.0, 1.0, 1.0)
+    assert s.short_outputs == 0 and s.without_usage == 1
+    text = table([s], 1.0, 0.9)
+    assert "sent no usage count for 1 answers" in text and "shorter than max_tokens" not in text
 
 
 def test_percentiles_and_empty_runs():
@@ -153,6 +165,65 @@ def test_slo_capacity_is_the_highest_rate_meeting_the_target():
     assert slo_capacity(sweep, 0.9) == 0.5
     assert slo_capacity(sweep, 0.8) == 1.0
     assert slo_capacity([at(1.0, 5)], 0.9) is None
+
+
+def test_attainment_is_printed_with_one_decimal():
+    """896 of 1000 printed as a whole 90% read as meeting a 90% target that it missed."""
+    from mooncake.bench.report import table
+
+    recs = [rec(i) for i in range(896)] + [rec(i, status=REFUSED) for i in range(896, 1000)]
+    s = summarize(recs, 1.0, 1.0, 1.0)
+    text = table([s], slo_capacity([s], 0.9), 0.9)
+    assert " 89.6% " in text and " 90% " not in text
+    assert "attainment >= 90.0%): none" in text
+
+
+def test_a_capacity_above_a_rate_that_missed_the_target_is_warned_about():
+    """The capacity keeps its definition (the highest rate meeting the target), but a lower rate
+    that missed it says that attainment was not monotonic in the rate."""
+    from mooncake.bench.report import table
+    from mooncake.bench.stats import lower_rates_missing
+
+    def at(rate, attained, n=10):
+        recs = [rec(i) for i in range(attained)] + [rec(i, status=REFUSED) for i in range(attained, n)]
+        return summarize(recs, rate, 1.0, 1.0)
+    sweep = [at(0.5, 10), at(1.0, 7), at(2.0, 9), at(4.0, 1)]
+    assert slo_capacity(sweep, 0.9) == 2.0
+    assert [s.offered_rate for s in lower_rates_missing(sweep, 0.9, 2.0)] == [1.0]
+    text = table(sweep, 2.0, 0.9)
+    assert "warning: lower rates missed the target: 1 req/s (70.0%)" in text and "capacity of 2 req/s" in text
+    monotonic = [at(0.5, 10), at(1.0, 9), at(2.0, 5)]
+    assert lower_rates_missing(monotonic, 0.9, 1.0) == [] and "warning" not in table(monotonic, 1.0, 0.9)
+
+
+@pytest.mark.parametrize("line, msg", [
+    ('{"prompt": "hi", "max_tokens": 1' + "0" * 5000 + "}", "more than 4300 digits"),
+    ('{"prompt": "hi", "max_tokens": 3, "x": ' + "[" * 100_000 + "]" * 100_000 + "}", "nested too deeply"),
+    ('{"prompt": "hi", "max_tokens": 1' + "0" * 400 + "}", "'max_tokens' must be an integer in [1, 10,000,000]"),
+])
+def test_a_prompts_file_line_python_cannot_read_is_an_error_naming_the_line(tmp_path, line, msg):
+    p = write(tmp_path, ['{"prompt": "hi", "max_tokens": 3}', line], "p.jsonl")
+    with pytest.raises(workload.PromptsFileError) as exc:
+        workload.load_prompts_file(p)
+    assert str(exc.value).startswith(f"{p}:2: ") and msg in str(exc.value) and len(str(exc.value)) < 200
+
+
+@pytest.mark.parametrize("flags, needle", [
+    (["--ttft-slo", "nan"], "--ttft-slo must be a finite number > 0, got nan"),
+    (["--tbt-slo", "nan"], "--tbt-slo must be a finite number > 0, got nan"),
+    (["--ttft-slo", "inf"], "--ttft-slo must be a finite number > 0, got inf"),
+    (["--max-retry-wait", "nan"], "--max-retry-wait must be a finite number of seconds >= 0, got nan"),
+    (["--time-scale", "nan"], "--time-scale must be a finite number > 0, got nan"),
+    (["--time-scale", "inf"], "--time-scale must be a finite number > 0, got inf"),
+    (["--attainment-target", "nan"], "--attainment-target must be in (0, 1], got nan"),
+    (["--temperature", "nan"], "--temperature must be a finite number >= 0, got nan"),
+    (["--input-len", "100000000000"], "--input-len must be N or MIN-MAX with 1 <= MIN <= MAX <= 10,000,000"),
+])
+def test_non_finite_or_absurd_options_are_refused_before_any_request(flags, needle, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["--url", "http://127.0.0.1:1/v1", *flags])  # never reached: the check comes first
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and needle in err and "Traceback" not in err
 
 
 def test_trace_error_is_the_base_class_the_simulator_uses():

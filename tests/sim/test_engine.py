@@ -230,6 +230,32 @@ def test_prompt_larger_than_any_decode_node_is_refused_not_lost(admission):
     assert status[1] == ("completed", None)
 
 
+def test_colocated_prompt_larger_than_the_decode_node_is_refused_not_lost():
+    """With no prefill pool and admission "none" it waited at the head of the decode node's queue
+    forever, and the run ended in a RuntimeError (requests neither completed nor rejected)."""
+    cap = 100_000
+    rows = [TraceRecord(1, 0.0, 2 * cap, 4, ()), TraceRecord(2, 1.0, 1000, 4, ())]
+    res = simulate(rows, SchedulerConfig(admission="none", ttft_slo_s=1e6), PROFILE, 0, 1,
+                   decode_kv_capacity_tokens=cap)
+    status = {o.rid: (o.status, o.reason, o.colocated) for o in res.outcomes}
+    assert status == {0: ("rejected", "decode_no_capacity", True), 1: ("completed", None, True)}
+
+
+def test_cli_reports_a_failed_simulation_as_an_error_not_a_traceback(tmp_path, capsys, monkeypatch):
+    from conductor.sim.engine import Simulation
+
+    def broken(self):
+        raise RuntimeError("simulation ended with 1 of 2 requests neither completed nor rejected")
+
+    monkeypatch.setattr(Simulation, "run", broken)
+    trace = tmp_path / "t.jsonl"
+    write_trace(generate_trace(TraceParams(n_requests=2, seed=1)), trace)
+    assert main(["--trace", str(trace), "--json", "--no-progress"]) == 1
+    out = capsys.readouterr()
+    assert out.out == "" and "Traceback" not in out.err
+    assert "mooncake sim: error: the simulation failed: simulation ended with 1 of 2 requests" in out.err
+
+
 def _burst_sim(pending: bool):
     from conductor.core import Estimators, Scheduler
     from conductor.sim.cost_model import CostModel, CostModelConfig

@@ -107,3 +107,29 @@ def test_absurd_lengths_and_timestamps_are_errors_naming_the_line(tmp_path):
                         + "\n")
         with pytest.raises(TraceError, match=":2: "):
             load_trace(path)
+
+
+@pytest.mark.parametrize("line, msg", [
+    # an integer past any float: math.isfinite raised OverflowError
+    ('{"timestamp": 1' + "0" * 400 + ', "input_length": 10, "output_length": 1}', "'timestamp' must be a number"),
+    # past Python's 4300-digit limit on integer literals: json.loads raised ValueError
+    ('{"timestamp": 0, "input_length": 1' + "0" * 5000 + ', "output_length": 1}', "more than 4300 digits"),
+    # past the parser's recursion limit: json.loads raised RecursionError
+    ('{"timestamp": 0, "input_length": 10, "output_length": 1, "x": ' + "[" * 100_000 + "]" * 100_000 + "}",
+     "nested too deeply"),
+])
+def test_a_line_python_cannot_read_is_an_error_naming_the_line(tmp_path, line, msg):
+    path = tmp_path / "t.jsonl"
+    path.write_text(GOOD + "\n" + line + "\n")
+    with pytest.raises(TraceError) as exc:
+        load_trace(path)
+    # the 400-digit value is cut in the message, not quoted whole
+    assert str(exc.value).startswith(f"{path}:2: ") and msg in str(exc.value) and len(str(exc.value)) < 200
+
+
+def test_sim_cli_reports_an_unreadable_line_not_a_traceback(tmp_path, capsys):
+    path = tmp_path / "t.jsonl"
+    path.write_text(GOOD + "\n" + '{"timestamp": 0, "input_length": 1' + "0" * 5000 + "}\n")
+    assert main(["--trace", str(path), "--json", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert f"{path}:2: holds a number of more than 4300 digits" in err and "Traceback" not in err
