@@ -5,7 +5,13 @@ registry's TTL) and sends "delete" when an instance dies. The view adds its own 
 safety net against a lost delete: every registered instance refreshes itself at least once
 per keepalive interval (an "alive" event), so one silent for `expire_after_s` is dropped.
 That net is switched off during a backend outage: silence then says nothing about the
-workers, and the last view is the best the conductor has until the next "resync".
+workers, and the last view is the best the conductor has until the next "resync". It is also off
+while the backend as a whole is silent (no event at all for expire_after_s): a frozen etcd or a
+half-open connection does not always end the watch with an outage, and a conductor whose event
+loop stalled hears nothing either; the workers did not all die at once. An instance dropped by
+the net that turns out alive (an "alive" event for it) is restored from its last known info, since
+the backend sends a "put" only when an instance (re)registers, and without one it would stay
+unroutable while its lease lives.
 """
 
 from __future__ import annotations
@@ -42,39 +48,47 @@ class ClusterView:
         self._entries: dict[str, _Entry] = {}
         self._synced = False  # no resync seen yet: the view is empty, not "known empty"
         self._outage_since: float | None = None
+        self._last_event_at: float | None = None  # when any event last arrived
+        self._dropped: dict[str, InstanceInfo] = {}  # expired by the net, not deleted by the backend
 
     # -- mutation ----------------------------------------------------------------------
     def apply(self, event: RegistryEvent, now: float) -> None:
         """Fold one event into the view; `now` is the consumer's clock at arrival."""
+        if event.kind != "outage":
+            self._last_event_at = now
         if event.kind == "resync":
             snap = event.snapshot or {}
             self._entries = {iid: _Entry(info, now) for iid, info in snap.items()}
             self._synced, self._outage_since = True, None
+            self._dropped.clear()
         elif event.kind == "outage":
             if self._outage_since is None:
                 self._outage_since = now
         elif event.kind == "put":
             assert event.info is not None, "put event without info"
             self._entries[event.instance_id] = _Entry(event.info, now)
+            self._dropped.pop(event.instance_id, None)
         elif event.kind == "delete":
             self._entries.pop(event.instance_id, None)
+            self._dropped.pop(event.instance_id, None)
         elif event.kind == "alive":
             old = self._entries.get(event.instance_id)
-            # An unknown instance stays unknown: its put (or the next resync) carries the
-            # info we need before it can be scheduled anyway.
-            if old is not None:
-                self._entries[event.instance_id] = _Entry(old.info, now)
+            info = old.info if old is not None else self._dropped.pop(event.instance_id, None)
+            # An instance never put stays unknown: its put (or the next resync) carries the info
+            # it needs before it can be scheduled anyway.
+            if info is not None:
+                self._entries[event.instance_id] = _Entry(info, now)
         else:
             raise ValueError(f"unknown event kind {event.kind!r}")
 
     def expire(self, now: float) -> list[str]:
         """Drop instances silent for longer than expire_after_s; returns their ids.
         Does nothing during an outage."""
-        if self._outage_since is not None:
+        if self._outage_since is not None or self._silent(now):
             return []
         dead = [iid for iid, e in self._entries.items() if not self._fresh(e, now)]
         for iid in dead:
-            del self._entries[iid]
+            self._dropped[iid] = self._entries.pop(iid).info
         return sorted(dead)
 
     # -- queries -----------------------------------------------------------------------
@@ -112,5 +126,11 @@ class ClusterView:
     def __contains__(self, instance_id: object) -> bool:
         return instance_id in self._entries
 
+    def _silent(self, now: float) -> bool:
+        """No event at all for expire_after_s: the backend or the watch is silent, not every
+        instance dead at once (the backend's deletes still remove the ones that die)."""
+        return self._last_event_at is not None and now - self._last_event_at > self._config.expire_after_s
+
     def _fresh(self, e: _Entry, now: float) -> bool:
-        return self._outage_since is not None or now - e.last_seen <= self._config.expire_after_s
+        return (self._outage_since is not None or self._silent(now)
+                or now - e.last_seen <= self._config.expire_after_s)

@@ -56,6 +56,7 @@ def test_ttl_expiry_with_explicit_clock() -> None:
     assert len(v) == 2  # alive() does not mutate
     assert v.expire(now=5.5) == ["p0"]
     assert [i.instance_id for i in v.instances()] == ["p1"]
+    v.apply(put("p2"), now=9.0)  # the registry still speaks: p1's silence is its own
     assert v.expire(now=9.5) == ["p1"]
 
 
@@ -82,7 +83,37 @@ def test_last_view_kept_during_outage_then_resync() -> None:
     v.apply(RegistryEvent("resync", snapshot={"p1": info("p1")}), now=101.0)
     assert v.outage_since is None
     assert [i.instance_id for i in v.alive(now=101.0)] == ["p1"]
+    v.apply(put("p2"), now=106.0)
     assert v.expire(now=107.0) == ["p1"]  # TTL is back in force after the resync
+
+
+def test_a_registry_silent_as_a_whole_expires_nobody() -> None:
+    # A frozen etcd, or a half-open connection, need not end the watch with an outage; nor does
+    # a conductor whose event loop stalled hear anything. Every worker dying at once is not the
+    # likely cause: the view is kept (the health polls still stop routing to a dead one).
+    v = ClusterView(ViewConfig(expire_after_s=5.0))
+    v.apply(RegistryEvent("resync", snapshot={"p0": info("p0"), "p1": info("p1")}), now=0.0)
+    assert v.expire(now=60.0) == [] and [i.instance_id for i in v.alive(now=60.0)] == ["p0", "p1"]
+    v.apply(alive("p1"), now=61.0)  # it speaks again: p0's silence is its own now
+    assert v.expire(now=61.0) == ["p0"]
+
+
+def test_an_instance_dropped_by_the_view_comes_back_with_its_next_alive() -> None:
+    # The backend sends a put only when an instance (re)registers: a live instance dropped by
+    # the view's own net used to stay unroutable while its lease lived.
+    v = ClusterView(ViewConfig(expire_after_s=5.0))
+    v.apply(put("p0", "decode"), now=0.0)
+    v.apply(put("p1"), now=0.0)
+    v.apply(alive("p1"), now=5.0)
+    assert v.expire(now=6.0) == ["p0"] and "p0" not in v
+    v.apply(alive("p0"), now=7.0)
+    assert v.get("p0") == info("p0", "decode") and v.last_seen("p0") == 7.0
+    # A delete (the lease ended) or a resync forgets it for good.
+    v.apply(alive("p1"), now=12.5)
+    assert v.expire(now=13.0) == ["p0"]
+    v.apply(RegistryEvent("delete", "p0"), now=13.5)
+    v.apply(alive("p0"), now=14.0)
+    assert "p0" not in v
 
 
 def test_codec_round_trip_and_versioning() -> None:
