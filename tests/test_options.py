@@ -56,6 +56,8 @@ def parse(*argv: str):
     (["conductor", "--kv-wait-timeout", "0"], "--kv-wait-timeout must be a positive"),
     (["conductor", "--max-model-len", "0"], "--max-model-len must be >= 16"),
     (["conductor", "--registry-ttl", "-5", "--etcd", "h:2379"], "ttl_s=-5.0"),
+    (["conductor", "--etcd", "https://h:2379"], "TLS to etcd is not supported"),
+    (["prefill", "--etcd", "HTTPS://h:2379"], "TLS to etcd is not supported"),
     (["conductor", "--profile", "nonexistent"], "cannot be read as a profile table"),
 ])
 def test_cli_refuses_what_the_engine_cannot_take(argv, needle, capsys):

@@ -152,6 +152,12 @@ def registry_errors(args: argparse.Namespace) -> list[str]:
     nothing (its first registration runs in the background)."""
     from mooncake.registry.config import RegistryConfig
 
+    etcd = getattr(args, "etcd", None) or ""
+    if etcd.lower().startswith("https://"):
+        # TLS to etcd is not wired (docs/SECURITY.md): stripping the scheme would speak plain
+        # gRPC to a TLS port and retry for ever.
+        return [f"--etcd {etcd}: TLS to etcd is not supported; give an http:// endpoint (or a TLS-terminating "
+                f"proxy's)"]
     url = registry_url(args)
     if url is None:
         return []

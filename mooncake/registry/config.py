@@ -10,6 +10,9 @@ from urllib.parse import urlsplit
 # Schemes `open_registry` understands. Plain http:// is refused on purpose: it could mean
 # etcd's own HTTP port or the conductor, and guessing wrong fails in confusing ways.
 SCHEMES = ("memory", "etcd", "embedded+http", "embedded+https")
+MAX_TTL_S = 3600.0
+"""The longest registration TTL: a dead instance registered with a larger one would stay listed
+for as long (the conductors' health polls keep it unrouted, but every resync brings it back)."""
 
 
 ETCD_USER_ENV, ETCD_PASSWORD_ENV = "MOONCAKE_ETCD_USER", "MOONCAKE_ETCD_PASSWORD"
@@ -70,6 +73,8 @@ class RegistryConfig:
         if self.ttl_s < 1.0:
             raise ValueError(f"ttl_s={self.ttl_s}: etcd leases are whole seconds, use >= 1 (and at least twice "
                              f"the keepalive interval)")
+        if not self.ttl_s <= MAX_TTL_S:
+            raise ValueError(f"ttl_s={self.ttl_s}: at most {MAX_TTL_S:g} s (a dead instance stays listed that long)")
         if not 0 < self.keepalive_interval_s <= self.ttl_s / 2:
             raise ValueError(f"a TTL of {self.ttl_s:g} s is too short for a keepalive every "
                              f"{self.keepalive_interval_s:g} s: use a TTL of at least "

@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from mooncake.registry.base import InstanceInfo, Registry, RegistryEvent, Snapshot
-from mooncake.registry.config import RegistryConfig
+from mooncake.registry.config import MAX_TTL_S, RegistryConfig
 
 log = logging.getLogger(__name__)
 
@@ -77,8 +77,8 @@ class MemoryRegistry(Registry):
     # -- server side (sync, no awaits: atomic on the event loop) --------------------------
     def put(self, info: InstanceInfo, ttl_s: float) -> None:
         """Add or replace an instance with a fresh TTL."""
-        if ttl_s <= 0:
-            raise ValueError(f"ttl_s={ttl_s} must be > 0")
+        if not 0 < ttl_s <= MAX_TTL_S:  # also refuses nan
+            raise ValueError(f"ttl_s={ttl_s} must be > 0 and at most {MAX_TTL_S:g} s")
         self.expire()
         self._entries[info.instance_id] = _Entry(info, ttl_s, self._clock() + ttl_s)
         self._emit(RegistryEvent("put", info.instance_id, info=info))

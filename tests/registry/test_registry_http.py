@@ -123,6 +123,8 @@ def test_routes_reject_bad_input_and_unknown_instances() -> None:
                              "kv_capacity_tokens": 8, "started_at": 0.0}, "ttl_s": 5}
             resp = await c.post(base, json={**body, "ttl_s": 0})  # MemoryRegistry.put refuses
             assert resp.status_code == 400 and "ttl_s" in resp.json()["detail"]
+            resp = await c.post(base, json={**body, "ttl_s": 1e308})  # listed for ever, were it taken
+            assert resp.status_code == 400 and "at most 3600 s" in resp.json()["detail"]
             resp = await c.post(base, json={**body, "info": {**body["info"], "v": 2}})
             assert resp.status_code == 400 and "$.info.v" in resp.json()["detail"]
             assert (await c.post(base, json=body)).status_code == 200
