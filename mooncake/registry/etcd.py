@@ -67,6 +67,8 @@ class _Registration:
     ttl_s: int
     lease_id: int | None = None
     task: asyncio.Task | None = None
+    revision: int = 0  # the instance key's mod revision when this process last put it
+    claimed_elsewhere: bool = False  # said once: another process holds the instance key
 
 
 class EtcdRegistry(Registry):
@@ -146,9 +148,10 @@ class EtcdRegistry(Registry):
         async def op(c: aetcd.Client) -> int:
             lease = await c.lease(reg.ttl_s)
             iid = reg.info.instance_id
-            await c.transaction(compare=[], failure=[], success=[
+            _, responses = await c.transaction(compare=[], failure=[], success=[
                 c.transactions.put(self._ikey(iid), encode_info(reg.info), lease.id),
                 c.transactions.put(self._akey(iid), self._alive_value(), lease.id)])
+            reg.revision = responses[0].response_put.header.revision
             return lease.id
         old, reg.lease_id = reg.lease_id, await self._run(op)
         if old is not None:  # its keys now belong to the new lease; let it go
@@ -181,8 +184,7 @@ class EtcdRegistry(Registry):
                     log.warning("registry: lease of %s lost; registering again", iid)
                     await self._grant_and_put(reg)
                 else:
-                    await self._run(lambda c: c.put(self._akey(iid), self._alive_value(),
-                                                    lease=lease_id))
+                    await self._refresh(reg, lease_id)
                 if failing:
                     log.info("registry: etcd reachable again for %s", iid)
                 failing = False
@@ -190,6 +192,33 @@ class EtcdRegistry(Registry):
                 if not failing:  # one line per outage, not one per tick
                     log.warning("registry: keepalive of %s failed, will retry: %r", iid, e)
                 failing = True
+
+    async def _refresh(self, reg: _Registration, lease_id: int) -> None:
+        """Put the alive key, while the instance key is still the one this process put. Two
+        processes with one instance id (a force-deleted pod still running elsewhere) overwrite
+        each other's instance key; when the other one dies its lease takes the key with it, and
+        this one, alive, was unroutable for good. A missing key is put again; one held by
+        another process is said once (the other stays routed while it lives)."""
+        iid = reg.info.instance_id
+
+        async def op(c: aetcd.Client) -> tuple[bool, bool]:
+            ours, _ = await c.transaction(
+                compare=[c.transactions.mod(self._ikey(iid)) == reg.revision],
+                success=[c.transactions.put(self._akey(iid), self._alive_value(), lease_id)], failure=[])
+            missing = not ours and await c.get(self._ikey(iid)) is None
+            return ours, missing
+        ours, missing = await self._run(op)
+        if missing:
+            log.warning("registry: the key of instance %s is gone while its lease lives (another process with the "
+                        "same id ended?); registering again", iid)
+            await self._grant_and_put(reg)
+            reg.claimed_elsewhere = False
+        elif not ours:
+            if not reg.claimed_elsewhere:
+                log.error("registry: another process registered instance id %s over this one: this worker is not "
+                          "routed while that one lives; give every worker its own --instance-id", iid)
+            reg.claimed_elsewhere = True
+            await self._run(lambda c: c.put(self._akey(iid), self._alive_value(), lease=lease_id))
 
     async def deregister(self, instance_id: str) -> None:
         reg = self._regs.pop(instance_id, None)

@@ -237,3 +237,25 @@ def test_compacted_watch_revision_takes_a_fresh_snapshot(etcd_server) -> None:
         await worker.close()
         await conductor.close()
     run(main())
+
+
+def test_a_live_worker_whose_id_another_process_took_comes_back_when_that_one_dies(etcd_server, caplog) -> None:
+    # Two processes with one instance id (a force-deleted pod still running elsewhere): the
+    # second's register overwrote the first's key, and when the second died its lease took the
+    # key with it; the first, alive and keeping its own lease, stayed unroutable for good.
+    async def main() -> None:
+        cfg = cfg_for(etcd_server)
+        a, b, conductor = open_registry(cfg), open_registry(cfg), open_registry(cfg)
+        first, second = info("p0"), info("p0", "decode")
+        await a.register(first, cfg.ttl_s)
+        f = Follower(conductor)
+        await wait_until(lambda: f.view.get("p0") == first, what="a routed")
+        await b.register(second, cfg.ttl_s)
+        await wait_until(lambda: f.view.get("p0") == second, what="b took the id")
+        await wait_until(lambda: "another process registered instance id p0" in caplog.text, what="a says so")
+        b._regs["p0"].task.cancel()  # b dies without deregistering: its lease runs out
+        await wait_until(lambda: f.view.get("p0") == first, timeout=10.0, what="a routed again")
+        await f.stop()
+        for r in (a, b, conductor):
+            await r.close()
+    run(main())
