@@ -44,7 +44,7 @@ def chat_prompt_ids(tokenizer, messages: Sequence[ChatMessage], tools: list[Any]
         raise APIError(400, f"chat_template_kwargs may not set {', '.join(clash)} (a request field or the "
                             f"server's own)", param="chat_template_kwargs")
     try:
-        rendered = [{"role": m.role, "content": m.text()} for m in messages]
+        rendered = [m.for_template() for m in messages]
     except ValueError as exc:
         raise APIError(400, str(exc), param="messages") from exc
     try:

@@ -109,6 +109,19 @@ class _SamplingFields(BaseModel):
     tool_choice: Any = None
     functions: list[Any] | None = None
     function_call: Any = None
+    # vLLM's fields that change the answer (beam search, logprob shapes, the chat template's
+    # reasoning switch and documents, ...): refused when set, not served as if absent.
+    use_beam_search: bool | None = None
+    length_penalty: float | None = None
+    return_tokens_as_token_ids: bool | None = None
+    logprob_token_ids: Any = None
+    reasoning_effort: Any = None
+    documents: Any = None
+    thinking_token_budget: Any = None
+    repetition_detection: Any = None
+    watermarking: Any = None
+    truncation_side: Any = None
+    return_token_ids: bool | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -165,7 +178,12 @@ class _SamplingFields(BaseModel):
               for name, default in (("include_stop_str_in_output", False), ("skip_special_tokens", True),
                                     ("spaces_between_special_tokens", True), ("allowed_token_ids", None),
                                     ("bad_words", None), ("truncate_prompt_tokens", None),
-                                    ("logits_processors", None))),
+                                    ("logits_processors", None), ("use_beam_search", False),
+                                    ("length_penalty", 1.0), ("return_tokens_as_token_ids", False),
+                                    ("logprob_token_ids", None), ("reasoning_effort", None), ("documents", None),
+                                    ("thinking_token_budget", None), ("repetition_detection", None),
+                                    ("watermarking", None), ("truncation_side", None),
+                                    ("return_token_ids", False))),
             # tool_choice "none": the tools only go into the prompt (the chat template's), as vLLM does.
             ("tools", bool(self.tools) and not (self.TOOLS_IN_PROMPT and self.tool_choice == "none"),
              tools + (" (tool_choice \"none\" is)" if self.TOOLS_IN_PROMPT else "")),
@@ -264,6 +282,10 @@ class CompletionRequest(_SamplingFields):
         return self.prompt_logprobs
 
 
+TEMPLATE_MESSAGE_FIELDS = ("name", "tool_calls", "tool_call_id", "reasoning_content")
+"""A chat message's fields besides role and content that reach the chat template, as in vLLM."""
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
@@ -279,6 +301,17 @@ class ChatMessage(BaseModel):
                 raise ValueError(f"content part of type {part.get('type')!r} is not supported (text only)")
             parts.append(str(part.get("text", "")))
         return "\n".join(parts)  # as vLLM renders several text parts of one message
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as the chat template sees it: role and text, and the fields of a
+        conversation with tools and names that vLLM passes on too (a tool call in the history,
+        the id a tool's answer refers to, a speaker's name)."""
+        rendered: dict[str, Any] = {"role": self.role, "content": self.text()}
+        extra = self.model_extra or {}
+        for name in TEMPLATE_MESSAGE_FIELDS:
+            if extra.get(name) is not None:
+                rendered[name] = extra[name]
+        return rendered
 
 
 class ChatTemplateFields(BaseModel):

@@ -145,6 +145,9 @@ class CompletionService:
         if echo_only and not body.echo:
             raise APIError(400, "max_tokens must be at least 1 (0 only with echo: the prompt and its logprobs "
                                 "alone)", param="max_tokens", code="invalid_value")
+        if body.min_tokens > max_tokens:  # as vLLM's SamplingParams; a cut to the room left below still clamps it
+            raise APIError(400, f"min_tokens must be less than or equal to max_tokens={max_tokens}, got "
+                                f"{body.min_tokens}.", param="min_tokens", code="invalid_value")
         if max_tokens > limit:
             raise APIError(400, f"This model's maximum context length is {limit} tokens. However, you "
                                 f"requested {len(prompt) + max_tokens} tokens ({len(prompt)} in the prompt, "

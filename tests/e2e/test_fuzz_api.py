@@ -39,7 +39,9 @@ OTHER_EXAMPLES = 8
 # test_openai_params.py): they would end most valid cases before they reach a worker.
 UNSUPPORTED = ("best_of", "tools", "tool_choice", "functions", "function_call", "suffix", "include_stop_str_in_output",
                "skip_special_tokens", "spaces_between_special_tokens", "allowed_token_ids", "bad_words",
-               "truncate_prompt_tokens", "logits_processors")
+               "truncate_prompt_tokens", "logits_processors", "use_beam_search", "length_penalty",
+               "return_tokens_as_token_ids", "logprob_token_ids", "reasoning_effort", "documents",
+               "thinking_token_budget", "repetition_detection", "watermarking", "truncation_side", "return_token_ids")
 # The other endpoint's, and a request's own chat template (refused: code the server would run).
 UNSUPPORTED_ON = {"CompletionRequest": ("top_logprobs",), "ChatCompletionRequest": ("echo", "chat_template")}
 STRUCTURED = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
@@ -110,6 +112,9 @@ def valid_together(body):
         del body["stream_options"]
     if body.get("continue_final_message"):  # as vLLM: not both
         body["add_generation_prompt"] = False
+    most = body.get("max_completion_tokens") or body.get("max_tokens")
+    if isinstance(most, int) and (body.get("min_tokens") or 0) > most:  # as vLLM: min_tokens <= max_tokens
+        body["min_tokens"] = most
     return body
 
 

@@ -401,3 +401,16 @@ def test_time_between_tokens_is_measured_within_each_sample():
         assert m.value("mooncake_time_between_tokens_seconds_count", slo_class="default") == 4
         assert m.value("mooncake_time_between_tokens_seconds_sum", slo_class="default") == 8.0
     asyncio.run(main())
+
+
+def test_min_tokens_above_max_tokens_is_refused_as_vllm_does():
+    # It was clamped to max_tokens; vLLM's SamplingParams answers 400.
+    async def main():
+        service = make_service(ScriptedRelay([1]))
+        with pytest.raises(APIError) as info:
+            await prepared(service, max_tokens=5, min_tokens=10)
+        assert info.value.status == 400 and info.value.param == "min_tokens"
+        assert "min_tokens must be less than or equal to max_tokens=5, got 10" in info.value.message
+        assert (await prepared(service, max_tokens=5, min_tokens=5)).sampling.min_tokens == 5
+
+    asyncio.run(main())

@@ -69,6 +69,35 @@ def test_chat_options_that_cannot_be_honoured_are_refused():
     assert tok.template_calls == []  # refused before the template ran
 
 
+def test_tool_calls_ids_and_names_in_the_history_reach_the_template():
+    # As vLLM: dropped, an assistant turn that called a tool rendered as an empty message and the
+    # tool's answer with no id.
+    seen = []
+
+    class Capturing(RecordingTokenizer):
+        def apply_chat_template(self, messages, **kw):
+            seen.extend(messages)
+            return super().apply_chat_template(messages, **kw)
+
+    call = {"id": "c1", "type": "function", "function": {"name": "add", "arguments": "{\"a\": 1}"}}
+    body = ChatCompletionRequest(model="m", messages=[
+        {"role": "user", "content": "q", "name": "alice"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "content": "42", "tool_call_id": "c1"}])
+    chat_prompt_ids(Capturing(), body.messages, None, body)
+    assert seen == [{"role": "user", "content": "q", "name": "alice"},
+                    {"role": "assistant", "content": "", "tool_calls": [call]},
+                    {"role": "tool", "content": "42", "tool_call_id": "c1"}]
+
+
+@pytest.mark.parametrize("field, value", [("use_beam_search", True), ("length_penalty", 0.5),
+                                          ("return_tokens_as_token_ids", True), ("reasoning_effort", "none"),
+                                          ("documents", [{"text": "d"}]), ("logprob_token_ids", [1])])
+def test_vllm_fields_that_change_the_answer_are_refused_not_ignored(field, value):
+    assert chat_body(**{field: value}).unsupported_option()[0] == field
+    assert chat_body(**{field: None if field != "length_penalty" else 1.0}).unsupported_option() is None
+
+
 def test_completion_prompts_with_and_without_special_tokens():
     tok = RecordingTokenizer()
     assert completion_prompt_ids(tok, "ab") == [1, 97, 98]
