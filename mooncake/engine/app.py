@@ -381,7 +381,7 @@ def _connector_call(control: ControlEndpoint, request: dict) -> dict:
 
 async def _register(state: WorkerState) -> None:
     """Announce this worker once its engine is ready; the registry keeps it alive from then on."""
-    from mooncake.registry import InstanceInfo, RegistryConfig, RegistryUnavailable, open_registry
+    from mooncake.registry import InstanceInfo, RegistryConfig, RegistryRefused, RegistryUnavailable, open_registry
     from mooncake.registry.retry import retrying
 
     c = state.config
@@ -394,8 +394,10 @@ async def _register(state: WorkerState) -> None:
         block_size=state.block_size, kv_capacity_tokens=state.kv_capacity_tokens, started_at=time.time(),
         chunk_tokens=c.max_num_batched_tokens,
     )
-    # The registry (etcd, or the conductor) may not be up yet: keep trying, 0.2 s to 5 s apart.
-    await retrying(0.2, 5.0, RegistryUnavailable)(registry.register, info, ttl_s=c.registry_ttl_s)
+    # The registry (etcd, or the conductor) may not be up yet: keep trying, 0.2 s to 5 s apart;
+    # but not when it refuses our credentials, which /health then says (_registration_ended).
+    await retrying(0.2, 5.0, RegistryUnavailable, final=RegistryRefused)(registry.register, info,
+                                                                         ttl_s=c.registry_ttl_s)
     log.info("registered %s at %s", c.instance_id, c.registry_url)
 
 

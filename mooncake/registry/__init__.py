@@ -12,7 +12,7 @@ Plain http:// is refused: it cannot say whether it means etcd or the conductor.
 
 from __future__ import annotations
 
-from mooncake.registry.base import (InstanceInfo, Registry, RegistryEvent, RegistryUnavailable,
+from mooncake.registry.base import (InstanceInfo, Registry, RegistryEvent, RegistryRefused, RegistryUnavailable,
                                     Snapshot, decode_info, encode_info)
 from mooncake.registry.config import EtcdCredentials, RegistryConfig
 from mooncake.registry.memory import MemoryRegistry
@@ -20,7 +20,7 @@ from mooncake.registry.view import ClusterView, ViewConfig
 
 __all__ = [
     "ClusterView", "EtcdCredentials", "InstanceInfo", "MemoryRegistry", "Registry", "RegistryConfig",
-    "RegistryEvent", "RegistryUnavailable", "Snapshot", "ViewConfig", "decode_info",
+    "RegistryEvent", "RegistryRefused", "RegistryUnavailable", "Snapshot", "ViewConfig", "decode_info",
     "encode_info", "open_registry",
 ]
 

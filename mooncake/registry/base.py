@@ -28,6 +28,12 @@ class RegistryUnavailable(Exception):
     """The backend cannot be reached right now (etcd down, conductor restarting)."""
 
 
+class RegistryRefused(RegistryUnavailable):
+    """The backend answers but refuses this process's credentials (a wrong or missing etcd
+    login, a wrong cluster token). Still "unavailable" to the loops that keep a live process
+    going through an outage; a worker's first registration stops on it, since no retry helps."""
+
+
 class InstanceInfo(msgspec.Struct, frozen=True, tag_field="v", tag=WIRE_VERSION):
     """What a worker instance is; written once at registration, immutable afterwards."""
 

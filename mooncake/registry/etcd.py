@@ -30,9 +30,9 @@ import aetcd
 import aetcd.exceptions
 import grpc
 
-from mooncake.registry.base import (InstanceInfo, Registry, RegistryEvent, RegistryUnavailable,
+from mooncake.registry.base import (InstanceInfo, Registry, RegistryEvent, RegistryRefused, RegistryUnavailable,
                                     Snapshot, decode_info, encode_info)
-from mooncake.registry.config import RegistryConfig
+from mooncake.registry.config import ETCD_PASSWORD_ENV, ETCD_USER_ENV, RegistryConfig
 from mooncake.registry.retry import retrying
 
 log = logging.getLogger(__name__)
@@ -59,6 +59,19 @@ def _caller_cancelled() -> bool:
     opposed to a library cancelling one of its own calls under it."""
     task = asyncio.current_task()
     return task is not None and task.cancelling() > 0
+
+
+_LOGIN_REFUSED = ("authentication failed", "user name is empty", "permission denied")
+"""What etcd says when it refuses a login or a user's rights (a wrong password, none given)."""
+
+
+def _refused_if_login(e: RegistryUnavailable) -> RegistryUnavailable:
+    """RegistryRefused when etcd refused our credentials: no retry helps (found by its words:
+    aetcd raises the same error types for other causes)."""
+    text = str(e.__cause__ or e).lower()
+    if any(words in text for words in _LOGIN_REFUSED):
+        return RegistryRefused(f"{e} (check {ETCD_USER_ENV} and {ETCD_PASSWORD_ENV})")
+    return e
 
 
 @dataclass
@@ -111,8 +124,11 @@ class EtcdRegistry(Registry):
             return await self._run_once(op)
         except RegistryUnavailable as e:
             if self._config.etcd_credentials is None or not isinstance(e.__cause__, aetcd.exceptions.UnauthenticatedError):
-                raise
-        return await self._run_once(op)
+                raise _refused_if_login(e)
+        try:
+            return await self._run_once(op)
+        except RegistryUnavailable as e:
+            raise _refused_if_login(e)
 
     async def _run_once(self, op: Callable[[aetcd.Client], Awaitable[T]]) -> T:
         if self._ops is None:

@@ -20,7 +20,7 @@ import msgspec
 from fastapi import APIRouter, HTTPException, Request, Response
 
 from mooncake.auth import token_headers
-from mooncake.registry.base import (InstanceInfo, Registry, RegistryEvent, RegistryUnavailable,
+from mooncake.registry.base import (InstanceInfo, Registry, RegistryEvent, RegistryRefused, RegistryUnavailable,
                                     Snapshot)
 from mooncake.registry.config import RegistryConfig
 from mooncake.registry.memory import MemoryRegistry
@@ -114,6 +114,9 @@ class HttpRegistryClient(Registry):
             resp = await self._http.request(method, path, **kw)
         except httpx.HTTPError as e:
             raise RegistryUnavailable(f"{method} {path}: {e!r}") from e
+        if resp.status_code in (401, 403):
+            raise RegistryRefused(f"{method} {path}: HTTP {resp.status_code} {resp.text} (is this process's cluster "
+                                  f"token the conductor's?)")
         if resp.status_code != 404 and resp.status_code >= 300:
             raise RegistryUnavailable(f"{method} {path}: HTTP {resp.status_code} {resp.text}")
         return resp

@@ -26,13 +26,15 @@ log = logging.getLogger(__name__)
 
 
 def retrying(min_s: float, max_s: float,
-             unavailable: type[BaseException] | tuple[type[BaseException], ...]) -> tenacity.AsyncRetrying:
+             unavailable: type[BaseException] | tuple[type[BaseException], ...],
+             final: type[BaseException] | tuple[type[BaseException], ...] = ()) -> tenacity.AsyncRetrying:
     """Delays min_s, 2*min_s, 4*min_s, ... capped at max_s; each retry is logged at WARNING
-    with its delay and the exception."""
+    with its delay and the exception. `final`: kinds of `unavailable` that no retry helps (they
+    propagate at once)."""
     if not 0 < min_s <= max_s:
         raise ValueError(f"need 0 < min_s <= max_s, got {min_s}, {max_s}")
     return tenacity.AsyncRetrying(
-        retry=tenacity.retry_if_exception_type(unavailable),
+        retry=tenacity.retry_if_exception_type(unavailable) & tenacity.retry_if_not_exception_type(final),
         wait=tenacity.wait_exponential(multiplier=min_s, min=min_s, max=max_s),
         stop=tenacity.stop_never,
         before_sleep=tenacity.before_sleep_log(log, logging.WARNING),

@@ -73,6 +73,17 @@ def test_retrying_backs_off_exponentially_to_the_cap_and_only_on_unavailable(cap
     with pytest.raises(ValueError, match="min_s"):
         retrying(1.0, 0.5, RegistryUnavailable)
 
+    from mooncake.registry import RegistryRefused
+
+    async def refused() -> None:
+        calls.append(1)
+        raise RegistryRefused("wrong password")
+
+    calls.clear()
+    with pytest.raises(RegistryRefused):  # no retry helps: it propagates at once
+        asyncio.run(retrying(0.1, 0.5, RegistryUnavailable, final=RegistryRefused)(refused))
+    assert len(calls) == 1
+
 
 def test_missing_etcd_binary_says_how_to_install(monkeypatch) -> None:
     spec = importlib.util.spec_from_file_location(
