@@ -81,6 +81,7 @@ class _Registration:
     lease_id: int | None = None
     task: asyncio.Task | None = None
     revision: int = 0  # the instance key's mod revision when this process last put it
+    granting: int | None = None  # a lease granted whose put may have committed before a cancel
     claimed_elsewhere: bool = False  # said once: another process holds the instance key
 
 
@@ -163,6 +164,7 @@ class EtcdRegistry(Registry):
     async def _grant_and_put(self, reg: _Registration) -> None:
         async def op(c: aetcd.Client) -> int:
             lease = await c.lease(reg.ttl_s)
+            reg.granting = lease.id  # a deregister that cancels us from here on revokes it too
             iid = reg.info.instance_id
             _, responses = await c.transaction(compare=[], failure=[], success=[
                 c.transactions.put(self._ikey(iid), encode_info(reg.info), lease.id),
@@ -170,6 +172,7 @@ class EtcdRegistry(Registry):
             reg.revision = responses[0].response_put.header.revision
             return lease.id
         old, reg.lease_id = reg.lease_id, await self._run(op)
+        reg.granting = None
         if old is not None:  # its keys now belong to the new lease; let it go
             with contextlib.suppress(RegistryUnavailable):
                 await self._run(lambda c: c.revoke_lease(old))
@@ -242,11 +245,12 @@ class EtcdRegistry(Registry):
             reg.task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await reg.task
-        with contextlib.suppress(RegistryUnavailable):
-            if reg is not None and reg.lease_id is not None:
-                lease_id = reg.lease_id
-                await self._run(lambda c: c.revoke_lease(lease_id))  # deletes both keys
-            else:
+        leases = [] if reg is None else [x for x in (reg.granting, reg.lease_id) if x is not None]
+        for lease_id in leases:  # revoking deletes both keys; one already gone is no matter
+            with contextlib.suppress(RegistryUnavailable):
+                await self._run(lambda c, lease_id=lease_id: c.revoke_lease(lease_id))
+        if not leases:
+            with contextlib.suppress(RegistryUnavailable):
                 await self._run(lambda c: c.delete(self._ikey(instance_id)))
                 await self._run(lambda c: c.delete(self._akey(instance_id)))
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from mooncake.registry import ClusterView, RegistryConfig, open_registry
+from mooncake.registry import ClusterView, RegistryConfig, encode_info, open_registry
 from mooncake.registry.etcd import EtcdRegistry
 from tests.registry.support import info, run, wait_until
 
@@ -257,5 +257,26 @@ def test_a_live_worker_whose_id_another_process_took_comes_back_when_that_one_di
         await wait_until(lambda: f.view.get("p0") == first, timeout=10.0, what="a routed again")
         await f.stop()
         for r in (a, b, conductor):
+            await r.close()
+    run(main())
+
+
+def test_a_deregister_that_cancels_a_lease_regrant_revokes_the_new_lease_too(etcd_server) -> None:
+    # The keepalive re-grants a lost lease; a deregister that cancels it after the new lease's
+    # put committed, but before the registration learnt its id, left the instance listed on it.
+    async def main() -> None:
+        cfg = cfg_for(etcd_server, ttl_s=30.0, keepalive_interval_s=5.0)
+        worker, conductor = open_registry(cfg), open_registry(cfg)
+        await worker.register(info("p0"), cfg.ttl_s)
+        reg = worker._regs["p0"]
+        reg.task.cancel()  # no keepalive in the way
+        # As if cancelled inside _grant_and_put, past the put: a new lease holds the keys.
+        lease = await worker._run(lambda c: c.lease(30))
+        await worker._run(lambda c: c.put(worker._ikey("p0"), encode_info(reg.info), lease=lease.id))
+        assert set(await conductor.snapshot()) == {"p0"}
+        reg.granting = lease.id
+        await worker.deregister("p0")
+        assert await conductor.snapshot() == {}
+        for r in (worker, conductor):
             await r.close()
     run(main())
