@@ -4,8 +4,9 @@ The router is the shell around `conductor.core.Scheduler`: it hashes the prompt'
 the same function the workers' KV events are keyed by, builds a ClusterState snapshot from the
 ready workers and the conductor's own ledger, asks the core, and turns the answer into a Route
 or an HTTP refusal (429 with Retry-After, counted by reason; the Retry-Afters of requests refused
-together are spaced by the RetryBook, so they do not all come back at once). It also keeps the ledger current
-as requests pass their first token and finish (each admitted request's RequestLife calls it).
+together are spaced by the RetryBook, so they do not all come back at once). It also keeps the
+ledger current as requests pass their first token and finish (each admitted request's
+RequestLife calls it).
 
 With `remote_fetch` on (the default; --no-remote-fetch turns it off) a decision may carry
 Algorithm 1's `fetch_from`: the route then carries a FetchParams for the prefill worker, naming the

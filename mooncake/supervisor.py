@@ -7,9 +7,10 @@ and would otherwise linger, holding gigabytes), and it is started again with the
 after a back-off. They are asked first (SIGTERM), as systemd and Kubernetes do, and killed
 (SIGKILL) once `stop_grace_s` has passed: killed outright, they left their shared-memory
 segments in /dev/shm (vLLM's, hundreds of MB each, and the multiprocessing resource tracker
-that would unlink them died with them). A restart waits until the group is gone. A worker that keeps dying is given up on after `max_restarts` within
-`window_s`, and the cluster goes on with the others (the conductor routes around it and its
-/health says "degraded"). Pure but for the processes: the clock and the spawning are passed in.
+that would unlink them died with them). A restart waits until the group is gone. A worker that
+keeps dying is given up on after `max_restarts` within `window_s`, and the cluster goes on with
+the others (the conductor routes around it and its /health says "degraded"). Pure but for the
+processes: the clock and the spawning are passed in.
 """
 
 from __future__ import annotations
