@@ -261,11 +261,7 @@ class PoolService:
         tier = SsdTier(self.config.ssd_dir, self.layout or "", self.config.block_bytes)
         try:
             tier.open()
-        except OSError as exc:
-            self._degrade(exc, f"cannot use {self.config.ssd_dir}")
-            return
-        self._taken_ssd = tier
-        try:
+            self._taken_ssd = tier  # its directory is ours now, until close
             found = tier.scan()
         except OSError as exc:
             self._degrade(exc, f"cannot use {self.config.ssd_dir}")

@@ -221,9 +221,9 @@ class EtcdRegistry(Registry):
         iid = reg.info.instance_id
 
         async def op(c: aetcd.Client) -> tuple[bool, bool]:
-            ours, _ = await c.transaction(
-                compare=[c.transactions.mod(self._ikey(iid)) == reg.revision],
-                success=[c.transactions.put(self._akey(iid), self._alive_value(), lease_id)], failure=[])
+            alive = c.transactions.put(self._akey(iid), self._alive_value(), lease_id)  # either way
+            ours, _ = await c.transaction(compare=[c.transactions.mod(self._ikey(iid)) == reg.revision],
+                                          success=[alive], failure=[alive])
             missing = not ours and await c.get(self._ikey(iid)) is None
             return ours, missing
         ours, missing = await self._run(op)
@@ -237,7 +237,6 @@ class EtcdRegistry(Registry):
                 log.error("registry: another process registered instance id %s over this one: this worker is not "
                           "routed while that one lives; give every worker its own --instance-id", iid)
             reg.claimed_elsewhere = True
-            await self._run(lambda c: c.put(self._akey(iid), self._alive_value(), lease=lease_id))
 
     async def deregister(self, instance_id: str) -> None:
         reg = self._regs.pop(instance_id, None)

@@ -83,9 +83,7 @@ class ClusterView:
 
     def expire(self, now: float) -> list[str]:
         """Drop instances silent for longer than expire_after_s; returns their ids.
-        Does nothing during an outage."""
-        if self._outage_since is not None or self._silent(now):
-            return []
+        Does nothing during an outage, or while the registry as a whole is silent (_fresh)."""
         dead = [iid for iid, e in self._entries.items() if not self._fresh(e, now)]
         for iid in dead:
             self._dropped[iid] = self._entries.pop(iid).info
