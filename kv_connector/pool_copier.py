@@ -120,10 +120,32 @@ class _Read:
         return [i for i, (d, c) in enumerate(zip(self.digests, self.expected)) if d.intdigest() != c]
 
 
-@dataclass
 class _SaveJob:
-    layers_left: int
-    ok: bool = True
+    """A save's layers still to copy, and the running checksum of each block's bytes as copied
+    (layers in slot order make the block's checksum). The commit names these checksums, so a
+    slot that anything else wrote into before the commit (a peer's transfer that arrived past
+    its quarantine) fails every read instead of being committed as it stands."""
+
+    def __init__(self, layers: int, blocks: int):
+        self.layers_left = layers
+        self.ok = True
+        self.next_index = 0  # the layer the running checksums take next
+        self.digests: list | None = [xxhash.xxh3_64() for _ in range(blocks)]
+
+    def hash_layer(self, index: int, rows) -> None:
+        """Feed layer `index`'s rows (one per block) to the checksums. Layers out of slot order
+        leave the commit without checksums (the pool then hashes the slots itself)."""
+        if self.digests is None:
+            return
+        if index != self.next_index:
+            self.digests = None
+            return
+        for digest, row in zip(self.digests, rows):
+            digest.update(row)
+        self.next_index += 1
+
+    def checksums(self) -> list[int] | None:
+        return None if self.digests is None else [d.intdigest() for d in self.digests]
 
 
 class PoolCopier:
@@ -154,6 +176,7 @@ class PoolCopier:
         self._has_saves: set[str] = set()  # requests vLLM must hear "finished sending" about
         self._finished: set[str] = set()  # finished by vLLM, saves maybe still in flight
         self._invalid_blocks: set[int] = set()
+        self._said_unhashed = False
         self.stats = CopierStats()
 
     # -- set-up ---------------------------------------------------------------------------
@@ -359,13 +382,15 @@ class PoolCopier:
                 if save not in self._jobs:  # its first layer
                     self._has_saves.add(save.request_id)
                     self._saves_left[save.request_id] = self._saves_left.get(save.request_id, 0) + 1
-                    self._jobs[save] = _SaveJob(len(self._layer_of))
+                    self._jobs[save] = _SaveJob(len(self._layer_of), len(save.keys))
         for save in saves:
             self._saver.submit(self._save_layer, save, layer_name, index, written)
 
     def _save_layer(self, save: PoolSave, name: str, index: int, written=None) -> None:
         start = time.perf_counter()
         ok = True
+        with self._lock:
+            job = self._jobs[save]
         try:
             assert self._layout is not None and self._arena is not None
             cache = self._caches[name]
@@ -377,14 +402,17 @@ class PoolCopier:
                 torch.cuda.current_stream(cache.device).synchronize()
             else:
                 rows = cache.index_select(0, ids)
-            self._arena_rows(index, save.slots, rows.reshape(len(save.block_ids), -1).view(torch.uint8).numpy(),
-                             into_arena=True)
+            flat = rows.reshape(len(save.block_ids), -1).view(torch.uint8).numpy()
+            self._arena_rows(index, save.slots, flat, into_arena=True)
+            job.hash_layer(index, flat)  # one save thread: a save's layers come one at a time, in order
+            if job.digests is None and not self._said_unhashed:
+                self._said_unhashed = True
+                log.info("pool saves: layers come out of the arena's order; the pool hashes the slots at commit")
         except Exception as exc:  # noqa: BLE001 - a failed save is a future cache miss, never wrong KV
             log.exception("pool save of layer %s failed: %s", name, exc)
             ok = False
         with self._lock:
             self.stats.save_seconds += time.perf_counter() - start
-            job = self._jobs[save]
             job.layers_left -= 1
             job.ok = job.ok and ok
             if job.layers_left > 0:
@@ -393,7 +421,7 @@ class PoolCopier:
         # The last layer is in: the keys become readable (commit) or are given back (abort).
         try:
             if job.ok:
-                self._client.commit(save.keys)
+                self._client.commit(save.keys, job.checksums())
             else:
                 self._client.abort(save.keys)
         except PoolUnavailable as exc:

@@ -164,7 +164,9 @@ class PoolService:
         return reservation.slots
 
     def commit(self, keys: Sequence[int], checksums: Sequence[int] | None = None) -> int:
-        """Commit filled slots. Without checksums the service hashes the slots itself."""
+        """Commit filled slots with the checksums of the bytes their writer copied (a slot written
+        into by something else meanwhile then fails its reads). Without checksums the service
+        hashes the slots as they stand."""
         if self.pool is None:
             return 0
         if checksums is None:

@@ -18,6 +18,7 @@ from mooncake.hashing import hash_prompt_blocks
 from mooncake.protocol import CONSUMER_KEY
 from store.channel import PoolClient
 from store.config import PoolConfig
+from store.pool import checksum
 from store.service import PoolService
 
 BS = 4  # tokens per block
@@ -264,6 +265,55 @@ def test_a_block_changed_in_dram_after_its_commit_is_caught_and_forgotten(servic
     assert service.stats()["counters"]["corrupt_dram"] == 1
     for c in (writer, reader):
         c.shutdown()
+
+
+def test_a_slot_written_between_a_saves_copy_and_its_commit_fails_its_reads(service):
+    """A late write into a reserved slot (a peer's transfer answering past its quarantine) before
+    the save commits: the commit carries the checksums of the bytes the save copied, so the block
+    is caught when read; were the slot hashed at commit, the stray bytes would be served as KV."""
+    from kv_connector.pool_planner import PoolLoad
+    tokens = list(range(40, 40 + 2 * BS + 1))
+    keys = hash_prompt_blocks(tokens, BS)
+    source = caches()
+    writer = PoolCopier(connect(service), BS)
+    writer.register_kv_caches(source)
+    planner = PoolPlanner(PoolClient(service.endpoint), BS)
+    planner.bind_kv_cache_manager(FakeManager({"a": [0, 1, 2]}))
+    req = FakeRequest("a", tokens)
+    planner.matched_tokens(req, 0)
+    planner.after_alloc(req, blocks_of([0, 1, 2]), 0)
+    _, saves, _ = planner.plan(step(new={"a": 0}, scheduled={"a": len(tokens)}))
+    *first, last = list(source)
+    for name in first:
+        writer.save_layer(saves, name)
+    writer._saver.submit(lambda: None).result()  # those layers are in their slots
+    service.arena.slot(saves[0].slots[1])[3] ^= 0xFF  # the stray write, into layer 0 of block 1
+    writer.save_layer(saves, last)
+    writer.flush(["a"])
+    assert service.lookup(keys) == ["dram", "dram"]  # committed as usual...
+
+    target = caches(fill=0.0)
+    reader = PoolCopier(connect(service), BS)
+    reader.register_kv_caches(target)
+    reader.start_loads([PoolLoad("b", tuple(keys), (8, 9), True)])
+    for name in target:
+        reader.wait_for_layer(name)
+    assert reader.take_invalid_blocks() == {9}  # ...but block 1 is recomputed, never used
+    assert torch.equal(target[first[0]][8], source[first[0]][0])
+    for c in (writer, reader):
+        c.shutdown()
+
+
+def test_a_save_whose_layers_come_out_of_order_leaves_the_checksums_to_the_pool():
+    from kv_connector.pool_copier import _SaveJob
+    rows = [b"ab", b"cd"]
+    in_order, out_of_order = _SaveJob(2, 2), _SaveJob(2, 2)
+    in_order.hash_layer(0, rows)
+    in_order.hash_layer(1, rows)
+    assert in_order.checksums() == [checksum(b"abab"), checksum(b"cdcd")]  # the slot's bytes, in order
+    out_of_order.hash_layer(1, rows)
+    out_of_order.hash_layer(0, rows)
+    assert out_of_order.checksums() is None  # commit(keys) without checksums: the pool hashes the slots
 
 
 def test_a_worker_without_the_arena_gives_its_saves_back_and_frees_the_blocks(service, monkeypatch):
