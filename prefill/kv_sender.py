@@ -8,7 +8,9 @@ pinned host buffer on a side stream, in the blocks-first order of mooncake/kv_la
 FlashAttention's K-first layout travels like FlashInfer's); a CPU cache whose blocks are not
 contiguous rows is gathered the same way, without the stream. A sender thread
 reserves room on the decode worker once per transfer (`engine.call`), then writes each layer's
-slices with a `KVLayerNote` riding on the batch, without waiting for the previous batch.
+slices with a `KVLayerNote` riding on the batch, without waiting for the previous batch. Each
+decode worker has its own sender thread, so one that is frozen holds up only its own pushes, each
+for at most the timeout.
 
 Nothing holds an engine step: `wait_for_save` returns at once. The request's blocks stay
 allocated (vLLM's delayed free: the scheduler half returns True from request_finished) until
@@ -36,6 +38,9 @@ from prefill.push_planner import SaveSpec
 # Under "vllm." so the messages show in vLLM's worker processes, whose logging vLLM configures.
 log = logging.getLogger("vllm.mooncake." + __name__)
 
+LANE_IDLE_S = 60.0
+"""A decode worker's sender thread ends after this long with nothing to send (a worker that left,
+or restarted on another port, leaves no thread behind); the next push to it starts another."""
 TIMELINE_LENGTH = 64  # transfers kept for the Figure-5 timeline (control op `stats`)
 OUTCOMES_KEPT = 4096  # finished transfers whose outcome the shell may still ask for
 
@@ -80,6 +85,7 @@ class _Transfer:
 
 @dataclass(frozen=True)
 class _Work:
+    transfer: _Transfer  # the one it was queued for (a later transfer of the request may replace it)
     spec: SaveSpec
     layer: int
     computed_s: float
@@ -106,14 +112,15 @@ class KVSender:
         self._timeline: deque[dict] = deque(maxlen=TIMELINE_LENGTH)
         self._saved_this_step: set[str] = set()
         self._peers: dict[str, str] = {}  # dest address -> engine peer name
-        self._work: queue.Queue[_Work | None] = queue.Queue()
+        # One sender thread per decode worker (by its address), so that a frozen one holds up only
+        # its own pushes, each for at most the timeout, never the other workers'.
+        self._lanes: dict[str, queue.Queue[_Work | None]] = {}
+        self._lanes_lock = threading.Lock()
         self._lock = threading.Condition()
         self._stats = SenderStats()
         self._busy_since: float | None = None
         self._in_flight_total = 0
         self._gather_seq = 0
-        self._thread = threading.Thread(target=self._run, name="kv-push", daemon=True)
-        self._thread.start()
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], num_blocks: int | None = None) -> None:
         """`num_blocks`: blocks per layer, which tells the block dim (mooncake/kv_layout.py)."""
@@ -152,12 +159,12 @@ class KVSender:
                 self._saved_this_step.add(spec.request_id)
             view = self._views[index]  # vLLM's kv_layer is the registered cache of this layer
             if direct(view):
-                work = _Work(spec, index, now, f"kv-layer-{index}", 0, True)
+                work = _Work(transfer, spec, index, now, f"kv-layer-{index}", 0, True)
             else:
-                work = self._gather(spec, index, now, view)
-            self._work.put(work)
+                work = self._gather(transfer, spec, index, now, view)
+            self._enqueue(work)
 
-    def _gather(self, spec: SaveSpec, index: int, now: float, view: torch.Tensor) -> _Work:
+    def _gather(self, transfer: _Transfer, spec: SaveSpec, index: int, now: float, view: torch.Tensor) -> _Work:
         """Copy the request's rows of one layer into a host buffer, registered as its own region
         until its batch completes. CUDA: pinned memory, on a side stream after the forward's writes
         (wait_stream); the sender thread waits for the copy's event, never the forward thread."""
@@ -180,7 +187,7 @@ class KVSender:
         name = f"kv-rows-{self._gather_seq}"
         if len(spec.block_ids):
             self._engine.register(name, host.view(torch.uint8).view(-1).numpy())
-        return _Work(spec, index, now, name, 0, False, event)
+        return _Work(transfer, spec, index, now, name, 0, False, event)
 
     def wait_for_save(self) -> None:
         """Never waits: the blocks stay allocated until finished_sending (delayed free)."""
@@ -251,16 +258,37 @@ class KVSender:
             return list(self._timeline)
 
     def shutdown(self) -> None:
-        self._work.put(None)
+        with self._lanes_lock:
+            for lane in self._lanes.values():
+                lane.put(None)
+            self._lanes.clear()
 
-    # -- sender thread -----------------------------------------------------------------------
+    # -- sender threads, one per decode worker -----------------------------------------------
 
-    def _run(self) -> None:
-        while (work := self._work.get()) is not None:
-            with self._lock:
-                transfer = self._transfers.get(work.spec.request_id)
-            if transfer is None:
-                continue
+    def _enqueue(self, work: _Work) -> None:
+        dest = work.spec.dest
+        with self._lanes_lock:  # a lane ends only under this lock, with nothing queued
+            lane = self._lanes.get(dest)
+            if lane is None:
+                lane = self._lanes[dest] = queue.Queue()
+                threading.Thread(target=self._run, args=(dest, lane), name=f"kv-push-{dest}", daemon=True).start()
+            lane.put(work)
+
+    def _next(self, dest: str, lane: queue.Queue[_Work | None]) -> _Work | None:
+        """The lane's next work; None once shut down, or idle for LANE_IDLE_S (the lane is gone)."""
+        while True:
+            try:
+                return lane.get(timeout=LANE_IDLE_S)
+            except queue.Empty:
+                with self._lanes_lock:
+                    if lane.empty():
+                        if self._lanes.get(dest) is lane:
+                            del self._lanes[dest]
+                        return None
+
+    def _run(self, dest: str, lane: queue.Queue[_Work | None]) -> None:
+        while (work := self._next(dest, lane)) is not None:
+            transfer = work.transfer
             try:
                 if transfer.error is None:
                     self._send(transfer, work)
@@ -332,15 +360,18 @@ class KVSender:
             transfer.peer, transfer.region, transfer.offset = peer, reply.region, reply.offset
 
     def _peer(self, dest: str) -> str:
-        """The engine's name for the decode worker at `dest` (its tcp address), introduced once."""
-        name = self._peers.get(dest)
+        """The engine's name for the decode worker at `dest` (its tcp address), introduced once
+        (by `dest`'s own sender thread: nobody else introduces it)."""
+        with self._lock:
+            name = self._peers.get(dest)
         if name is None:
             bootstrap = f"kv@{dest}"
             self._engine.add_peer(PeerInfo(bootstrap, "", {"tcp": dest}))
             info = msgspec.json.decode(self._engine.call(bootstrap, KV_CALL_ENCODER.encode(KVHello()),
                                                          timeout_s=self._timeout_s), type=PeerInfo)
             self._engine.add_peer(info)  # its full description: the engine may pick shm now
-            name = self._peers[dest] = info.name
+            with self._lock:
+                name = self._peers[dest] = info.name
         return name
 
     # -- outcome (under the lock) ------------------------------------------------------------

@@ -224,6 +224,45 @@ def test_a_dead_peer_fails_the_push_within_the_timeout_and_frees_the_blocks(pair
     assert producer.stats()["push_failures"] == 1
 
 
+def test_a_frozen_decode_worker_holds_up_only_its_own_pushes(pair):
+    """A decode worker that accepts connections but never answers (frozen: SIGSTOP, a stalled
+    host): a push to a healthy one queued after it still lands at once, not after the timeout."""
+    import socket
+    producer, consumer, src, dst, dest = pair
+    frozen = socket.socket()
+    frozen.bind(("127.0.0.1", 0))
+    frozen.listen(8)  # connections complete in the backlog; nothing reads them
+    try:
+        save(producer, src, [spec("f", f"127.0.0.1:{frozen.getsockname()[1]}", (0,), 0, 1, final=True)])
+        save(producer, src, [spec("g", dest, (1, 2), 0, 2, final=True)])
+        assert producer.outcome("t-g", 10.0) == "ok"
+        assert producer.outcome("t-f", 0) is None  # the frozen one is still waiting for its answer
+        consumer.start_load_kv([LoadSpec("g", "t-g", block_ids=(5, 6), first_block=0, num_tokens=2 * BLOCK - 1,
+                                         wait_timeout_s=5)])
+        assert wait_loaded(consumer, "g") == set()
+        for name in src:
+            assert torch.equal(dst[name][[5, 6]], src[name][[1, 2]])
+        assert producer.outcome("t-f", 10.0) not in (None, "ok")  # and fails within the timeout
+        wait_freed(producer, "f")
+    finally:
+        frozen.close()
+
+
+def test_an_idle_decode_workers_sender_thread_ends_and_a_later_push_starts_another(pair, monkeypatch):
+    import threading
+    import prefill.kv_sender as kv_sender
+    monkeypatch.setattr(kv_sender, "LANE_IDLE_S", 0.2)
+    producer, _, src, _, dest = pair
+    for n in range(2):
+        save(producer, src, [spec(f"i{n}", dest, (n,), 0, 1, final=True)])
+        assert producer.outcome(f"t-i{n}", 10.0) == "ok"
+        deadline = time.monotonic() + 5
+        while any(t.name == f"kv-push-{dest}" for t in threading.enumerate()):
+            assert time.monotonic() < deadline, "the idle sender thread never ended"
+            time.sleep(0.02)
+        assert producer._lanes == {}
+
+
 def test_an_unknown_transfer_is_reported_not_waited_for(pair):
     producer = pair[0]
     start = time.monotonic()
