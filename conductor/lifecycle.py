@@ -62,7 +62,7 @@ class RequestLife:
     def leave_route(self) -> None:
         """The route failed: its ledger entries and pending blocks go now, before another is
         picked, so the failed work is not priced as queued. Idempotent (Router.finished is)."""
-        self._router.finished(self.route, None, self._clock())
+        self._router.finished(self.route, self._clock())
 
     def reroute(self, new: Route) -> None:
         """A retry moved the request to `new` (already committed by the router)."""
@@ -108,7 +108,7 @@ class RequestLife:
         stats = self.stats
         if stats is not None:  # before `finished`: the decode load it measured in includes itself
             self._router.measured(stats)
-        self._router.finished(self.route, now - self.first_token_at if started else None, now)
+        self._router.finished(self.route, now)
         if started:
             self._metrics.e2e.labels(slo_class=self.slo_class).observe(now - self.arrived)
         self._metrics.requests.labels(endpoint=self.endpoint, status=self.status or CLIENT_GONE,

@@ -29,12 +29,25 @@ from mooncake.registry import ClusterView, Registry
 log = logging.getLogger(__name__)
 
 
+def renamed(handle: WorkerHandle, old_name: str, index: PrefixIndex) -> None:
+    """The worker at this URL is another instance now (restarted with a new id): what the index
+    holds under its old name goes (that process and its KV are gone), and the new one's blocks
+    come from a full snapshot."""
+    if handle.name != old_name and old_name != handle.http_url:  # (a handle is named by its URL until its id is known)
+        log.info("worker %s is instance %s now (was %s)", handle.http_url, handle.name, old_name)
+        index.remove_instance(old_name)
+        handle.events_seq = -1
+
+
 def mirror_view(view: ClusterView, pool: WorkerPool, index: PrefixIndex, now: float) -> None:
-    """Make the pool's registry-backed handles match the live instances of the view (pure)."""
-    alive = {info.http_url.rstrip("/"): info for info in view.alive(now)}
+    """Make the pool's registry-backed handles match the live instances of the view (pure). Of
+    two instances on one URL (a restart whose old lease has not run out), the newest counts."""
+    alive = {info.http_url.rstrip("/"): info for info in sorted(view.alive(now), key=lambda i: i.started_at)}
     for url, info in alive.items():
         handle = pool.add(url)
+        old_name = handle.name
         handle.instance_id, handle.role = info.instance_id, info.role
+        renamed(handle, old_name, index)
         handle.kv_address, handle.block_size = info.kv_address, info.block_size
         handle.kv_capacity_tokens, handle.chunk_tokens = info.kv_capacity_tokens, info.chunk_tokens
     for handle in pool.all():
@@ -70,8 +83,10 @@ async def poll_health(pool: WorkerPool, client: WorkerClient, index: PrefixIndex
     while True:
         polled = pool.polled()
         before = {h.http_url: h.ready for h in polled}
+        names = {h.http_url: h.name for h in polled}
         await asyncio.gather(*(client.check(h) for h in polled))
         for h in polled:
+            renamed(h, names[h.http_url], index)
             if before.get(h.http_url) and not h.ready:
                 log.warning("worker %s is %s: %s", h.name, h.status, h.last_error)
                 h.events_seq = -1  # when it comes back, take a full snapshot of its blocks

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 
 from conductor.core.admission import Limits, limits_for
 from conductor.core.calibration import Calibration
+from conductor.core.estimators import DecodeTimeMeter
 from conductor.core.index import PendingPrefixes, PrefixIndex
 from conductor.core.retry_book import RetryBook
 from conductor.core.scheduler import Scheduler
@@ -72,6 +73,8 @@ class Route:
     decision: Decision | None = None
     kv_tokens: int = 0
     blocks: tuple = ()  # the prompt's block hashes, pending on `prefill` until its prefill ends
+    pending_on: str = ""  # the name `blocks` are pending under (a handle may be renamed meanwhile)
+    decoding: bool = False  # its first token came and it has not ended: counted by the decode meter
     decode_held_blocks: int = 0  # leading prompt blocks `decode` holds (prefix index): P skips them
     released: bool = field(default=False)
     fetch: FetchParams | None = None  # Algorithm 1's fetch_from, for the prefill worker
@@ -94,7 +97,11 @@ class Router:
         # Blocks the prefills routed but not finished will store: a request routed behind one
         # on the same worker finds them cached (vLLM's prefix cache), before any KV event says so.
         self.pending = PendingPrefixes()
-        self.mean_decode_s: float | None = None
+        # t_d for prediction-based admission: Little's law over the sequences decoding, as the
+        # simulator measures it (a plain mean of finished decodes is biased low while the pool
+        # fills, and one client that leaves after its first token would drag it to ~0).
+        self.decode_time = DecodeTimeMeter()
+        self._decoding = 0
         # Spaces the Retry-After of requests refused together (conductor/core/retry_book.py).
         self.retries = RetryBook(scheduler.config.max_retry_after_s)
         self._refused: set[str] = set()  # workers already reported for a block-size mismatch
@@ -133,7 +140,7 @@ class Router:
         unmeasured = cluster_bandwidth_Bps(handles.values())
         state = ClusterState(instances=tuple(self._instance(h, now, unmeasured) for h in handles.values()),
                              index=self.index,
-                             mean_decode_s=self.mean_decode_s, pending=self.pending)
+                             mean_decode_s=self.decode_time.mean_decode_s(now), pending=self.pending)
         request = Request(request_id, len(prompt), hashes, now, slo.priority, slo.ttft_s, slo.tbt_s)
         result = self.scheduler.schedule(request, state, now)
         if isinstance(result, Rejection):
@@ -167,7 +174,8 @@ class Router:
                                       self.calibration.scales(route.prefill.name)[0])
         route.decode.ledger.assign(route.request_id, route.prefill.ledger, seconds, now, route.kv_tokens, tbt_slo_s,
                                    max_tokens)
-        self.pending.add(route.prefill.name, route.blocks)
+        route.pending_on = route.prefill.name
+        self.pending.add(route.pending_on, route.blocks)
         self.metrics.routes.labels(kind=_route_kind(route)).inc()
         if route.fetch is not None and route.decision is not None:
             fetched = min(route.decision.fetched_blocks * self.scheduler.config.block_size, route.fetch.num_tokens)
@@ -180,6 +188,10 @@ class Router:
     def first_token(self, route: Route, now: float) -> None:
         route.decode.ledger.prefill_done(route.request_id, route.prefill.ledger, now)
         self._prefill_ended(route)
+        if not route.decoding and not route.released:
+            route.decoding = True
+            self._decoding += 1
+            self.decode_time.set_decoding(now, self._decoding)
         decision = route.decision
         if decision is not None and any(h is route.prefill for h in self.pool.all()):
             # The TTFT it was admitted on, against the one it got (calibration.py: the residual).
@@ -188,19 +200,20 @@ class Router:
 
     def _prefill_ended(self, route: Route) -> None:
         """Its blocks are stored now (the worker's KV events follow) or never will be (failure)."""
-        self.pending.discard(route.prefill.name, route.blocks)
+        self.pending.discard(route.pending_on, route.blocks)
         route.blocks = ()
 
-    def finished(self, route: Route, decode_seconds: float | None, now: float | None = None) -> None:
+    def finished(self, route: Route, now: float) -> None:
         if route.released:
             return
         route.released = True
         self._prefill_ended(route)
         route.decode.ledger.finished(route.request_id, route.prefill.ledger, now)
-        if decode_seconds is not None and decode_seconds > 0:
-            # Exponential average: prediction-based admission needs the typical decode length.
-            m = self.mean_decode_s
-            self.mean_decode_s = decode_seconds if m is None else 0.9 * m + 0.1 * decode_seconds
+        if route.decoding:  # every sequence that leaves decode is a departure, early ones included
+            route.decoding = False
+            self._decoding -= 1
+            self.decode_time.set_decoding(now, self._decoding)
+            self.decode_time.completed(now)
 
     def measured(self, stats: RelayStats) -> None:
         """What the workers measured for one request, fed to the instances' calibrations: the

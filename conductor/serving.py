@@ -36,6 +36,15 @@ log = logging.getLogger(__name__)
 RETRY_SLO_S = 1e6
 
 
+def retry_slo(slo: RequestSLO, config) -> RequestSLO:
+    """What an admitted request is routed again with: no SLOs to speak of, at a priority no class
+    caps (admission.limits_for caps a less important request below the SLOs of the classes above
+    it, which would refuse it after all), so it goes wherever it fits rather than be lost. Its
+    class, and the priority vLLM runs it at, stay its own."""
+    top = min([0, *(c.priority for c in config.slo_classes)])
+    return replace(slo, priority=min(slo.priority, top), ttft_s=RETRY_SLO_S, tbt_s=RETRY_SLO_S)
+
+
 @dataclass
 class Prepared:
     request_id: str
@@ -329,8 +338,7 @@ class CompletionService:
                     # Admitted already: its SLOs priced it once and do not refuse it now (a worker
                     # that is busy decoding takes it late rather than the request being lost).
                     retry = self.router.pick(req.request_id, req.prompt, req.sampling.max_tokens, self.clock(),
-                                             exclude=tried, slo=replace(req.slo, ttft_s=RETRY_SLO_S,
-                                                                         tbt_s=RETRY_SLO_S))
+                                             exclude=tried, slo=retry_slo(req.slo, self.router.scheduler.config))
                 except APIError as refused:  # no other worker is ready, or none has room for its KV
                     raise APIError(refused.status, f"{route.prefill.name} failed before the first token ({exc}), "
                                                    f"and no other worker can take the request: {refused.message}",

@@ -9,7 +9,7 @@ stays at the public HTTP edge.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
@@ -125,7 +125,7 @@ class WorkerHealth(msgspec.Struct, frozen=True):
     pool_peer: str | None = None
     """Where other nodes reach this worker's KVCache pool: its messenger PeerInfo as JSON, passed
     on opaque in a FetchParams (None: no pool, or one that does not serve other nodes)."""
-    chunk_tokens: int = 0
+    chunk_tokens: Annotated[int, msgspec.Meta(ge=0)] = 0
     """Its engine's new tokens per step (vLLM's max_num_batched_tokens; 0: not said, as from an
     older worker): what the scheduler prices a prefill beside its running batch by."""
 

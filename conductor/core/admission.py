@@ -322,8 +322,9 @@ def decode_admits(inst: InstanceState, kv_need: int, est: Estimators, cfg: Sched
 def decode_drain_s(pool: Sequence[InstanceState], kv_need: int, now: float, t_d: float,
                    est: Estimators, cfg: SchedulerConfig, lim: Limits) -> float:
     """Seconds until some decode instance would take kv_need more tokens within the request's
-    TBT limit and the tightest TBT SLO of the sequences still there, if sequences end t_d after
-    they start and nothing new arrives. inf if never."""
+    TBT limit and the tightest TBT SLO of the sequences still there, and within its KV capacity
+    less the request's headroom (the gate's), if sequences end t_d after they start and nothing
+    new arrives. inf if never."""
     best = math.inf
     for inst in pool:
         seqs = sorted(inst.running + inst.incoming, key=lambda s: s.start_s)
@@ -336,7 +337,7 @@ def decode_drain_s(pool: Sequence[InstanceState], kv_need: int, now: float, t_d:
             if s is not None:
                 batch, kv = batch - 1, kv - s.kv_tokens
             tbt = est.tbt_s(batch + 1, kv + kv_need, inst.decode_scale)
-            if kv + kv_need <= inst.kv_capacity_tokens and tbt <= min(lim.tbt_s, tightest[k]):
+            if kv + kv_need <= inst.kv_capacity_tokens * (1.0 - lim.kv_headroom) and tbt <= min(lim.tbt_s, tightest[k]):
                 best = min(best, 0.0 if s is None else max(s.start_s + t_d - now, 0.0))
                 break
     return best

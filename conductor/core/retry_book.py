@@ -42,9 +42,11 @@ class RetryBook:
         if not rejection.retry_can_help:
             return rejection.retry_after_s
         resource = resource_of(rejection.reason)
-        at = min(max(now + rejection.retry_after_s, self._busy_until.get(resource, now)), now + self.max_ahead_s)
-        self._busy_until[resource] = at + max(rejection.slot_s, 0.0)
-        return at - now
+        # Waits, not times: (now + r) - now can come out a hair above r, which the whole-second
+        # header would round up.
+        wait = min(max(rejection.retry_after_s, self._busy_until.get(resource, now) - now), self.max_ahead_s)
+        self._busy_until[resource] = now + wait + max(rejection.slot_s, 0.0)
+        return wait
 
     def backlog_s(self, now: float) -> dict[str, float]:
         """Seconds ahead each resource is promised to refused requests (0 when none is)."""

@@ -35,7 +35,7 @@ from conductor.core.admission import DecodeChoice, Horizon, Limits, LoadView, ba
 from conductor.core.config import Admission, Policy, SchedulerConfig
 from conductor.core.estimators import Estimators
 from conductor.core.policies import PrefillChoice, PrefixMatches, choose_prefill, chunked_prefill_s, flexible_prefill, \
-    prefix_tokens
+    local_prefill, prefix_tokens
 from conductor.core.types import ClusterState, Decision, InstanceState, RejectReason, Rejection, Request, Role
 
 __all__ = ["Scheduler", "decode_admits"]
@@ -87,18 +87,23 @@ class Scheduler:
             return Rejection(request.request_id, RejectReason.NO_INSTANCE, cfg.max_retry_after_s)
 
         ttft = pchoice.ttft_s
-        # The part of the TTFT no wait removes (queues drain at one second per second).
-        unattainable = ttft - pchoice.queue_s > lim.ttft_s
+        # Where the prompt may be prefilled: a cluster without prefill instances prefills on decode.
+        prefills_on = prefill_pool or decode_pool
+        # Each candidate's (queue, the part of its TTFT no wait removes): queues drain at one
+        # second per second. Priced only for a TTFT past the limit, where it decides the answer.
+        waits = self._waits(pchoice, prompt, prefills_on, matches) if ttft > lim.ttft_s else []
+        unattainable = bool(waits) and min(floor for _, floor in waits) > lim.ttft_s
         # Best effort only on an idle cluster (under load it would take time from requests that can
         # still meet their SLO), and not for a request that asked for a TTFT tighter than the
         # server's: it said a late answer is of no use.
         asked_tighter = request.ttft_slo_s is not None and request.ttft_slo_s < cfg.ttft_slo_s
-        best_effort = (unattainable and cfg.best_effort_when_idle and not asked_tighter
-                       and pchoice.queue_s <= 0.0 and all(est.queue_s(i) <= 0.0 for i in prefill_pool))
+        may_best_effort = cfg.best_effort_when_idle and not asked_tighter
+        best_effort = (unattainable and may_best_effort
+                       and pchoice.queue_s <= 0.0 and all(est.queue_s(i) <= 0.0 for i in prefills_on))
         if cfg.admission is not Admission.NONE and ttft > lim.ttft_s and not best_effort:
-            retry, helps = self._ttft_retry(pchoice, prefill_pool, lim)
+            retry, helps = self._ttft_retry(waits, lim, unattainable, may_best_effort)
             # A retry takes this much of the prefill compute of the instances that may prefill it.
-            slot = pchoice.prefill_s / max(len(prefill_pool or decode_pool), 1)
+            slot = pchoice.prefill_s / max(len(prefills_on), 1)
             return Rejection(request.request_id, RejectReason.TTFT_SLO, retry, ttft, dchoice.tbt_s, helps,
                              unattainable, slot)
         if cfg.admission in (Admission.EARLY, Admission.PREDICTION) and dchoice.problem is not None:
@@ -240,17 +245,29 @@ class Scheduler:
     def _horizon(self, now: float, ttft: float, t_d: float) -> Horizon:
         return Horizon(now, now + ttft, t_d, self.config.decode_forecast == "fluid")
 
-    def _ttft_retry(self, choice: PrefillChoice, pool: tuple[InstanceState, ...], lim: Limits) -> tuple[float, bool]:
-        """(Retry-After seconds, whether a retry can succeed at all)."""
-        # Queues drain at one second per second; the non-queue part of the best choice is a
-        # floor no wait can remove. If that floor alone breaks the SLO, waiting cannot help.
-        floor = choice.ttft_s - choice.queue_s
-        queues = [self.estimators.queue_s(i) for i in pool]
-        if floor > lim.ttft_s:
-            if self.config.best_effort_when_idle:  # served once every queue is empty
-                return self._clip_retry(max(queues, default=choice.queue_s)), True
+    def _waits(self, choice: PrefillChoice, prompt: int, pool: tuple[InstanceState, ...],
+               matches: PrefixMatches) -> list[tuple[float, float]]:
+        """(queue, floor) of the chosen prefill and of each instance that may prefill the prompt
+        from its own prefix: the floor is the TTFT left once its queue has drained. Another
+        instance may win once queues drain (one whose prefix is longer, behind a longer queue)."""
+        out = [(choice.queue_s, choice.ttft_s - choice.queue_s)]
+        for inst in pool:
+            if inst.instance_id != choice.instance_id:
+                own = local_prefill(inst, prompt, matches, self.estimators, self.config)
+                out.append((own.queue_s, own.ttft_s - own.queue_s))
+        return out
+
+    def _ttft_retry(self, waits: list[tuple[float, float]], lim: Limits, unattainable: bool,
+                    may_best_effort: bool) -> tuple[float, bool]:
+        """(Retry-After seconds, whether a retry can succeed at all). unattainable: every floor
+        breaks the SLO, so no wait helps, but one that may be served best effort is, once every
+        queue has drained."""
+        if unattainable:
+            if may_best_effort:
+                return self._clip_retry(max(queue for queue, _ in waits)), True
             return self.config.max_retry_after_s, False
-        return self._clip_retry(min([*queues, choice.queue_s]) + floor - lim.ttft_s), True
+        # The earliest an instance whose floor fits can meet the SLO.
+        return self._clip_retry(min(queue + floor for queue, floor in waits if floor <= lim.ttft_s) - lim.ttft_s), True
 
     def _clip_retry(self, seconds: float) -> float:
         cfg = self.config

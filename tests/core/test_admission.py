@@ -3,7 +3,7 @@
 import pytest
 from core_helpers import decode, prefill, request, scheduler, state
 
-from conductor.core import Decision, DecodeSeq, InstanceState, Rejection, RejectReason, Role
+from conductor.core import Decision, DecodeSeq, InstanceState, Rejection, RejectReason, Request, Role
 
 # TBT = 0.01 + 0.001*batch: with a 0.1 s SLO a decode instance takes at most 90 sequences.
 SLO = dict(tbt_slo_s=0.1, ttft_slo_s=30.0)
@@ -34,6 +34,21 @@ def test_early_capacity_rejection_reason():
     assert r.reason is RejectReason.NO_CAPACITY and r.retry_can_help  # fits once the batch drains
     never = scheduler(admission="early", **SLO).schedule(request(2000), s, 0.0)
     assert never.reason is RejectReason.NO_CAPACITY and not never.retry_can_help  # not even on an empty node
+
+
+def test_a_capacity_refusal_counts_the_requests_kv_headroom_in_its_retry():
+    """A less important request must leave priority_headroom of the KV free: one that fits an
+    empty instance's whole KV but not what it may take of it is never admitted, and is told so."""
+    s = state(prefill("p0"), decode("d0", cap=1100))
+    sch = scheduler(admission="early", priority_headroom=0.2, **SLO)
+    r = sch.schedule(Request("r", 1000, (), 0.0, priority=1), s, 0.0)
+    assert r.reason is RejectReason.NO_CAPACITY and not r.retry_can_help
+    busy = state(prefill("p0"), decode("d0", batch=2, kv_each=400, cap=2000, start=0.0), mean_decode_s=20.0)
+    r = sch.schedule(Request("r", 1000, (), 0.0, priority=1), busy, 5.0)
+    # 800 + 1000 fit in 2000 tokens, not in the 1600 it may take; 400 + 1000 do, once a
+    # sequence leaves (t_d = 20 s after its start), which its 1 s prefill must wait for.
+    assert r.reason is RejectReason.NO_CAPACITY and r.retry_can_help
+    assert r.retry_after_s == pytest.approx(20.0 - 5.0 - 1.0)
 
 
 def test_prediction_admits_when_the_batch_will_have_drained_by_prefill_end():

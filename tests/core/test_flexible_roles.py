@@ -56,6 +56,21 @@ def test_an_instance_prices_its_own_chunk_size():
     big = state(busy_p, replace(decode("d0", batch=5), chunk_tokens=100))
     d = flex(admission="early", chunk_tokens=50).schedule(request(500), big, now=0.0)
     assert isinstance(d, Decision) and (d.prefill_instance, d.decode_instance) == ("p0", "d0")
+    # A step size that cannot be (a malformed worker's) is the config's, never an endless pricing.
+    for bad in (-1, -100):
+        odd = state(busy_p, replace(decode("d0", batch=5), chunk_tokens=bad))
+        d = flex(admission="early", chunk_tokens=50, colocate_max_new_tokens=40).schedule(request(500), odd, now=0.0)
+        assert isinstance(d, Decision) and d.predicted_ttft_s == pytest.approx(10 * 0.065)
+
+
+def test_a_worker_saying_a_negative_step_size_is_not_healthy():
+    import msgspec
+
+    from mooncake.protocol import HEALTH_DECODER
+
+    assert HEALTH_DECODER.decode(b'{"chunk_tokens": 256}').chunk_tokens == 256
+    with pytest.raises(msgspec.ValidationError):  # WorkerClient.check: a ValueError, the worker is not ready
+        HEALTH_DECODER.decode(b'{"chunk_tokens": -1}')
 
 
 def test_role_cost_breaks_near_ties_toward_labels():

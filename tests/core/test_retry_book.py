@@ -63,3 +63,9 @@ def test_a_burst_refused_by_the_scheduler_is_spread_by_the_book():
     waits = [book.promise(sched.schedule(request(2000, rid=str(i)), s, 0.0), 0.0) for i in range(3)]
     # Each would have been told 4 s alone (12 s queue + 2 s prefill - 10 s); one 2 s prefill apart.
     assert waits == pytest.approx([4.0, 6.0, 8.0])
+
+
+def test_a_refusals_own_drain_comes_back_exact_for_the_whole_second_header():
+    # (3.4524 + 5.0) - 3.4524 is a hair above 5.0 in floating point; ceil would say 6 s.
+    assert (3.4524 + 5.0) - 3.4524 > 5.0
+    assert RetryBook(max_ahead_s=300.0).promise(refusal(5.0, 1.0), now=3.4524) == 5.0

@@ -162,12 +162,37 @@ def test_best_effort_serves_an_unattainable_request_only_when_its_prefill_instan
     tight = scheduler(admission="early", ttft_slo_s=10.0, best_effort_when_idle=True).schedule(
         replace(request(20_000), ttft_slo_s=5.0), idle, 0.0)
     assert isinstance(tight, Rejection) and tight.unattainable
+    assert not tight.retry_can_help and tight.retry_after_s == 300.0  # no retry would be served
+    # In a cluster without prefill instances, every decode instance may prefill: all must be idle.
+    colocated = state(decode("d0", queued=6.0), decode("d1"))
+    r = scheduler(admission="early", ttft_slo_s=10.0, best_effort_when_idle=True).schedule(
+        request(20_000), colocated, 0.0)
+    assert isinstance(r, Rejection) and r.unattainable and r.retry_after_s == pytest.approx(6.0)
     # An attainable request is priced as before: neither best effort nor unattainable.
     fits = scheduler(admission="early", ttft_slo_s=10.0, best_effort_when_idle=True).schedule(request(1000), idle, 0.0)
     assert isinstance(fits, Decision) and not fits.best_effort
     late = scheduler(admission="early", ttft_slo_s=10.0, best_effort_when_idle=True).schedule(
         request(1000), state(prefill("p0", queued=12.0), decode("d0")), 0.0)
     assert isinstance(late, Rejection) and not late.unattainable and late.retry_after_s == pytest.approx(3.0)
+
+
+@pytest.mark.parametrize("best_effort", [False, True])
+def test_a_request_another_instance_meets_once_its_queue_drains_is_not_unattainable(best_effort):
+    """The instance chosen now (idle, no prefix) misses the SLO whatever the wait; the one that
+    holds most of the prompt meets it once its queue has drained. A retry then helps, and is
+    told when."""
+    index = PrefixIndex()
+    index.apply_stored("p1", range(1900))  # 19,000 of the 20,000 tokens: 1 s of prefill left there
+    holder = replace(prefill("p1", queued=45.0), serves_fetches=False)  # nobody fetches them from it
+    s = state(holder, prefill("p2"), decode("d0"), index=index)
+    r = scheduler(admission="early", ttft_slo_s=10.0, best_effort_when_idle=best_effort).schedule(
+        request(20_000), s, 0.0)
+    assert isinstance(r, Rejection) and r.reason is RejectReason.TTFT_SLO
+    assert not r.unattainable and r.retry_can_help
+    assert r.retry_after_s == pytest.approx(45.0 + 1.0 - 10.0)  # p1's queue drained enough
+    later = state(replace(holder, queued_prefill_s=9.0), prefill("p2"), decode("d0"), index=index)
+    d = scheduler(admission="early", ttft_slo_s=10.0).schedule(request(20_000), later, 36.0)
+    assert isinstance(d, Decision) and d.prefill_instance == "p1"
 
 
 def test_decode_choice_lowest_tbt_within_capacity():

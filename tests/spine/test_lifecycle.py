@@ -14,7 +14,7 @@ from conductor.config import ConductorConfig
 from conductor.errors import APIError
 from conductor.lifecycle import LifeStreamingResponse
 from conductor.schemas import CompletionRequest
-from conductor.serving import CompletionService
+from conductor.serving import RETRY_SLO_S, CompletionService
 from conductor.workers import WorkerError
 from mooncake.protocol import GenerateChunk
 from tests.spine.test_routing import pool_of, router
@@ -182,7 +182,7 @@ def test_retry_on_another_prefill_worker_moves_the_ledger_entry_and_pending_pref
         relay = ScriptedRelay(list(range(5)))
         service = make_service(relay)
         first = service.router.pick("probe", PROMPT, 5, 0.0)  # which instance the core will choose
-        service.router.finished(first, None)
+        service.router.finished(first, 0.0)
         relay.fail_on = {first.prefill.name}
         req = await prepared(service, max_tokens=5, stream=True)
         response = await service.serve(req, "completions")
@@ -209,7 +209,7 @@ def test_a_retry_is_not_refused_for_the_slos_that_admitted_the_request():
         relay = ScriptedRelay(list(range(3)))
         service = make_service(relay)
         first = service.router.pick("probe", PROMPT, 3, 0.0)
-        service.router.finished(first, None)
+        service.router.finished(first, 0.0)
         relay.fail_on = {first.prefill.name}
         picks, pick = [], service.router.pick
 
@@ -226,6 +226,23 @@ def test_a_retry_is_not_refused_for_the_slos_that_admitted_the_request():
         assert_all_released(service, "200")
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("priority", [-1, 0, 5])
+def test_a_retry_of_a_less_important_request_is_not_capped_below_the_classes_above_it(priority):
+    """limits_for holds a request to (1 - priority_headroom) of the SLOs of every class more
+    important than it: the retry of an admitted one must escape that too, or be refused after all."""
+    from conductor.core import Request, SLOClass, SchedulerConfig
+    from conductor.core.admission import limits_for
+    from conductor.serving import retry_slo
+    from conductor.slo import RequestSLO
+
+    config = SchedulerConfig(ttft_slo_s=30.0, tbt_slo_s=0.5, priority_headroom=0.2,
+                             slo_classes=(SLOClass("interactive", 2.0, 0.05, priority=-3),))
+    again = retry_slo(RequestSLO("batch", priority, 60.0, 1.0), config)
+    assert again.slo_class == "batch" and again.ttft_s == again.tbt_s == RETRY_SLO_S
+    limits = limits_for(Request("r", 100, (), 0.0, again.priority, again.ttft_s, again.tbt_s), config)
+    assert limits.ttft_s == limits.tbt_s == RETRY_SLO_S and limits.kv_headroom == 0.0
 
 
 @pytest.mark.parametrize("spec", ["2.3", "2.4"])

@@ -47,10 +47,35 @@ def test_prefix_holder_wins_and_ledger_tracks_the_request():
     assert r.metrics.value("mooncake_routes_total", kind="disaggregated") == 1 and r.metrics.value("mooncake_routes_total", kind="colocated") == 0
     r.first_token(route, now=1.0)
     assert "req" not in p2.ledger.prefill_jobs and "req" in d1.ledger.running
-    r.finished(route, decode_seconds=2.0)
-    assert not d1.ledger.running and r.mean_decode_s == 2.0
-    r.finished(route, decode_seconds=9.0)  # idempotent
-    assert r.mean_decode_s == 2.0
+    r.finished(route, now=3.0)
+    assert not d1.ledger.running and r._decoding == 0 and r.decode_time._count == 1
+    r.finished(route, now=9.0)  # idempotent
+    assert r._decoding == 0 and r.decode_time._count == 1
+
+
+def test_decode_time_is_measured_by_littles_law_not_swayed_by_early_departures():
+    """t_d, which prediction-based admission forecasts with, comes from the simulator's meter:
+    nothing until 20 sequences left decode, then occupancy over departures. A client that
+    leaves just after its first token is one departure among many, not the new t_d."""
+    pool = pool_of(("p1", "prefill"), ("d1", "decode"))
+    r = router(pool)
+    gone = r.pick("gone", list(range(10)), 1, now=0.0)
+    r.first_token(gone, now=0.1)
+    r.finished(gone, now=0.11)  # its client left 10 ms after the first token
+    assert r.decode_time.mean_decode_s(0.2) is None  # one departure measures nothing yet
+    never = r.pick("never", list(range(20, 30)), 1, now=0.2)
+    r.finished(never, now=0.3)  # ended before its first token: never decoded, not a departure
+    assert r.decode_time._count == 1
+    decoding, t = [], 1.0
+    for i in range(40):  # one sequence every 2 s, each decoding for 10 s
+        route = r.pick(f"r{i}", list(range(1000 + 20 * i, 1010 + 20 * i)), 1, now=t)
+        r.first_token(route, now=t)
+        decoding.append((t + 10.0, route))
+        t += 2.0
+        while decoding[0][0] <= t:
+            end, route = decoding.pop(0)
+            r.finished(route, now=end)
+    assert 8.0 < r.decode_time.mean_decode_s(t) < 11.0
 
 
 def test_queued_work_spreads_unrelated_requests():
@@ -135,6 +160,54 @@ def test_mirror_view_adds_registered_and_drops_expired_but_keeps_static():
     view.apply(RegistryEvent("delete", instance_id="w1"), now=1.0)
     mirror_view(view, pool, index, now=1.0)
     assert set(pool.handles) == {"http://static:1"} and index.block_count("w1") == 0
+
+
+def test_a_worker_restarted_on_its_url_with_a_new_id_leaves_nothing_under_the_old_one():
+    """The restart registers before the old lease runs out: both ids are alive on one URL for a
+    while. The newest one is the handle's, whichever order the view lists them in, and the old
+    id's blocks leave the prefix index at once (that process and its KV are gone)."""
+    pool, index, view = WorkerPool(), PrefixIndex(), ClusterView()
+    old = InstanceInfo("w-zzz", "prefill", "http://w1:1", "w1:2", "m", BLOCK, 1000, 0.0)  # sorts after the new id
+    view.apply(RegistryEvent("resync", snapshot={"w-zzz": old}), now=0.0)
+    mirror_view(view, pool, index, now=0.0)
+    handle = pool.handles["http://w1:1"]
+    handle.events_seq = 7
+    index.apply_stored("w-zzz", [1, 2, 3])
+    new = InstanceInfo("w-aaa", "prefill", "http://w1:1", "w1:2", "m", BLOCK, 1000, 5.0)
+    view.apply(RegistryEvent("put", instance_id="w-aaa", info=new), now=5.0)
+    for t in (5.0, 6.0, 7.0):
+        mirror_view(view, pool, index, now=t)
+        assert handle.name == "w-aaa" and index.block_count("w-zzz") == 0
+    assert handle.events_seq == -1  # the new instance's blocks come from a full snapshot
+
+
+def test_a_restart_seen_by_the_health_poll_also_clears_the_old_ids_blocks():
+    """A static worker (--prefill-url) is in no registry: its /health tells its new id."""
+    import asyncio
+    import itertools
+
+    from conductor.membership import poll_health
+
+    pool, index = WorkerPool(), PrefixIndex()
+    handle = pool.add("http://w1:1", static=True)
+    ids = itertools.chain(["w-old", "w-old"], itertools.repeat("w-new"))
+
+    class Health:
+        async def check(self, h):
+            h.instance_id, h.ready = next(ids), True
+
+    async def main():
+        poller = asyncio.create_task(poll_health(pool, Health(), index, 0.01))
+        while handle.name != "w-old":
+            await asyncio.sleep(0.001)
+        index.apply_stored("w-old", [1, 2, 3])
+        handle.events_seq = 7
+        while handle.name != "w-new":  # (the poll looks at names right after its checks, before it sleeps)
+            await asyncio.sleep(0.001)
+        poller.cancel()
+
+    asyncio.run(asyncio.wait_for(main(), 5))
+    assert index.block_count("w-old") == 0 and handle.events_seq == -1
 
 
 def test_a_registered_workers_step_size_reaches_the_scheduler():
@@ -233,9 +306,23 @@ def test_a_prefill_in_flight_counts_as_cache_for_the_next_request_on_that_worker
     # No KV event has reported the shared blocks yet; the router knows `a` will have stored them.
     assert second.prefill is first.prefill and second.decision.cached_prefix_tokens == 15 * BLOCK
     r.first_token(first, now=1.0)
-    r.finished(second, None)  # e.g. its prefill failed: its pending blocks go too
+    r.finished(second, now=1.0)  # e.g. its prefill failed: its pending blocks go too
     assert len(r.pending) == 0
-    r.finished(first, 1.0)
+    r.finished(first, now=2.0)
+    assert len(r.pending) == 0
+
+
+def test_pending_prefixes_go_even_when_the_worker_is_renamed_in_flight():
+    """A worker restarted on the same URL registers a new instance id; the conductor renames its
+    handle in place. The blocks routed to it are pending under the old name and must go with it."""
+    pool = pool_of(("p1", "prefill"), ("d1", "decode"))
+    r = router(pool)
+    routes = [r.pick(f"q{i}", list(range(i * 10_000, i * 10_000 + 2048)), 16, now=0.0) for i in range(3)]
+    assert len(r.pending) > 0
+    pool.handles["http://p1"].instance_id = "p1-restarted"
+    for route in routes:
+        r.first_token(route, now=1.0)
+        r.finished(route, now=2.0)
     assert len(r.pending) == 0
 
 
@@ -269,7 +356,7 @@ def test_flexible_roles_put_p_equals_d_on_the_prefill_worker_when_decode_is_full
     assert "b" in p1.ledger.prefill_jobs and "b" in p1.ledger.incoming and "b" not in d1.ledger.incoming
     r.first_token(route, now=1.0)
     assert not p1.ledger.prefill_jobs and "b" in p1.ledger.running
-    r.finished(route, decode_seconds=1.0)
+    r.finished(route, now=2.0)
     assert not p1.ledger.running and not p1.ledger.incoming
 
 
