@@ -7,6 +7,7 @@ loads, or does neither is decided per request by its kv_transfer_params.
 
 Settings come from `kv_connector_extra_config`:
   kv_host, kv_port            the transfer engine's tcp address (port 0 = any free port)
+  kv_advertise_host           what it publishes when kv_host is 0.0.0.0 (default: the hostname's address)
   control_path, control_key   the control channel to the worker shell (mooncake/control.py)
   kv_auth_key                 hex key every KV connection must prove (absent: no handshake)
   staging_bytes               size of the staging arena pushed KV lands in
@@ -76,6 +77,7 @@ class MooncakeServeConnector(KVConnectorBase_V1):
         timeout_s = float(extra.get("kv_timeout_s", defaults.KV_TRANSFER_TIMEOUT_S))
         transports = str(extra.get("kv_transports") or os.environ.get("MOONCAKE_KV_TRANSPORTS", "")).strip()
         config = EngineConfig(host=str(extra.get("kv_host", "127.0.0.1")), port=int(extra.get("kv_port", 0)),
+                              advertise_host=extra.get("kv_advertise_host") or None,
                               timeout_s=timeout_s, auth_key=bytes.fromhex(auth_key) if auth_key else None,
                               transports=tuple(t.strip() for t in transports.split(",")) if transports
                               else defaults.KV_TRANSPORTS)

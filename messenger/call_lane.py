@@ -38,7 +38,7 @@ from contextlib import contextmanager
 from messenger.api import AttachmentSink, CallReply, TransferError
 from messenger.handshake import client_handshake, server_handshake
 from messenger.stats import TransportStats
-from messenger.tcp_link import keep_alive, shutdown_socket
+from messenger.tcp_link import keep_alive, published_address, shutdown_socket
 from messenger.wire import MAX_PAYLOAD_BYTES, MAX_VAR_BYTES, WireError, recv_exactly, recv_into_views, send_views
 
 log = logging.getLogger(__name__)
@@ -74,8 +74,9 @@ class LaneServer:
     """Listens for lanes and answers their calls, one thread per lane."""
 
     def __init__(self, host: str, port: int, auth_key: bytes | None, io_timeout_s: float,
-                 answer: Answer, name: str, stats: TransportStats) -> None:
+                 answer: Answer, name: str, stats: TransportStats, advertise_host: str | None = None) -> None:
         self._host, self._port, self._auth_key = host, port, auth_key
+        self._advertise_host = advertise_host
         self._io_timeout_s = io_timeout_s
         self._answer, self._name, self._stats = answer, name, stats
         self._listener: socket.socket | None = None
@@ -86,11 +87,8 @@ class LaneServer:
     def start(self) -> str:
         """Listen; returns the address to publish ("host:port")."""
         self._listener = socket.create_server((self._host, self._port), backlog=128)
-        host, port = self._listener.getsockname()[:2]
-        if host in ("0.0.0.0", "::", ""):
-            host = socket.gethostbyname(socket.gethostname())
         threading.Thread(target=self._accept_loop, name=f"messenger-lanes-{self._name}", daemon=True).start()
-        return f"{host}:{port}"
+        return published_address(self._listener, self._advertise_host)
 
     def close(self) -> None:
         self._closed.set()

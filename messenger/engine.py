@@ -71,7 +71,10 @@ class EngineConfig:
     transports: tuple[str, ...] = ("shm", "rdma", "nixl", "tcp")
     """Preference order; those that do not import or say they cannot run here are skipped."""
     host: str = "127.0.0.1"
-    """Where the tcp transport listens and what it publishes (0.0.0.0: all, publishes the hostname's address)."""
+    """Where the tcp transport and the call lanes listen, and what they publish (0.0.0.0: all)."""
+    advertise_host: str | None = None
+    """What they publish when `host` is 0.0.0.0: the address other hosts reach this one at (the
+    worker's --advertise-host); None: the address the hostname resolves to."""
     port: int = 0
     """tcp listen port (0: a free one)."""
     tcp_streams: int = 4
@@ -225,7 +228,8 @@ class TransferEngine:
             raise NoTransport(f"no messenger transport can run here: {reasons}")
         if self.config.call_lanes:
             self._lane_server = LaneServer(self.config.host, self.config.call_port, self.config.auth_key,
-                                           self.config.timeout_s, self._answer_lane, self.name, self._lane_stats)
+                                           self.config.timeout_s, self._answer_lane, self.name, self._lane_stats,
+                                           self.config.advertise_host)
             address = self._lane_server.start()
             with self._info_lock:
                 self._call_address = address

@@ -84,6 +84,16 @@ def tune_socket(sock: socket.socket) -> None:
             pass
 
 
+def published_address(listener: socket.socket, advertise_host: str | None) -> str:
+    """The "host:port" peers reach a listener at: a wildcard bind publishes advertise_host, else
+    the address the machine's hostname resolves to (on some hosts a loopback one: give
+    advertise_host there)."""
+    host, port = listener.getsockname()[:2]
+    if host in ("0.0.0.0", "::", ""):
+        host = advertise_host or socket.gethostbyname(socket.gethostname())
+    return f"{host}:{port}"
+
+
 def keep_alive(sock: socket.socket, idle_s: int = 30, interval_s: int = 10, count: int = 3) -> None:
     """Probe an idle connection, so a peer whose host vanished (no FIN ever comes) is noticed
     within about idle_s + interval_s * count seconds instead of never."""

@@ -44,7 +44,7 @@ import msgspec
 from messenger.api import Batch, Direction, OutgoingMessage, PeerInfo, Slice, TransferError
 from messenger.handshake import HandshakeError, server_handshake
 from messenger.stats import TransportStats
-from messenger.tcp_link import Link, drain, keep_alive, send_frame, shutdown_socket, tune_socket
+from messenger.tcp_link import Link, drain, keep_alive, published_address, send_frame, shutdown_socket, tune_socket
 from messenger.wire import ENGINE_PREFIX_SIZE, Kind, WireError, decode_engine_prefix, recv_exactly, recv_into_views
 
 log = logging.getLogger(__name__)
@@ -93,10 +93,7 @@ class TcpTransport:
         self.local_name = getattr(deliver, "name", "")
         self._listener = socket.create_server((self._config.host, self._config.port), backlog=128)
         threading.Thread(target=self._accept_loop, name="messenger-tcp-accept", daemon=True).start()
-        host, port = self._listener.getsockname()[:2]
-        if host in ("0.0.0.0", "::", ""):
-            host = socket.gethostbyname(socket.gethostname())
-        return f"{host}:{port}"
+        return published_address(self._listener, self._config.advertise_host)
 
     def can_reach(self, local: PeerInfo, peer: PeerInfo) -> bool:
         return self.name in peer.transports

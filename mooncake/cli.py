@@ -206,7 +206,8 @@ def _start_pool(config):
     # Other nodes fetch blocks from this pool through the messenger (Algorithm 1's fetch_from),
     # proving the key derived from the cluster token, like the KV socket; each block carries its
     # own checksum, so the messenger's per-slice one is off.
-    messenger = replace(EngineConfig(), host=config.kv_host, checksums=False, transports=defaults.KV_TRANSPORTS,
+    messenger = replace(EngineConfig(), host=config.kv_host, advertise_host=config.advertise_host, checksums=False,
+                        transports=defaults.KV_TRANSPORTS,
                         auth_key=kv_key(config.cluster_token) if config.cluster_token else None)
     return PoolService(pool, remote=True, engine_config=messenger).start()
 

@@ -85,6 +85,7 @@ def kv_transfer_settings(config: WorkerConfig, kv_port: int, control: ControlEnd
         kv_connector_module_path=CONNECTOR_MODULE,
         kv_role="kv_both",
         kv_connector_extra_config={"kv_host": config.kv_host, "kv_port": kv_port,
+                                   **({"kv_advertise_host": config.advertise_host} if config.advertise_host else {}),
                                    "control_path": control.path, "control_key": control.authkey_hex,
                                    # A key derived from the cluster token, not the token itself.
                                    **({"kv_auth_key": kv_key(config.cluster_token).hex()}

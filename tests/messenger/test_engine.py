@@ -45,6 +45,17 @@ def test_register_takes_writable_contiguous_buffers_and_device_addresses():
     engine.close()
 
 
+def test_an_engine_listening_on_every_address_publishes_the_advertised_host():
+    """A worker started with --host 0.0.0.0 --advertise-host: its peers reach its tcp transport
+    and its call lanes there (the hostname may resolve to a loopback address, 127.0.1.1 on Debian)."""
+    engine = TransferEngine("wild", EngineConfig(transports=("tcp",), host="0.0.0.0", advertise_host="10.9.8.7"))
+    try:
+        info = engine.start()
+        assert info.transports["tcp"].startswith("10.9.8.7:") and info.call_address.startswith("10.9.8.7:")
+    finally:
+        engine.close()
+
+
 def test_config_is_checked():
     with pytest.raises(ValueError, match="unknown"):
         EngineConfig(transports=("carrier-pigeon",))

@@ -105,6 +105,15 @@ def test_the_engine_runs_both_connectors_with_a_pool_and_ours_alone_without():
     assert second["kv_connector_extra_config"] == {"pool_path": "/tmp/p.sock", "pool_key": "11" * 16}
 
 
+def test_the_advertised_host_reaches_the_kv_connectors_messenger():
+    control = ControlEndpoint("/tmp/c.sock", "00" * 16)
+    wild = worker_config(parse("--host", "0.0.0.0", "--advertise-host", "10.9.8.7"), "decode", "/model")
+    extra = kv_transfer_settings(wild, 9000, control, None)["kv_connector_extra_config"]
+    assert (extra["kv_host"], extra["kv_advertise_host"]) == ("0.0.0.0", "10.9.8.7")
+    plain = kv_transfer_settings(worker_config(parse(), "decode", "/model"), 9000, control, None)
+    assert "kv_advertise_host" not in plain["kv_connector_extra_config"]
+
+
 def test_the_pool_dram_default_comes_from_the_environment(monkeypatch):
     monkeypatch.setenv("MOONCAKE_POOL_DRAM_GIB", "0.5")
     assert pool_settings(parse())["pool_dram_bytes"] == 1 << 29
