@@ -262,11 +262,11 @@ class RemotePool:
         for key, slot in slots:
             (good if checksum(self._service.arena.slot(slot)) == digests[key] else bad).append(key)
         if bad:
-            self._service.counters["remote_corrupt"] += len(bad)
+            self._service.count("remote_corrupt", len(bad))
             log.warning("KV pool: %d blocks fetched from a peer failed their checksum; dropped", len(bad))
             self._service.abort(bad)
         self._service.commit(good, [digests[k] for k in good])
-        self._service.counters["remote_fetched_blocks"] += len(good)
+        self._service.count("remote_fetched_blocks", len(good))
 
     # --- serving peers ---------------------------------------------------------------------
     def _on_call(self, peer: str, request: bytes) -> bytes | CallReply:
@@ -293,7 +293,7 @@ class RemotePool:
         except BaseException:
             service.release([k for k, _, _ in got])
             raise
-        service.counters["remote_served_blocks"] += len(got)
+        service.count("remote_served_blocks", len(got))
         return CallReply(head, views, lambda: service.release([k for k, _, _ in got]))
 
     def _answer(self, peer: str, message: dict) -> dict:
@@ -314,7 +314,7 @@ class RemotePool:
                     self.engine.write(peer, slices).wait()
             finally:
                 service.release([k for k, _, _ in got])
-            service.counters["remote_served_blocks"] += len(got)
+            service.count("remote_served_blocks", len(got))
             return {"keys": channel.pack_keys([k for k, _, _ in got]), "checksums": [c for _, _, c in got]}
         if op == "pin":
             self._release_leases(message.get("unpin", ()))  # a same-host reader's previous pins
@@ -323,7 +323,7 @@ class RemotePool:
                 lease = self._next_lease
                 self._next_lease += 1
                 self._leases[lease] = ([k for k, _, _ in got], service._clock() + service.config.pin_lease_s)
-            service.counters["remote_served_blocks"] += len(got)
+            service.count("remote_served_blocks", len(got))
             reply = {"keys": channel.pack_keys([k for k, _, _ in got]), "slots": [s for _, s, _ in got],
                      "checksums": [c for _, _, c in got], "lease": lease}
             if message.get("arena"):

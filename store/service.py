@@ -66,7 +66,8 @@ class PoolService:
         # Held from a pool call that returns I/O until that I/O is queued (reentrant: a dropped
         # spill reports back to the pool inside _execute).
         self._io_lock = threading.RLock()
-        self.counters: Counter[str] = Counter()
+        self._counters: Counter[str] = Counter()  # the service's own; count() from any thread
+        self._counters_lock = threading.Lock()
         self.layout: str | None = None
         self._listener: Listener | None = None
         self._closed = threading.Event()
@@ -220,7 +221,7 @@ class PoolService:
         """A reader found these blocks failing their checksum in DRAM: forget them. One another
         reader still pins stays (remove() never takes a pinned slot); every reader verifies what
         it reads, so it is a miss for them too, and goes at their discard."""
-        self.counters["corrupt_dram"] += len(keys)
+        self.count("corrupt_dram", len(keys))
         log.warning("KV pool: %d block(s) failed their checksum in DRAM; forgotten, recomputed", len(keys))
         self.remove(keys)
 
@@ -236,9 +237,15 @@ class PoolService:
         configured."""
         return self.remote.info() if self.remote is not None else None
 
+    def count(self, name: str, n: int = 1) -> None:
+        """Add to one of the service's counters (its threads and the remote handlers all count)."""
+        with self._counters_lock:
+            self._counters[name] += n
+
     def stats(self) -> dict[str, Any]:
         usage = self.pool.usage() if self.pool is not None else {}
-        counters = dict(self.counters)
+        with self._counters_lock:
+            counters = dict(self._counters)
         if self.pool is not None:
             counters.update(self.pool.counters)
         if self.ssd is not None:
@@ -258,7 +265,11 @@ class PoolService:
 
     # --- the SSD tier ---------------------------------------------------------------------
     def _open_ssd(self) -> None:
-        if not self.config.ssd_dir or not self.config.ssd_slots:
+        if not self.config.ssd_dir:
+            return
+        if not self.config.ssd_slots:
+            log.warning("KV pool: the SSD tier in %s is off: its %d B cannot hold one block of %d B (raise "
+                        "--pool-ssd-gib)", self.config.ssd_dir, self.config.ssd_bytes, self.config.block_bytes)
             return
         tier = SsdTier(self.config.ssd_dir, self.layout or "", self.config.block_bytes)
         try:
@@ -307,7 +318,7 @@ class PoolService:
                 continue
             data = self.arena.slot(spill.slot).tobytes()  # before the slot is handed out again
             if not self._writer.submit(spill.key, data, spill.checksum):
-                self.counters["spills_dropped"] += 1
+                self.count("spills_dropped")
                 self._execute(self.pool.ssd_written(spill.key, False, spill.seq))
                 continue
             self._spilling[spill.key] = (spill.seq, data)  # readable until it is on disk
@@ -326,7 +337,7 @@ class PoolService:
             if error.errno in _FATAL_SSD_ERRNOS:
                 self._degrade(error, "writing a block failed")
             else:
-                self.counters["ssd_errors_io"] += 1
+                self.count("ssd_errors_io")
                 log.warning("KV pool: writing block %x to SSD failed: %s", key, error)
         self._flush_events()
 
@@ -342,7 +353,7 @@ class PoolService:
                 ok = ssd is not None and ssd.read_into(key, self.arena.slot(slot), digest)
         except OSError as exc:
             log.warning("KV pool: reading block %x from SSD failed: %s", key, exc)
-            self.counters["ssd_errors_io"] += 1
+            self.count("ssd_errors_io")
         finally:  # whatever happened, the slot leaves LOADING
             if not ok and ssd is not None:
                 log.warning("KV pool: block %x on SSD is missing or fails its checksum; recomputed", key)
@@ -353,7 +364,7 @@ class PoolService:
     def _degrade(self, exc: OSError, what: str) -> None:
         """The SSD tier is unusable: DRAM only from now on, said once, counted each time."""
         reason = "full" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else "unwritable"
-        self.counters[f"ssd_errors_{reason}"] += 1
+        self.count(f"ssd_errors_{reason}")
         with self._lock:
             if self._ssd_off:
                 return

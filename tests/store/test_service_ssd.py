@@ -192,3 +192,12 @@ def test_a_second_pool_on_the_same_ssd_directory_runs_dram_only(tmp_path, caplog
     again = service(tmp_path)  # the first let it go
     assert again.ssd is not None
     again.close()
+
+
+def test_an_ssd_tier_too_small_for_one_block_is_off_with_a_warning(tmp_path, caplog):
+    s = service(tmp_path, ssd_blocks=0.5)
+    try:
+        assert s.ssd is None and s.stats()["ssd_enabled"] is False
+        assert any("cannot hold one block" in r.getMessage() and r.levelname == "WARNING" for r in caplog.records)
+    finally:
+        s.close()
