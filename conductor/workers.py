@@ -174,7 +174,11 @@ class WorkerClient:
             resp = await self._http.get(f"{handle.http_url}/health", timeout=self._health_timeout_s)
             health = HEALTH_DECODER.decode(resp.content)
             handle.role = health.role or handle.role
-            handle.instance_id = health.instance_id or handle.instance_id
+            if handle.static or not handle.instance_id:
+                # A registered worker's id is the registry's (the newest instance on its URL):
+                # a restarted process answers /health before it registers, while the old one's
+                # lease still runs, and the two would rename the handle back and forth.
+                handle.instance_id = health.instance_id or handle.instance_id
             handle.kv_address = health.kv_address or handle.kv_address
             handle.pool_peer = health.pool_peer
             # Registered workers also say it in the registry; static --prefill-url/--decode-url

@@ -268,8 +268,9 @@ class PoolService:
         if not self.config.ssd_dir:
             return
         if not self.config.ssd_slots:
-            log.warning("KV pool: the SSD tier in %s is off: its %d B cannot hold one block of %d B (raise "
-                        "--pool-ssd-gib)", self.config.ssd_dir, self.config.ssd_bytes, self.config.block_bytes)
+            if self.config.ssd_bytes > 0:
+                log.warning("KV pool: the SSD tier in %s is off: its %d B cannot hold one block of %d B (raise "
+                            "--pool-ssd-gib)", self.config.ssd_dir, self.config.ssd_bytes, self.config.block_bytes)
             return
         tier = SsdTier(self.config.ssd_dir, self.layout or "", self.config.block_bytes)
         try:

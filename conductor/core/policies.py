@@ -74,9 +74,8 @@ def prefix_tokens(blocks: int, prompt_tokens: int, block_size: int) -> int:
     return max(0, min(blocks * block_size, prompt_tokens - 1))
 
 
-def local_prefill(inst: InstanceState, prompt: int, matches: PrefixMatches, est: Estimators,
-                  cfg: SchedulerConfig) -> PrefillChoice:
-    """Prefilling on `inst` from the prefix it holds (or will, by the time it runs), no fetch."""
+def _local(inst: InstanceState, prompt: int, matches: PrefixMatches, est: Estimators,
+           cfg: SchedulerConfig) -> PrefillChoice:
     cached = prefix_tokens(matches.local.get(inst.instance_id, 0), prompt, cfg.block_size)
     return PrefillChoice(inst.instance_id, cached, None, 0, est.queue_s(inst),
                          est.prefill_s(prompt, cached, inst.prefill_scale) + matches.load_of(inst.instance_id), 0.0)
@@ -149,11 +148,11 @@ def choose_prefill(policy: Policy, prompt: int, pool: Sequence[InstanceState],
                    est: Estimators, cfg: SchedulerConfig, rng: random.Random) -> PrefillChoice:
     """The prefill choice of `policy` over a non-empty pool."""
     if policy is Policy.RANDOM:
-        return local_prefill(rng.choice(pool), prompt, matches, est, cfg)
+        return _local(rng.choice(pool), prompt, matches, est, cfg)
     if policy is Policy.LOAD_BALANCE:
-        return local_prefill(min(pool, key=est.queue_s), prompt, matches, est, cfg)
+        return _local(min(pool, key=est.queue_s), prompt, matches, est, cfg)
     if policy is Policy.CACHE_AWARE:
-        return min((local_prefill(i, prompt, matches, est, cfg) for i in pool), key=lambda c: c.ttft_s)
+        return min((_local(i, prompt, matches, est, cfg) for i in pool), key=lambda c: c.ttft_s)
     return kvcache_centric(prompt, pool, all_instances, matches, est, cfg)
 
 

@@ -35,7 +35,7 @@ from conductor.core.admission import DecodeChoice, Horizon, Limits, LoadView, ba
 from conductor.core.config import Admission, Policy, SchedulerConfig
 from conductor.core.estimators import Estimators
 from conductor.core.policies import PrefillChoice, PrefixMatches, choose_prefill, chunked_prefill_s, flexible_prefill, \
-    local_prefill, prefix_tokens
+    prefix_tokens
 from conductor.core.types import ClusterState, Decision, InstanceState, RejectReason, Rejection, Request, Role
 
 __all__ = ["Scheduler", "decode_admits"]
@@ -92,7 +92,7 @@ class Scheduler:
         # Each candidate's (queue, the part of its TTFT no wait removes): queues drain at one
         # second per second. Priced only for a TTFT past the limit, where it decides the answer.
         waits = self._waits(pchoice, prompt, prefills_on, matches) if ttft > lim.ttft_s else []
-        unattainable = bool(waits) and min(floor for _, floor in waits) > lim.ttft_s
+        unattainable = bool(waits) and not any(floor <= lim.ttft_s for _, floor in waits)
         # Best effort only on an idle cluster (under load it would take time from requests that can
         # still meet their SLO), and not for a request that asked for a TTFT tighter than the
         # server's: it said a late answer is of no use.
@@ -247,14 +247,20 @@ class Scheduler:
 
     def _waits(self, choice: PrefillChoice, prompt: int, pool: tuple[InstanceState, ...],
                matches: PrefixMatches) -> list[tuple[float, float]]:
-        """(queue, floor) of the chosen prefill and of each instance that may prefill the prompt
-        from its own prefix: the floor is the TTFT left once its queue has drained. Another
-        instance may win once queues drain (one whose prefix is longer, behind a longer queue)."""
+        """(queue, floor) of the chosen prefill and, under a policy that chooses by TTFT, of each
+        other instance that may prefill the prompt from its own prefix, as it would run there
+        (in chunks beside its batch): the floor is the TTFT left once its queue has drained.
+        Another instance may win once queues drain (one whose prefix is longer, behind a longer
+        queue); random and load-balance would not choose it for that."""
         out = [(choice.queue_s, choice.ttft_s - choice.queue_s)]
+        cfg, est = self.config, self.estimators
+        if cfg.policy not in (Policy.CACHE_AWARE, Policy.KVCACHE_CENTRIC):
+            return out
         for inst in pool:
             if inst.instance_id != choice.instance_id:
-                own = local_prefill(inst, prompt, matches, self.estimators, self.config)
-                out.append((own.queue_s, own.ttft_s - own.queue_s))
+                cached = prefix_tokens(matches.local.get(inst.instance_id, 0), prompt, cfg.block_size)
+                floor = chunked_prefill_s(inst, prompt, cached, est, cfg)[0] + matches.load_of(inst.instance_id)
+                out.append((est.queue_s(inst), floor))
         return out
 
     def _ttft_retry(self, waits: list[tuple[float, float]], lim: Limits, unattainable: bool,

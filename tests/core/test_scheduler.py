@@ -195,6 +195,23 @@ def test_a_request_another_instance_meets_once_its_queue_drains_is_not_unattaina
     assert isinstance(d, Decision) and d.prefill_instance == "p1"
 
 
+def test_other_instances_are_priced_as_they_would_run_and_only_by_a_policy_that_would_choose_them():
+    # Two decode instances each decoding 5 sequences (no prefill instance): prefilling 1,000
+    # tokens beside a batch takes its chunks and the batch's steps on either, 1.15 s > 1.1 s.
+    busy = state(decode("d0", batch=5), decode("d1", batch=5))
+    d = scheduler(admission="early", ttft_slo_s=1.1, tbt_slo_s=1.0, chunk_tokens=100,
+                  best_effort_when_idle=True).schedule(request(1000), busy, 0.0)
+    assert isinstance(d, Decision) and d.best_effort  # unattainable on both: nothing is queued
+    # Load-balance picks the shortest queue whatever the prefix: the instance holding it would
+    # meet the SLO, but no retry would be sent there, so no retry helps this one.
+    index = PrefixIndex()
+    index.apply_stored("p1", range(1900))
+    s = state(prefill("p0"), replace(prefill("p1"), serves_fetches=False), decode("d0"), index=index)
+    d = scheduler(policy="load-balance", admission="early", ttft_slo_s=10.0,
+                  best_effort_when_idle=True).schedule(request(20_000), s, 0.0)
+    assert isinstance(d, Decision) and d.best_effort and d.prefill_instance == "p0"
+
+
 def test_decode_choice_lowest_tbt_within_capacity():
     s = state(prefill("p0"), decode("d0", batch=5), decode("d1", batch=1, cap=500), decode("d2", batch=3))
     d = scheduler(admission="early").schedule(request(1000), s, 0.0)

@@ -52,6 +52,26 @@ def test_a_slow_health_answer_keeps_a_worker_routed_until_it_stays_slow_and_a_re
     asyncio.run(main())
 
 
+def test_health_names_a_static_worker_but_never_renames_a_registered_one():
+    """A registered worker restarted on its URL answers /health with its new id before it
+    registers, while the old one's lease runs: the registry's id stands (the view renames it to
+    the newest instance), or the two would rename the handle back and forth."""
+    def reply(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(503, json={"instance_id": "w-new", "role": "decode", "status": "starting"})
+
+    async def main():
+        client = WorkerClient(token_timeout_s=5.0)
+        await client._http.aclose()
+        client._http = httpx.AsyncClient(transport=httpx.MockTransport(reply))
+        registered, static = WorkerHandle(http_url="http://r", instance_id="w-old"), WorkerHandle(http_url="http://s")
+        static.static = True
+        for handle in (registered, static):
+            await client.check(handle)
+        assert registered.name == "w-old" and static.name == "w-new"
+        await client.close()
+    asyncio.run(main())
+
+
 def test_a_health_timeout_that_fired_late_is_the_conductors_delay_and_is_not_counted():
     def reply(request: httpx.Request) -> httpx.Response:
         time.sleep(1.4)  # holds the conductor's event loop, as an overloaded conductor would
