@@ -2,10 +2,11 @@
 permitted (messenger/cma.py).
 
 A region that lives in a segment can be mapped by a peer on the same host, which then copies
-into or out of it itself: one copy. Region owners that want this (the decode staging area, the
-pool's arena) allocate their memory as a `SharedBuffer`; any other `/dev/shm` mapping works too
-(multiprocessing.shared_memory's, torch's), because `segment_of` finds a region's segment from
+into or out of it itself: one copy. Region owners that want this allocate their memory as a
+`SharedBuffer`; any other `/dev/shm` mapping works too (the pool's arena, a file under /dev/shm;
+multiprocessing.shared_memory's, torch's), because `segment_of` finds a region's segment from
 the kernel's own list of this process's mappings rather than from a table someone must keep.
+The decode staging arena is not one: it is private memory (`numpy.empty`, decode/kv_receiver.py).
 """
 
 from __future__ import annotations

@@ -50,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="vLLM KV block size (the CPU attention backend needs a multiple of 32)")
     ap.add_argument("--kv-cache-gib", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE for the engine")
     ap.add_argument("--bandwidth", type=float, default=3e8,
-                    help="bytes/s recorded for KV transfers (default: the TCP figure measured in DESIGN.md)")
+                    help="bytes/s recorded for KV transfers (default: 3e8, 300 MB/s)")
     ap.add_argument("--repeats", type=int, default=2, help="timed repeats per point; the minimum is kept")
     return ap
 

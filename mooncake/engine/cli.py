@@ -30,7 +30,8 @@ def add_worker_arguments(parser: argparse.ArgumentParser, default_port: int) -> 
     parser.add_argument("--max-model-len", type=int, default=defaults.MAX_MODEL_LEN,
                         help="longest prompt+output (tokens)")
     parser.add_argument("--kv-cache-gib", type=float, default=defaults.KV_CACHE_GIB,
-                        help="KV cache size on CPU, GiB (ignored on a GPU: vLLM's --gpu-memory-utilization)")
+                        help="KV cache size on CPU, GiB (ignored on a GPU, where vLLM sizes the KV cache itself: "
+                             "the share of GPU memory it takes, less the weights)")
     parser.add_argument("--cpu-bind", default=None,
                         help='cores for the engine threads, e.g. "0" or "0-3" (VLLM_CPU_OMP_THREADS_BIND)')
     parser.add_argument("--chunk-size", type=int, default=defaults.CHUNK_SIZE,

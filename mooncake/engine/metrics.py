@@ -159,8 +159,9 @@ class WorkerMetrics:
             "second).", registry=self.registry)
         self.cached_prompt_tokens = Counter(
             "mooncake_worker_cached_prompt_tokens", "Prompt tokens the engine did not compute, by where their KV "
-            "came from: local_cache_hit (its own prefix cache), external_kv_transfer (pushed by a prefill "
-            "worker) (tokens).", ["source"], registry=self.registry)
+            "came from: local_cache_hit (its own prefix cache), external_kv_transfer (loaded by a KV connector: "
+            "pushed by a prefill worker or loaded from the KVCache pool (DRAM, SSD, another node)) (tokens).",
+            ["source"], registry=self.registry)
         for source in CACHE_SOURCES:
             self.cached_prompt_tokens.labels(source=source)
 
