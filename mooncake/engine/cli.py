@@ -24,7 +24,8 @@ def add_worker_arguments(parser: argparse.ArgumentParser, default_port: int) -> 
     parser.add_argument("--kv-port", type=int, default=0,
                         help="port where this worker receives KV bytes (0: any free port)")
     parser.add_argument("--advertise-host", default=None,
-                        help="address other hosts use to reach this worker (default: --host)")
+                        help="address other hosts use to reach this worker (default: --host; needed with "
+                             "--host 0.0.0.0 in a multi-host cluster)")
     parser.add_argument("--dtype", choices=[str(d) for d in Dtype], default=str(defaults.DTYPE),
                         help="weights and KV dtype; float32 keeps greedy output exact on CPU")
     parser.add_argument("--max-model-len", type=int, default=defaults.MAX_MODEL_LEN,

@@ -24,9 +24,12 @@ def run_worker(config: WorkerConfig, pool_factory=None) -> int:
     # The conductor must know where to push KV before the engine (which binds it) is up, so
     # the port is chosen here rather than by the engine.
     kv_port = config.kv_port or free_port(config.kv_host)
-    logging.getLogger(__name__).info(
-        "%s worker %s: http %s, kv %s:%d, model %s", config.role, config.instance_id,
-        config.http_url, config.public_host, kv_port, config.model)
+    log = logging.getLogger(__name__)
+    log.info("%s worker %s: http %s, kv %s:%d, model %s", config.role, config.instance_id,
+             config.http_url, config.public_host, kv_port, config.model)
+    if config.public_host in ("0.0.0.0", "::") and config.registry_url is not None:
+        log.warning("this worker registers %s, which no other host can reach: give --advertise-host "
+                    "(the address other hosts reach it at)", config.http_url)
     # Events port 0: the worker binds a free one for vLLM's KV events itself, before it builds the
     # engine (mooncake/engine/kv_events.py), so no other process can take it in between.
     app = create_app(config, kv_port, 0, ControlEndpoint.new(), pool_factory)
