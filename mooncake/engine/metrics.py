@@ -153,7 +153,8 @@ class WorkerMetrics:
                                     registry=self.registry)
         self.prefill_tokens = Counter(
             "mooncake_worker_prefill_tokens", "Prompt tokens the engine computed: neither found in its prefix "
-            "cache nor loaded from pushed KV (tokens; rate() is prefill tokens per second).", registry=self.registry)
+            "cache nor loaded by a KV connector (pushed KV, the KVCache pool) (tokens; rate() is prefill tokens "
+            "per second).", registry=self.registry)
         self.decode_tokens = Counter(
             "mooncake_worker_decode_tokens", "Tokens the engine generated (tokens; rate() is decode tokens per "
             "second).", registry=self.registry)
