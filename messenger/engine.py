@@ -73,8 +73,9 @@ class EngineConfig:
     host: str = "127.0.0.1"
     """Where the tcp transport and the call lanes listen, and what they publish (0.0.0.0: all)."""
     advertise_host: str | None = None
-    """What they publish when `host` is 0.0.0.0: the address other hosts reach this one at (the
-    worker's --advertise-host); None: the address the hostname resolves to."""
+    """What they (and rdma's control channel) publish when `host` is 0.0.0.0: the address other
+    hosts reach this one at (the worker's --advertise-host); None: the address the hostname
+    resolves to (messenger/tcp_link.py reachable_host)."""
     port: int = 0
     """tcp listen port (0: a free one)."""
     tcp_streams: int = 4

@@ -37,6 +37,7 @@ from messenger.rdma_plan import (RECV_TAG, BatchBook, LocalKey, PortAddress, QpE
                                  RkeyTable, SendQueue, describe_completion_error, plan_work_requests)
 from messenger.rdma_verbs import VerbsPort, VerbsQp, device_names, new_psn, open_pyverbs_port, pyverbs_missing
 from messenger.stats import TransportStats
+from messenger.tcp_link import WILDCARD_HOSTS, reachable_host
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +97,10 @@ class RdmaTransport:
         self._local_name = getattr(deliver, "name", None)  # the engine is the handler and has its name
         self._port = self._open_port(self._rdma)  # raises TransferError where there is no device
         self._listener = socket.create_server((self._rdma.control_host, 0))
-        host = self._config.host if self._rdma.control_host in ("0.0.0.0", "::") else self._rdma.control_host
+        # The control channel listens on every interface by default; peers reach it where the
+        # engine's other transports are reached.
+        bound = self._config.host if self._rdma.control_host in WILDCARD_HOSTS else self._rdma.control_host
+        host = reachable_host(bound, self._config.advertise_host)
         self._verifier = ThreadPoolExecutor(1, thread_name_prefix="rdma-verify")
         self._submitter = ThreadPoolExecutor(1, thread_name_prefix="rdma-submit")
         self._noticer = ThreadPoolExecutor(1, thread_name_prefix="rdma-notice")

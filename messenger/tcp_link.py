@@ -84,14 +84,23 @@ def tune_socket(sock: socket.socket) -> None:
             pass
 
 
-def published_address(listener: socket.socket, advertise_host: str | None) -> str:
-    """The "host:port" peers reach a listener at: a wildcard bind publishes advertise_host, else
-    the address the machine's hostname resolves to (on some hosts a loopback one: give
+WILDCARD_HOSTS = ("0.0.0.0", "::", "")
+"""Bind addresses that mean every interface: no peer can reach them by that name."""
+
+
+def reachable_host(host: str, advertise_host: str | None) -> str:
+    """What peers reach a listener bound to `host` at: itself, or for a wildcard advertise_host,
+    else the address the machine's hostname resolves to (on some hosts a loopback one: give
     advertise_host there)."""
+    if host in WILDCARD_HOSTS:
+        return advertise_host or socket.gethostbyname(socket.gethostname())
+    return host
+
+
+def published_address(listener: socket.socket, advertise_host: str | None) -> str:
+    """The "host:port" peers reach a listener at (reachable_host)."""
     host, port = listener.getsockname()[:2]
-    if host in ("0.0.0.0", "::", ""):
-        host = advertise_host or socket.gethostbyname(socket.gethostname())
-    return f"{host}:{port}"
+    return f"{reachable_host(host, advertise_host)}:{port}"
 
 
 def keep_alive(sock: socket.socket, idle_s: int = 30, interval_s: int = 10, count: int = 3) -> None:

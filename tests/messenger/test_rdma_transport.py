@@ -24,6 +24,7 @@ class EngineSettings:
     """The fields of the engine's EngineConfig the rdma transport reads."""
 
     host: str = "127.0.0.1"
+    advertise_host: str | None = None
     timeout_s: float = 5.0
     auth_key: bytes | None = None
 
@@ -255,3 +256,15 @@ def test_batches_without_slices_complete(pair):
     read.wait(5)
     note.wait(5)
     assert b.inbound.notified.get(timeout=5) == ("prefill", b"just this", None)
+
+
+def test_a_wildcard_bound_engine_publishes_its_advertised_host_for_the_control_channel():
+    """--host 0.0.0.0 --advertise-host: the QP exchange is reached there, as the tcp transport is
+    (it published 0.0.0.0, which no peer can reach)."""
+    from messenger.rdma_plan import PortAddress
+
+    side = Side("wild", Fabric(), RdmaConfig(), EngineSettings(host="0.0.0.0", advertise_host="10.9.8.7"))
+    try:
+        assert PortAddress.decode(side.start().transports["rdma"]).control.startswith("10.9.8.7:")
+    finally:
+        side.transport.close()
