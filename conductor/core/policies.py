@@ -178,6 +178,16 @@ def chunked_prefill_s(inst: InstanceState, prompt: int, cached: int, est: Estima
     return total, longest
 
 
+def own_prefill(inst: InstanceState, prompt: int, matches: PrefixMatches, est: Estimators,
+                cfg: SchedulerConfig) -> tuple[int, float, float]:
+    """(cached tokens, seconds to the first token, longest step) of prefilling on `inst` from the
+    prefix it holds or will hold when it runs (matches.local), fetching nothing: what only its
+    pool holds is loaded first, the rest computed in chunks beside its batch (chunked_prefill_s)."""
+    cached = prefix_tokens(matches.local.get(inst.instance_id, 0), prompt, cfg.block_size)
+    prefill, longest = chunked_prefill_s(inst, prompt, cached, est, cfg)
+    return cached, prefill + matches.load_of(inst.instance_id), longest
+
+
 def flexible_prefill(prompt: int, pool: Sequence[InstanceState], matches: PrefixMatches, est: Estimators,
                      cfg: SchedulerConfig, now: float) -> tuple[PrefillChoice, float] | None:
     """Flexible roles: Algorithm 1 over every instance, whatever its label, for a prefill whose

@@ -35,7 +35,7 @@ from conductor.core.admission import DecodeChoice, Horizon, Limits, LoadView, ba
 from conductor.core.config import Admission, Policy, SchedulerConfig
 from conductor.core.estimators import Estimators
 from conductor.core.policies import PrefillChoice, PrefixMatches, choose_prefill, chunked_prefill_s, flexible_prefill, \
-    prefix_tokens
+    own_prefill, prefix_tokens
 from conductor.core.types import ClusterState, Decision, InstanceState, RejectReason, Rejection, Request, Role
 
 __all__ = ["Scheduler", "decode_admits"]
@@ -224,9 +224,7 @@ class Scheduler:
                 offer(p, d[0], pcost + d[1])
         budget = cfg.colocate_max_new_tokens if cfg.conditional_disaggregation else -1
         for inst in state.instances:
-            cached = prefix_tokens(matches.local.get(inst.instance_id, 0), prompt, cfg.block_size)
-            prefill, longest = chunked_prefill_s(inst, prompt, cached, est, cfg)
-            prefill += matches.load_of(inst.instance_id)
+            cached, prefill, longest = own_prefill(inst, prompt, matches, est, cfg)
             if inst.role is Role.PREFILL:
                 cost = cfg.role_cost_s  # decoding against its label
             else:
@@ -258,9 +256,7 @@ class Scheduler:
             return out
         for inst in pool:
             if inst.instance_id != choice.instance_id:
-                cached = prefix_tokens(matches.local.get(inst.instance_id, 0), prompt, cfg.block_size)
-                floor = chunked_prefill_s(inst, prompt, cached, est, cfg)[0] + matches.load_of(inst.instance_id)
-                out.append((est.queue_s(inst), floor))
+                out.append((est.queue_s(inst), own_prefill(inst, prompt, matches, est, cfg)[1]))
         return out
 
     def _ttft_retry(self, waits: list[tuple[float, float]], lim: Limits, unattainable: bool,
