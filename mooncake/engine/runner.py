@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import time
 
-from messenger.tcp_link import WILDCARD_HOSTS
 from mooncake.net import free_port, http_server_config
 from mooncake.control import ControlEndpoint
 from mooncake.logs import configure_logging
@@ -28,7 +27,8 @@ def run_worker(config: WorkerConfig, pool_factory=None) -> int:
     log = logging.getLogger(__name__)
     log.info("%s worker %s: http %s, kv %s:%d, model %s", config.role, config.instance_id,
              config.http_url, config.public_host, kv_port, config.model)
-    if config.public_host in WILDCARD_HOSTS and config.registry_url is not None:
+    # (The base may not import the messenger, whose reachable_host answers this for its listeners.)
+    if config.public_host in ("0.0.0.0", "::") and config.registry_url is not None:
         log.warning("this worker registers %s, which no other host can reach: give --advertise-host "
                     "(the address other hosts reach it at)", config.http_url)
     # Events port 0: the worker binds a free one for vLLM's KV events itself, before it builds the
