@@ -121,7 +121,7 @@ def worker_config(args: argparse.Namespace, role: WorkerRole, model_path: str) -
     extra = {"instance_id": args.instance_id} if args.instance_id else {}
     return WorkerConfig(
         role=role, model=model_path, served_model_name=args.served_model_name or Path(model_path).name,
-        host=args.host, port=args.port, kv_host=args.host if args.host != "0.0.0.0" else "0.0.0.0",
+        host=args.host, port=args.port, kv_host=args.host,
         kv_port=args.kv_port, advertise_host=args.advertise_host, dtype=args.dtype,
         max_model_len=args.max_model_len, kv_cache_gib=args.kv_cache_gib, cpu_bind=args.cpu_bind,
         max_num_batched_tokens=args.chunk_size, enable_prefix_caching=not args.no_prefix_caching,
