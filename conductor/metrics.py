@@ -16,6 +16,7 @@ from typing import Any
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
+from conductor.core.types import RejectReason
 from mooncake import defaults
 from mooncake.prometheus_text import WithoutCreated
 
@@ -31,6 +32,10 @@ first token came too late; missed_tbt: it did not, but the mean gap between toke
 failed: an error answer after admission (a worker failed); refused: 429/503 before any work
 (admission, no capacity, no worker); cancelled: the client left before the end (not judged:
 attainment leaves it out)."""
+# mooncake_rejections_total's `reason`: the scheduler's, and the conductor's own in-flight cap
+# (conductor/serving.py).
+REJECT_REASONS = (*(str(r) for r in RejectReason), "max_in_flight")
+
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -178,6 +183,8 @@ class ConductorMetrics:
         for outcome in SLO_OUTCOMES:
             self.slo_requests.labels(slo_class=defaults.DEFAULT_SLO_CLASS, outcome=outcome)
         self.goodput.labels(slo_class=defaults.DEFAULT_SLO_CLASS)
+        for reason in REJECT_REASONS:
+            self.rejections.labels(reason=reason, slo_class=defaults.DEFAULT_SLO_CLASS)
 
     def count_slo(self, slo_class: str, outcome: str) -> None:
         """One request's SLO outcome (one of SLO_OUTCOMES); a met one is goodput too."""

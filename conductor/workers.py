@@ -149,7 +149,7 @@ class WorkerClient:
         """`health_timeouts_tolerated`: /health polls in a row that may time out before a ready
         worker is taken out of rotation (ConductorConfig's docstring says why); the next one also
         gives up its streams that sent nothing meanwhile, and tells `on_streams_given_up` (the
-        worker's name, how many). `health_timeout_s`: one poll's limit."""
+        worker's name, how many; 0 after every answered poll). `health_timeout_s`: one poll's limit."""
         self._health_timeouts_tolerated = health_timeouts_tolerated
         self._health_timeout_s = health_timeout_s
         self._on_streams_given_up = on_streams_given_up
@@ -227,6 +227,10 @@ class WorkerClient:
                         self._on_streams_given_up(handle.name, given_up)
             return
         handle.slow_health = 0
+        if self._on_streams_given_up is not None:
+            # A count of 0: the worker's series exists from its first answer, so that increase()
+            # over it sees the first give-up (a counter series born at its first event is not).
+            self._on_streams_given_up(handle.name, 0)
         if handle.ready and handle.serves("prefill"):
             await self._measure_push_bandwidth(handle)
 

@@ -128,6 +128,9 @@ def test_every_outcome_series_exists_at_zero_before_any_request():
     for outcome in SLO_OUTCOMES:
         assert f'mooncake_slo_requests_total{{outcome="{outcome}",slo_class="default"}} 0.0' in text
     assert 'mooncake_goodput_requests_total{slo_class="default"} 0.0' in text
+    # Every refusal reason too (the alert on refusals takes a rate over them).
+    for reason in ("ttft_slo", "tbt_slo", "no_capacity", "no_instance", "max_in_flight"):
+        assert f'mooncake_rejections_total{{reason="{reason}",slo_class="default"}} 0.0' in text
 
 
 @pytest.mark.parametrize("status,ttft,tbt,want", [

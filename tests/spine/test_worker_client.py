@@ -191,10 +191,13 @@ def test_a_worker_that_stops_answering_has_its_silent_streams_given_up_and_its_l
             assert isinstance(exc, WorkerError) and "stopped answering" in str(exc), exc
             assert exc.started is started  # so the conductor retries elsewhere only a stream with no token yet
         assert not tasks[4].done()  # it is still sending: the worker is alive
-        assert given_up == [("w", 4)]  # counted on /metrics (mooncake_worker_streams_given_up_total)
+        # Counted on /metrics (mooncake_worker_streams_given_up_total); the 0 after the first answered
+        # poll makes the worker's series exist before its first give-up, which increase() needs.
+        assert given_up == [("w", 0), ("w", 4)]
         frozen.clear()
         await client.check(handle)
         assert handle.ready and handle.slow_health == 0
+        assert given_up[-1] == ("w", 0)
         release.set()
         chunks = await asyncio.wait_for(tasks[4], 10)
         assert chunks[-1].finish_reason == "length"
