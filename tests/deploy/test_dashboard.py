@@ -26,8 +26,11 @@ def conductor_text() -> str:
 
 def worker_text() -> str:
     kv = {key: 1 for key in _KV_COUNTERS}
+    # A pool's stats() as store/service.py gives them (one tier and one counter are enough to name
+    # every family).
+    pool = {"usage": {"dram": {"capacity_bytes": 1 << 30, "used_bytes": 0, "blocks": 0}}, "counters": {"spills": 0}}
     return WorkerMetrics().render({"running_requests": 0, "queued_prefill_tokens": 0}, kv,
-                                  {"tcp": TransportStats().snapshot()}).decode()
+                                  {"tcp": TransportStats().snapshot()}, pool).decode()
 
 
 def known_names() -> set[str]:
@@ -38,7 +41,8 @@ def test_the_dashboard_has_the_panels_the_issue_asks_for():
     dashboard = json.loads(DASHBOARD.read_text())
     titles = {panel["title"] for panel in dashboard["panels"]}
     for wanted in ("SLO attainment by class", "Goodput", "TTFT percentiles", "TBT percentiles", "Refusals by reason",
-                   "Cache hits by tier", "Pool load: requests per instance", "Pool load: KV cache usage"):
+                   "Prompt tokens by source", "Pool load: requests per instance", "Pool load: KV cache usage",
+                   "KVCache pool: use by tier", "KVCache pool: events"):
         assert wanted in titles
     # Importable anywhere: every panel reads the datasource chosen in the dashboard's variable.
     assert [v["name"] for v in dashboard["templating"]["list"] if v["type"] == "datasource"] == ["datasource"]

@@ -100,6 +100,7 @@ def test_values_match_the_schema(renderer, tmp_path, variant):
     {"metrics": {"interval": "often"}},
     {"store": {"ssd": {"type": "nfs"}}},
     {"model": {"dtype": "int4"}},
+    {"prefill": {"gpusPerPod": 2}},  # a worker's engine uses one GPU: a second would sit idle
 ])
 def test_the_schema_refuses_bad_values(renderer, tmp_path, bad):
     values = merged_values(renderer, bad, tmp_path)

@@ -297,8 +297,10 @@ def _relabelled(rules: list[dict], pod: dict[str, str]) -> dict[str, str]:
 
 @pytest.mark.parametrize("monitor", ["ServiceMonitor", "PodMonitor"])
 def test_monitors_label_each_worker_with_its_role(renderer, tmp_path, monitor):
-    # The recording rules sum worker throughput by role, as prometheus.yml labels it.
-    docs, _ = render(renderer, {"metrics": {"monitor": monitor}}, tmp_path)
+    # The recording rules sum worker throughput by role, as prometheus.yml labels it; the
+    # InstanceDown alert and the dashboard select by prometheus.yml's job names, which a monitor
+    # would otherwise take from the release's names.
+    docs, _ = render(renderer, {"metrics": {"monitor": monitor}, "nameOverride": "mc"}, tmp_path)
     (mon,) = by_kind(docs, monitor)
     endpoints = mon["spec"]["endpoints" if monitor == "ServiceMonitor" else "podMetricsEndpoints"]
     pods = workloads(docs)
@@ -306,4 +308,6 @@ def test_monitors_label_each_worker_with_its_role(renderer, tmp_path, monitor):
         rules = endpoint.get("relabelings", [])
         for role in ("prefill", "decode"):
             assert _relabelled(rules, pod_labels(pods[role])).get("role") == role
+            assert _relabelled(rules, pod_labels(pods[role])).get("job") == "mooncake-worker"
         assert "role" not in _relabelled(rules, pod_labels(pods["conductor"]))
+        assert _relabelled(rules, pod_labels(pods["conductor"])).get("job") == "mooncake-conductor"

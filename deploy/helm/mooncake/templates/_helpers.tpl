@@ -203,3 +203,21 @@ annotations:
   {{- toYaml . | nindent 2 }}
   {{- end }}
 {{- end }}
+
+{{/* The monitors' relabelling, so that series carry the labels deploy/prometheus/prometheus.yml
+gives them: `job` mooncake-conductor or mooncake-worker whatever the release and monitor are
+called (the InstanceDown alert and the dashboard select by job), and the workers' `role` (the
+recording rules sum by it; the conductor's pods get none). */}}
+{{- define "mooncake.monitorRelabelings" -}}
+- sourceLabels: [__meta_kubernetes_pod_label_app_kubernetes_io_component]
+  regex: conductor
+  targetLabel: job
+  replacement: mooncake-conductor
+- sourceLabels: [__meta_kubernetes_pod_label_app_kubernetes_io_component]
+  regex: (prefill|decode)
+  targetLabel: job
+  replacement: mooncake-worker
+- sourceLabels: [__meta_kubernetes_pod_label_app_kubernetes_io_component]
+  regex: (prefill|decode)
+  targetLabel: role
+{{- end }}
