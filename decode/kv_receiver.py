@@ -115,7 +115,8 @@ class KVReceiver:
             return {**asdict(self._stats), "staged_bytes": self._staging.used_bytes}
 
     def drop(self, transfer_id: str) -> None:
-        """The conductor will not decode this transfer here: free what was staged for it."""
+        """The conductor will not decode this transfer here: free what was staged for it (a
+        transfer being landed right now keeps its slot until the landing ends)."""
         self._staging.pop(transfer_id, time.monotonic())
 
     # -- receiving (the engine's threads) ----------------------------------------------------
@@ -150,8 +151,9 @@ class KVReceiver:
             self._staging.fail(note.transfer_id, f"layer {note.layer}: {error}", time.monotonic(), note.slot)
             return
         try:
-            self._staging.landed(note.transfer_id, note.layer, note.first_block, note.end_block, note.slot)
-        except (KeyError, ValueError) as exc:  # dropped meanwhile, or a note that does not fit
+            self._staging.landed(note.transfer_id, note.layer, note.first_block, note.end_block, time.monotonic(),
+                                 slot=note.slot)
+        except (KeyError, ValueError) as exc:  # dropped or expired meanwhile, or a note that does not fit
             log.warning("ignoring a KV note from %s: %s", peer, exc)
             return
         with self._stats_lock:
@@ -170,22 +172,26 @@ class KVReceiver:
         now = time.monotonic()
         finished: set[str] = set()
         failed: set[str] = set()
-        for req_id in finished_req_ids & self._pending.keys():  # aborted while waiting
+        for req_id in finished_req_ids & self._pending.keys():
+            # Aborted while waiting for its KV: vLLM keeps its blocks until this worker reports it
+            # in finished_recving (its delayed free), so it is reported here, once. Not failed:
+            # there is nothing to recompute.
             self._staging.pop(self._pending.pop(req_id).spec.transfer_id, now)
+            finished.add(req_id)
         for req_id, pending in list(self._pending.items()):
-            staged = self._staging.peek(pending.spec.transfer_id)
-            error = None
-            if staged is not None and staged.error is not None:
-                error = staged.error
-            elif staged is not None and staged.complete:
-                error = self._land(pending.spec, staged)
+            # Claimed, the slot is ours until released: a drop or a new reservation of the
+            # transfer from another thread cannot free it under the copy.
+            staged = self._staging.claim(pending.spec.transfer_id)
+            if staged is not None:
+                error = staged.error if staged.error is not None else self._land_or_error(pending.spec, staged)
+                self._staging.release(staged, now)
             elif now < pending.deadline:
                 continue
             else:
                 error = f"no KV after {pending.spec.wait_timeout_s:.1f} s"
                 with self._stats_lock:
                     self._stats.load_timeouts += 1
-            self._staging.pop(pending.spec.transfer_id, now)
+                self._staging.pop(pending.spec.transfer_id, now)  # what arrived of it, if anything
             del self._pending[req_id]
             finished.add(req_id)
             if error is not None:
@@ -196,6 +202,15 @@ class KVReceiver:
         for transfer_id in self._staging.expire(now):
             log.warning("dropped unclaimed KV transfer %s after its TTL", transfer_id)
         return finished, failed
+
+    def _land_or_error(self, spec: LoadSpec, staged: StagedTransfer) -> str | None:
+        """`_land`, with any exception turned into an error: it would otherwise escape
+        get_transfer_results and end vLLM's worker; a failed load only costs a recompute."""
+        try:
+            return self._land(spec, staged)
+        except Exception as exc:  # noqa: BLE001 - whatever it is, the blocks it half wrote get recomputed
+            log.exception("landing KV transfer %s for %s failed", spec.transfer_id, spec.request_id)
+            return f"landing failed: {type(exc).__name__}: {exc}"
 
     def _land(self, spec: LoadSpec, staged: StagedTransfer) -> str | None:
         """Copy a staged transfer's blocks into the paged cache; returns an error string or None."""

@@ -4,10 +4,16 @@ The arena is allocated once (never per frame, never zeroed) and registered with 
 engine, so the prefill writes a transfer's layers straight into it. A transfer is reserved whole
 when its first bytes are about to be sent (`reserve`, from the prefill's `engine.call`), laid out
 as [layer][block][one block's bytes] for its blocks [first_block, first_block + num_blocks), and
-its slot is given back when the engine copied it into the paged cache, or it failed, or nobody
-claimed it within `ttl_s`. The slot of a transfer that ended before all its bytes arrived is held
-back for another `ttl_s` first: the prefill may still be writing into it, and those late bytes
-must not land in the next transfer's slot.
+its slot is given back when the engine copied it into the paged cache, or it failed, or nothing
+happened to it (no reservation, no landed layer) for `ttl_s`. The slot of a transfer that ended
+before all its bytes arrived is held back for another `ttl_s` first: the prefill may still be
+writing into it, and those late bytes must not land in the next transfer's slot.
+
+The consumer `claim`s a complete (or failed) transfer before it copies from its slot: the entry
+leaves the table, so a drop, a new reservation of the same id or the TTL cannot free the slot
+under the copy; `release` gives the slot back after it. A transfer that expired leaves a
+tombstone (an entry that failed, without a slot) for another `ttl_s`, so a pull that comes later
+fails at once instead of waiting out its timeout.
 
 A transfer id reserved again is a new producer (the conductor retried a failed prefill on another
 instance under the same request id): it gets a fresh slot, shaped by its own request, and the old
@@ -32,7 +38,7 @@ class StagingConfig:
     capacity_bytes: int = 4 << 30
     """Size of the arena: most KV bytes held at once; a reservation beyond it is refused."""
     ttl_s: float = 120.0
-    """An unclaimed transfer is dropped this long after it was reserved."""
+    """An unclaimed transfer is dropped this long after it was reserved or a layer of it last landed."""
     pin_for_cuda: bool = True
     """Page-lock the arena when the KV caches are on a GPU (host-to-device copies then run at
     the bus's speed; it commits the whole arena's memory at start)."""
@@ -86,8 +92,8 @@ class StagedTransfer:
     first_block: int
     num_blocks: int
     block_bytes: int  # one block of one layer
-    offset: int  # of layer 0, block first_block, in the arena
-    created_at: float
+    offset: int  # of layer 0, block first_block, in the arena; -1: none (released, a tombstone, a failure)
+    active_at: float  # reserved, or a layer last landed: the TTL counts from here (a long push is alive)
     landed: list[int] = field(default_factory=list)  # distinct blocks landed per layer
     error: str | None = None
     _seen: list[bytearray] = field(default_factory=list, repr=False)  # per layer, per block: landed
@@ -146,12 +152,13 @@ class KVStaging:
             if old is not None:
                 self._release(old, now)
             entry = StagedTransfer(transfer_id, num_layers, first_block, num_blocks, block_bytes, offset=offset,
-                                   created_at=now, landed=[0] * num_layers,
+                                   active_at=now, landed=[0] * num_layers,
                                    _seen=[bytearray(num_blocks) for _ in range(num_layers)])
             self._transfers[transfer_id] = entry
             return entry
 
-    def landed(self, transfer_id: str, layer: int, first_block: int, end_block: int, slot: int = -1) -> None:
+    def landed(self, transfer_id: str, layer: int, first_block: int, end_block: int, now: float,
+               slot: int = -1) -> None:
         """Blocks [first_block, end_block) of `layer` are in the arena (verified by the engine).
         `slot`: the offset the producer was given (-1: not named, as KVLayerNote's); a note for
         another slot (an earlier producer of the same id) raises KeyError."""
@@ -159,6 +166,8 @@ class KVStaging:
             entry = self._transfers.get(transfer_id)
             if entry is None:
                 raise KeyError(f"no reservation for transfer {transfer_id}")
+            if entry.offset < 0:  # expired, or failed before it was reserved
+                raise KeyError(f"transfer {transfer_id} holds no slot: {entry.error}")
             if slot >= 0 and slot != entry.offset:
                 raise KeyError(f"transfer {transfer_id} was reserved again: a note for its old slot {slot}")
             if not (0 <= layer < entry.num_layers
@@ -167,6 +176,7 @@ class KVStaging:
                                  f"{transfer_id} ({entry.num_layers} layers, blocks [{entry.first_block}, "
                                  f"{entry.first_block + entry.num_blocks}))")
             entry.mark(layer, first_block, end_block)
+            entry.active_at = now
 
     def fail(self, transfer_id: str, error: str, now: float, slot: int = -1) -> None:
         """Mark a transfer broken (a checksum mismatch, a dead peer) so the consumer recomputes at
@@ -174,7 +184,7 @@ class KVStaging:
         with self._lock:
             entry = self._transfers.get(transfer_id)
             if entry is None:
-                entry = StagedTransfer(transfer_id, 0, 0, 0, 1, offset=-1, created_at=now)
+                entry = StagedTransfer(transfer_id, 0, 0, 0, 1, offset=-1, active_at=now)
                 self._transfers[transfer_id] = entry
             elif slot >= 0 and slot != entry.offset and entry.offset >= 0:
                 return
@@ -183,6 +193,21 @@ class KVStaging:
     def peek(self, transfer_id: str) -> StagedTransfer | None:
         with self._lock:
             return self._transfers.get(transfer_id)
+
+    def claim(self, transfer_id: str) -> StagedTransfer | None:
+        """Take a complete or failed transfer out of the table for the consumer; None while it is
+        still arriving (or unknown). Its slot stays reserved, whatever a drop, a new reservation of
+        the id or the TTL do meanwhile, until `release`: the consumer copies from it outside the lock."""
+        with self._lock:
+            entry = self._transfers.get(transfer_id)
+            if entry is None or not (entry.complete or entry.error is not None):
+                return None
+            return self._transfers.pop(transfer_id)
+
+    def release(self, entry: StagedTransfer, now: float) -> None:
+        """Give a claimed transfer's slot back (its bytes were copied out, or it failed)."""
+        with self._lock:
+            self._release(entry, now)
 
     def pop(self, transfer_id: str, now: float) -> StagedTransfer | None:
         """Forget a transfer and give its slot back (call it after its bytes were copied out)."""
@@ -193,16 +218,26 @@ class KVStaging:
             return entry
 
     def expire(self, now: float) -> list[str]:
-        """Drop transfers older than the TTL; returns their ids."""
+        """Drop transfers idle for longer than the TTL; returns the ids of those that held a slot.
+        Each leaves a tombstone for another TTL (a pull of it fails at once, no wait for a
+        timeout); a tombstone, or a failure without a slot, is then forgotten."""
         with self._lock:
-            old = [t for t, e in self._transfers.items() if now - e.created_at > self._config.ttl_s]
-            for transfer_id in old:
-                self._release(self._transfers.pop(transfer_id), now)
+            idle = [t for t, e in self._transfers.items() if now - e.active_at > self._config.ttl_s]
+            expired = []
+            for transfer_id in idle:
+                entry = self._transfers.pop(transfer_id)
+                if entry.offset < 0:
+                    continue
+                expired.append(transfer_id)
+                self._release(entry, now)
+                error = entry.error or f"dropped: nothing happened to it for {self._config.ttl_s:g} s (staging TTL)"
+                self._transfers[transfer_id] = StagedTransfer(transfer_id, 0, 0, 0, 1, offset=-1, active_at=now,
+                                                              error=error)
             held = [q for q in self._quarantine if q[0] > now]
             for _, offset, nbytes in (q for q in self._quarantine if q[0] <= now):
                 self._arena.free(offset, nbytes)
             self._quarantine = held
-            return old
+            return expired
 
     def _release(self, entry: StagedTransfer, now: float) -> None:
         if entry.offset < 0:

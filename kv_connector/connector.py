@@ -11,7 +11,7 @@ Settings come from `kv_connector_extra_config`:
   control_path, control_key   the control channel to the worker shell (mooncake/control.py)
   kv_auth_key                 hex key every KV connection must prove (absent: no handshake)
   staging_bytes               size of the staging arena pushed KV lands in
-  staging_ttl_s               unclaimed pushes are dropped after this long
+  staging_ttl_s               an unclaimed push is dropped after this long without a landed layer
   kv_timeout_s                a batch (or a call) to a peer not complete by then fails
   kv_transports               comma-separated transports to allow, in order of preference (default:
                               defaults.KV_TRANSPORTS; env MOONCAKE_KV_TRANSPORTS, e.g. "tcp" to force tcp)
