@@ -26,11 +26,14 @@ Ordering and integrity, the promises users build on:
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Protocol
+
+log = logging.getLogger(__name__)
 
 
 class TransferError(ConnectionError):
@@ -39,6 +42,10 @@ class TransferError(ConnectionError):
 
 class ChecksumError(TransferError):
     """A slice arrived with bytes that do not match the sender's checksum."""
+
+
+class TimedOut(TransferError):
+    """A batch or call did not complete in time: its peer is dead, silent or too slow."""
 
 
 class NoTransport(TransferError):
@@ -174,7 +181,15 @@ class Batch:
             self._done.set()
             callbacks, self._callbacks = self._callbacks, []
         for callback in callbacks:
+            self._run_callback(callback)
+
+    def _run_callback(self, callback: Callable[["Batch"], None]) -> None:
+        # A failing callback is its owner's bug: it must not stop the others, nor kill the thread
+        # that completed the batch (the engine's watchdog, a transport's reader).
+        try:
             callback(self)
+        except Exception:
+            log.exception("a done-callback of a batch failed")
 
     def done(self) -> bool:
         return self._done.is_set()
@@ -195,7 +210,7 @@ class Batch:
             if not self._done.is_set():
                 self._callbacks.append(callback)
                 return
-        callback(self)
+        self._run_callback(callback)
 
 
 @dataclass(frozen=True)
@@ -237,6 +252,12 @@ class Transport(Protocol):
 
     def send_message(self, peer: PeerInfo, payload: bytes, batch: Batch) -> None:
         """A message without slices (calls and their replies use it)."""
+        ...
+
+    def unregister(self, name: str) -> None:
+        """The engine dropped region `name`: release what this transport holds for it (an MR, a
+        NIXL registration), so it neither accumulates nor stays reachable by a peer's cached key.
+        A transport that holds nothing per region does nothing."""
         ...
 
     def stats(self) -> dict:

@@ -44,7 +44,8 @@ import msgspec
 import numpy as np
 
 from messenger.api import (AttachmentSink, Batch, CallHandler, CallReply, ChecksumError, Direction, NoTransport,
-                           NotifyHandler, OutgoingMessage, PeerInfo, Region, Slice, TransferError, Transport)
+                           NotifyHandler, OutgoingMessage, PeerInfo, Region, Slice, TimedOut, TransferError,
+                           Transport)
 from messenger.call_lane import FAILED as LANE_FAILED
 from messenger.call_lane import OK as LANE_OK
 from messenger.call_lane import LaneClient, LaneServer, LaneUnreachable
@@ -200,6 +201,14 @@ class TransferEngine:
         with self._info_lock:
             self._regions.remove(name)
             self._info_version += 1
+        # Gone from the table first, so no new batch or peer's request registers it again; then
+        # each transport releases its hold (rdma's MR, nixl's registration): a peer's cached key
+        # must not keep reaching memory its owner gave up.
+        for transport in self._transports.values():
+            try:
+                transport.unregister(name)
+            except Exception:  # the region is gone here either way; the others still release theirs
+                log.exception("messenger transport %s failed to release region %r", transport.name, name)
 
     # --- lifecycle -----------------------------------------------------------------------------
 
@@ -329,7 +338,7 @@ class TransferEngine:
                 stats.request(time.perf_counter() - started)
             else:
                 stats.failed("checksum" if isinstance(error, ChecksumError)
-                             else "timeout" if "timed out" in str(error) else "transfer")
+                             else "timeout" if isinstance(error, TimedOut) else "transfer")
 
         def finished(done: Batch) -> None:
             error = done.error

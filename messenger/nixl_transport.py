@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from messenger.api import Batch, Direction, OutgoingMessage, PeerInfo, Region, Slice, TransferError
+from messenger.peer_queues import PeerQueues
 from messenger.stats import TransportStats
 
 log = logging.getLogger(__name__)
@@ -141,6 +142,9 @@ class NixlTransport:
         self._acks: dict[int, _Transfer] = {}
         self._seq = itertools.count(1)
         self._closed = threading.Event()
+        # Submissions on one thread per peer: one asking a frozen peer for its regions (up to
+        # timeout_s) delays that peer's batches only.
+        self._submitter = PeerQueues("nixl-submit")
         self._agent = None
         self._thread: threading.Thread | None = None
 
@@ -165,7 +169,6 @@ class NixlTransport:
             raise TransferError(f"cannot start a NIXL agent with the UCX backend: {exc}") from exc
         if "UCX" not in self._agent.backends:
             raise TransferError("NIXL has no UCX backend here")
-        self._submitter = ThreadPoolExecutor(1, thread_name_prefix="nixl-submit")
         self._verifier = ThreadPoolExecutor(1, thread_name_prefix="nixl-verify")
         self._thread = threading.Thread(target=self._poll_loop, name="nixl-poll", daemon=True)
         self._thread.start()
@@ -180,11 +183,8 @@ class NixlTransport:
         # The Notice rides on the transfer (NIXL delivers it after the bytes; a notification sent
         # on its own has no such order), so the transfer waits for the batch's checksums; that,
         # a first round trip for the peer's regions and registering memory happen on this
-        # transport's submit thread, never the caller's. One thread keeps batches in order.
-        try:
-            self._submitter.submit(self._submit_now, peer, direction, slices, batch, message)
-        except RuntimeError:  # shut down
-            batch.complete(TransferError("nixl transport closed"))
+        # transport's submit thread for the peer, never the caller's; it keeps the peer's order.
+        self._submitter.submit(peer.name, batch, self._submit_now, peer, direction, slices, batch, message)
 
     def _submit_now(self, peer: PeerInfo, direction: Direction, slices: list[Slice], batch: Batch,
                     message: OutgoingMessage | None) -> None:
@@ -256,7 +256,7 @@ class NixlTransport:
             return
         self._closed.set()
         if self._thread is not None:
-            self._submitter.shutdown(wait=True, cancel_futures=True)
+            self._submitter.close(wait=True)  # the agent goes below: nothing may still use it
             self._verifier.shutdown(wait=True, cancel_futures=True)
             self._thread.join(timeout=5)
         with self._lock:
@@ -358,6 +358,22 @@ class NixlTransport:
             self._registered[name] = (region.address, region.length, descs)
         return region
 
+    def unregister(self, name: str) -> None:
+        """Deregister the region from the agent: registrations must not pile up (the KV sender
+        registers a region per layer and step), nor stay reachable through keys peers hold."""
+        with self._lock:
+            known = self._registered.pop(name, None)
+            if known is not None:
+                _quietly(self._agent.deregister_memory, known[2])
+
+    def _forget_regions(self, peer: str) -> None:
+        """A batch to `peer` failed: its regions may be gone or moved; ask for them again."""
+        with self._lock:
+            remote = self._peers.get(peer)
+        if remote is not None:
+            with remote.answered:
+                remote.regions.clear()
+
     def _notify(self, agent: str, notification: Notification) -> None:
         with self._lock:
             self._agent.send_notif(agent, _encode(notification))
@@ -396,6 +412,7 @@ class NixlTransport:
         if state != "DONE":
             with self._lock:
                 self._acks.pop(t.seq, None)
+            self._forget_regions(t.peer)
             t.batch.complete(TransferError(f"nixl transfer with {t.peer!r} failed (state {state})"))
             return
         self._stats.moved(**({"sent": t.nbytes} if t.direction is Direction.WRITE else {"received": t.nbytes}))
@@ -448,6 +465,8 @@ class NixlTransport:
                 t = self._acks.pop(n.seq, None)
             if t is not None:
                 error = TransferError(f"peer {t.peer!r} refused the batch: {n.error}") if n.error else None
+                if error is not None:
+                    self._forget_regions(t.peer)
                 if t.done:
                     t.batch.complete(error)
                 else:

@@ -33,6 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 from messenger import rdma_control as ctl
 from messenger.api import Batch, Direction, OutgoingMessage, PeerInfo, Region, Slice, TransferError
 from messenger.handshake import client_handshake, server_handshake
+from messenger.peer_queues import PeerQueues
 from messenger.rdma_plan import (RECV_TAG, BatchBook, LocalKey, PortAddress, QpEndpoint, RdmaConfig, RemoteRegion,
                                  RkeyTable, SendQueue, describe_completion_error, plan_work_requests)
 from messenger.rdma_verbs import VerbsPort, VerbsQp, device_names, new_psn, open_pyverbs_port, pyverbs_missing
@@ -70,7 +71,9 @@ class RdmaTransport:
         self._stats = TransportStats()
         self._book = BatchBook()
         self._lock = threading.Lock()
-        self._connect_lock = threading.Lock()  # one connection attempt at a time: no duplicate links
+        # Submissions (connecting, asking for regions, planning) on one thread per peer: a frozen
+        # peer delays only its own batches. A peer's links are made on its thread only: no duplicates.
+        self._submitter = PeerQueues("rdma-submit")
         self._local_name: str | None = None
         self._port: VerbsPort | None = None
         self._mrs: dict[str, tuple[LocalKey, int, object]] = {}  # name -> (key, rkey, MR handle)
@@ -102,7 +105,6 @@ class RdmaTransport:
         bound = self._config.host if self._rdma.control_host in WILDCARD_HOSTS else self._rdma.control_host
         host = reachable_host(bound, self._config.advertise_host)
         self._verifier = ThreadPoolExecutor(1, thread_name_prefix="rdma-verify")
-        self._submitter = ThreadPoolExecutor(1, thread_name_prefix="rdma-submit")
         self._noticer = ThreadPoolExecutor(1, thread_name_prefix="rdma-notice")
         for target, name in ((self._accept_loop, "rdma-accept"), (self._poll_loop, "rdma-poll")):
             thread = threading.Thread(target=target, name=name, daemon=True)
@@ -124,14 +126,13 @@ class RdmaTransport:
     def submit(self, peer: PeerInfo, direction: Direction, slices: list[Slice], batch: Batch,
                message: OutgoingMessage | None) -> None:
         # Connecting, asking for a peer's regions and registering memory may take a round trip
-        # or a page-pinning pass: never on the caller's thread. One thread keeps batches in order.
-        try:
-            self._submitter.submit(self._submit_now, peer, direction, slices, batch, message)
-        except RuntimeError:  # shut down
-            batch.complete(TransferError("rdma transport closed"))
+        # or a page-pinning pass: never on the caller's thread. The peer's thread keeps its order.
+        self._submitter.submit(peer.name, batch, self._submit_now, peer, direction, slices, batch, message)
 
     def _submit_now(self, peer: PeerInfo, direction: Direction, slices: list[Slice], batch: Batch,
                     message: OutgoingMessage | None) -> None:
+        if batch.done():  # timed out while it waited its turn (e.g. behind a connect to a frozen peer)
+            return
         try:
             link = self._link_to(peer, {s.remote_region for s in slices})
             self._want_regions(link, {s.remote_region for s in slices})
@@ -162,12 +163,12 @@ class RdmaTransport:
             self._break(link, f"rdma link to {link.peer!r} lost: {exc}")
 
     def send_message(self, peer: PeerInfo, payload: bytes, batch: Batch) -> None:
-        try:  # it may have to connect first: on the submit thread, in order with the batches
-            self._submitter.submit(self._send_message_now, peer, payload, batch)
-        except RuntimeError:
-            batch.complete(TransferError("rdma transport closed"))
+        # It may have to connect first: on the peer's submit thread, in order with the batches.
+        self._submitter.submit(peer.name, batch, self._send_message_now, peer, payload, batch)
 
     def _send_message_now(self, peer: PeerInfo, payload: bytes, batch: Batch) -> None:
+        if batch.done():
+            return
         try:
             link = self._link_to(peer, set())
             link.channel.send(ctl.Message(payload))
@@ -199,7 +200,8 @@ class RdmaTransport:
             self._break(link, "rdma transport closed")
         for thread in self._threads:
             thread.join(timeout=5)
-        for pool in (getattr(self, name, None) for name in ("_submitter", "_noticer", "_verifier")):
+        self._submitter.close(wait=False)
+        for pool in (getattr(self, name, None) for name in ("_noticer", "_verifier")):
             if pool is not None:
                 pool.shutdown(wait=False, cancel_futures=True)
         for _, _, handle in self._mrs.values():
@@ -223,6 +225,14 @@ class RdmaTransport:
             key = LocalKey(region.address, region.length, lkey)
             self._mrs[region.name] = (key, rkey, handle)
             return key
+
+    def unregister(self, name: str) -> None:
+        """Deregister the region's MR: the rkey peers cached stops working (their writes and
+        reads fail with a remote access error) instead of reaching memory its owner gave up."""
+        with self._lock:
+            known = self._mrs.pop(name, None)
+            if known is not None:
+                self._port.deregister(known[2])
 
     def _local_key(self, name: str) -> LocalKey:
         try:
@@ -248,16 +258,12 @@ class RdmaTransport:
     # -- links --------------------------------------------------------------------------------
 
     def _link_to(self, peer: PeerInfo, wanted: set[str]) -> _Link:
+        """The live outbound link to `peer`, connected now if need be (on its submit thread only)."""
         with self._lock:
             link = self._outbound.get(peer.name)
         if link is not None and link.broken is None:
             return link
-        with self._connect_lock:
-            with self._lock:
-                link = self._outbound.get(peer.name)
-            if link is not None and link.broken is None:
-                return link
-            return self._connect(peer, wanted)
+        return self._connect(peer, wanted)
 
     def _connect(self, peer: PeerInfo, wanted: set[str]) -> _Link:
         if self._local_name is None:
@@ -295,6 +301,9 @@ class RdmaTransport:
             self._by_qpn[qp.qpn] = link
         if old is not None:
             self._break(old, "replaced by a new rdma link")
+        if self._closed.is_set():  # close() ran while this connected: it did not see this link
+            self._break(link, "rdma transport closed")
+            raise TransferError("rdma transport closed")
         self._spawn(self._outbound_loop, link, f"rdma-out-{peer.name}")
         return link
 
@@ -325,6 +334,8 @@ class RdmaTransport:
             while True:
                 frame = link.channel.receive()
                 if isinstance(frame, ctl.Ack):
+                    if frame.error is not None:  # e.g. a region it no longer has: ask again next time
+                        link.rkeys.clear()
                     self._book.acked(frame.seq, frame.error)
                     self._post(link, link.sendq.acked)
                 elif isinstance(frame, ctl.Regions):

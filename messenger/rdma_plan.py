@@ -125,6 +125,11 @@ class RkeyTable:
             for region in regions:
                 self._regions[region.name] = region
 
+    def clear(self) -> None:
+        """Forget every region: the peer may have dropped or moved some (asked for again on use)."""
+        with self._lock:
+            self._regions.clear()
+
     def missing(self, names: Iterable[str]) -> list[str]:
         with self._lock:
             return sorted({n for n in names if n not in self._regions})

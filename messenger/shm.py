@@ -156,6 +156,9 @@ class ShmTransport:
             return
         self._enqueue(peer, Job(batch, direction, slices, local, message))
 
+    def unregister(self, name: str) -> None:
+        """Nothing to release: regions are looked up by name for every batch."""
+
     def send_message(self, peer: PeerInfo, payload: bytes, batch: Batch) -> None:
         self._enqueue(peer, Job(batch, None, [], [], OutgoingMessage(payload)))
 

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from messenger.api import Batch, OutgoingMessage, Slice, TransferError
+from messenger.api import Batch, OutgoingMessage, Slice, TimedOut, TransferError
 from messenger.handshake import HandshakeError, client_handshake
 from messenger.send_gate import SendGate
 from messenger.stats import TransportStats
@@ -371,11 +371,16 @@ class Stream:
         # The socket's own timeout (set in _connect, shared with the sender thread's sendall) bounds
         # a frame in progress; idle waits poll instead, so they never shorten the sender's timeout.
         prefix = bytearray(ENGINE_PREFIX_SIZE)
+        # poll, not select.select: select fails for fds >= 1024, and a busy worker (vLLM raises
+        # the fd limit) has that many open.
+        poller = select.poll()
+        idle_ms = int(min(1.0, timeout) * 1000)
         try:
+            poller.register(sock, select.POLLIN)  # ValueError if closed already (failed while connecting)
             while link.failed is None:
-                if not select.select([sock], [], [], min(1.0, timeout))[0]:
+                if not poller.poll(idle_ms):
                     if link.busy() and link.silent_for() > timeout:
-                        raise TransferError(f"{link.peer} at {link.address} silent for {timeout} s")
+                        raise TimedOut(f"{link.peer} at {link.address} silent for {timeout} s (timed out)")
                     continue
                 recv_into_views(sock, [memoryview(prefix)])
                 kind, var_len, batch_id, arg, payload_len = decode_engine_prefix(prefix)

@@ -106,6 +106,9 @@ class TcpTransport:
         else:
             link.read(slices, batch)
 
+    def unregister(self, name: str) -> None:
+        """Nothing to release: regions are looked up by name for every batch."""
+
     def send_message(self, peer: PeerInfo, payload: bytes, batch: Batch) -> None:
         self._link(peer).message(payload, batch)
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import secrets
 import struct
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
@@ -46,7 +47,9 @@ class TransportCalls:
         self._run_call = run_call
         self._send_reply = send_reply
         self._pending: dict[int, Future] = {}
-        self._ids = itertools.count(1)
+        # Ids start at random: a restarted caller (same name, new engine) must not take its
+        # predecessor's late replies for its own calls. 63 bits: room to count up in the "Q".
+        self._ids = itertools.count(secrets.randbits(63))
         self._callers_seen: dict[bytes, PeerInfo] = {}  # callers' encoded PeerInfo, decoded once
         self._answering = ThreadPoolExecutor(4, thread_name_prefix=f"messenger-call-{name}")
         self._closed = False

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import logging
 import threading
 import time
 
-from messenger.api import Batch, TransferError
+from messenger.api import Batch, TimedOut, TransferError
+
+log = logging.getLogger(__name__)
 
 
 class Watchdog:
@@ -23,9 +26,13 @@ class Watchdog:
 
     def watch(self, batch: Batch, timeout_s: float, what: str) -> None:
         with self._cond:
-            heapq.heappush(self._heap, (time.monotonic() + timeout_s, next(self._seq), batch, what))
-            if self._heap[0][2] is batch:
-                self._cond.notify()
+            closed = self._closed
+            if not closed:
+                heapq.heappush(self._heap, (time.monotonic() + timeout_s, next(self._seq), batch, what))
+                if self._heap[0][2] is batch:
+                    self._cond.notify()
+        if closed:  # nothing would ever time it out
+            _fail(batch, TransferError(f"{what}: engine closed"))
 
     def _run(self) -> None:
         with self._cond:
@@ -43,11 +50,24 @@ class Watchdog:
                 heapq.heappop(self._heap)
                 self._cond.release()
                 try:
-                    batch.complete(TransferError(f"{what} timed out (the peer is dead or silent)"))
+                    _fail(batch, TimedOut(f"{what} timed out (the peer is dead or silent)"))
                 finally:
                     self._cond.acquire()
 
     def close(self) -> None:
+        """Stop, and fail what is still watched: a batch a closing transport dropped (one still
+        queued for submission) must not wait for a deadline nobody checks any more."""
         with self._cond:
             self._closed = True
+            left, self._heap = self._heap, []
             self._cond.notify()
+        for _, _, batch, what in left:
+            _fail(batch, TransferError(f"{what}: engine closed"))
+
+
+def _fail(batch: Batch, error: TransferError) -> None:
+    # The thread must outlive any error here: without it no batch or call ever times out again.
+    try:
+        batch.complete(error)
+    except Exception:
+        log.exception("failing a batch raised")

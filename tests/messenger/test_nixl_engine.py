@@ -3,6 +3,7 @@ with the peer engine in another process."""
 
 from __future__ import annotations
 
+import base64
 import os
 import signal
 import time
@@ -12,7 +13,7 @@ import numpy as np
 import pytest
 import xxhash
 
-from messenger.api import Slice, TransferError
+from messenger.api import PeerInfo, Slice, TransferError
 from messenger.engine import EngineConfig, TransferEngine
 from messenger.nixl_transport import nixl_missing
 from tests.messenger import engine_checks
@@ -96,3 +97,46 @@ def test_a_silent_peer_fails_within_the_timeout():
         os.kill(child.process.pid, signal.SIGCONT)
         engine.close()
         child.stop()
+
+
+def test_unregister_deregisters_from_the_agent(pair):
+    """The KV sender registers and unregisters a region per layer and step: NIXL registrations
+    (and the agent's metadata) must not grow with them."""
+    registered = pair.sender._transports["nixl"]._registered
+    for i in range(10):
+        pair.sender.register(f"rows-{i}", np.full(4096, i, dtype=np.uint8))
+        pair.sender.write("receiver", [Slice(f"rows-{i}", 0, "dst", i * 4096, 4096)], b"n").wait(5)
+        pair.sender.unregister(f"rows-{i}")
+    assert not [name for name in registered if name.startswith("rows-")]
+    assert (pair.dst[9 * 4096:10 * 4096] == 9).all()
+
+
+def test_a_failed_batch_drops_the_peers_cached_regions(pair):
+    """The receiver unregistered a region: once a batch into it fails, the sender asks again
+    instead of writing on through the descriptor it cached (UCX over tcp/sm does not refuse it)."""
+    pair.sender.write("receiver", [Slice("src", 0, "dst", 0, 4096)], b"n").wait(5)
+    pair.receiver.unregister("dst")
+    with pytest.raises(TransferError, match="no region 'dst'"):
+        pair.sender.write("receiver", [Slice("src", 0, "dst", 0, 4096)], b"n").wait(5)
+    pair.dst[:] = 0
+    with pytest.raises(TransferError, match="has no registered region 'dst'"):
+        pair.sender.write("receiver", [Slice("src", 0, "dst", 0, 4096)], b"n").wait(5)
+    assert not pair.dst.any()
+
+
+def test_a_frozen_peer_does_not_stall_batches_to_the_others(pair):
+    """A peer that never answers for its regions holds up its own batches only."""
+    from nixl_cu12 import nixl_agent, nixl_agent_config
+
+    frozen = nixl_agent("frozen-agent", nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))  # never polled
+    address = msgspec.json.encode({"agent": "frozen-agent",
+                                   "metadata": base64.b64encode(frozen.get_agent_metadata()).decode()}).decode()
+    real = pair.receiver.info()
+    pair.sender.add_peer(PeerInfo("frozen", real.host_id, {"nixl": address}, real.regions))
+    stuck = pair.sender.write("frozen", [Slice("src", 0, "dst", 0, 4096)], b"n")
+    time.sleep(0.2)  # it waits for the frozen peer's regions
+    started = time.monotonic()
+    pair.sender.write("receiver", [Slice("src", 0, "dst", 0, 4096)], b"n").wait(5)
+    assert time.monotonic() - started < 1.0  # not behind the frozen peer's 5 s wait
+    with pytest.raises(TransferError):
+        stuck.wait(10)
