@@ -24,6 +24,7 @@ import torch
 
 from decode.load_planner import LoadSpec
 from decode.staging import KVStaging, StagedTransfer, StagingConfig
+from messenger.api import NotifyRefused
 from mooncake.kv_layout import block_bytes, blocks_first, direct, runs
 from mooncake.protocol import (KV_CALL_DECODER, KV_CALL_ENCODER, KV_NOTE_DECODER, KVHello, KVReserve,
                                KVReserved)
@@ -154,8 +155,10 @@ class KVReceiver:
             self._staging.landed(note.transfer_id, note.layer, note.first_block, note.end_block, time.monotonic(),
                                  slot=note.slot)
         except (KeyError, ValueError) as exc:  # dropped or expired meanwhile, or a note that does not fit
-            log.warning("ignoring a KV note from %s: %s", peer, exc)
-            return
+            # Refused, so the prefill's push fails (kv_error) instead of reporting landed KV that
+            # nothing here will use.
+            log.warning("refusing a KV note from %s: %s", peer, exc)
+            raise NotifyRefused(str(exc)) from exc
         with self._stats_lock:
             self._stats.received_blocks += note.end_block - note.first_block
 

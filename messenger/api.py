@@ -52,6 +52,12 @@ class NoTransport(TransferError):
     """No transport both sides have can reach the peer (e.g. rdma without a device)."""
 
 
+class NotifyRefused(Exception):
+    """Raised by an on_notify handler: the batch's bytes landed, but this side will not use them
+    (nothing expects them any more: dropped, expired, replaced). The sender's batch fails with the
+    message, so the sender does not report as delivered what its receiver threw away."""
+
+
 class Direction(str, Enum):
     WRITE = "write"  # local -> remote
     READ = "read"  # remote -> local
@@ -126,6 +132,7 @@ class Region:
 # on_notify(peer_name, message, error): `error` is None when every slice of the batch the
 # message rode on landed and verified; otherwise it says what failed, and the message is still
 # delivered so the receiver can fail its own work at once instead of waiting for a timeout.
+# A handler that raises NotifyRefused fails the sender's batch.
 NotifyHandler = Callable[[str, bytes, "str | None"], None]
 
 

@@ -17,7 +17,8 @@ transport (messenger/api.py's Transport moves bytes and messages only):
   `slices_landed` before `on_notify`.
   A mismatch fails the sender's batch with ChecksumError (a transport passes the text
   `slices_landed` returned back into its TransferError; "ChecksumError:" in it marks the kind) and
-  hands on_notify the error. Reads are not checksummed here: the
+  hands on_notify the error. A handler that raises NotifyRefused fails the sender's batch the
+  same way (the bytes landed, but the receiver will not use them). Reads are not checksummed here: the
   side that serves a read has no engine hook in the contract (the pool checks its blocks itself).
 - Messages: the engine wraps every payload in a one-byte envelope (a batch's notification or
   none; a call request with the caller's PeerInfo so the callee can answer; a call reply).
@@ -44,8 +45,8 @@ import msgspec
 import numpy as np
 
 from messenger.api import (AttachmentSink, Batch, CallHandler, CallReply, ChecksumError, Direction, NoTransport,
-                           NotifyHandler, OutgoingMessage, PeerInfo, Region, Slice, TimedOut, TransferError,
-                           Transport)
+                           NotifyHandler, NotifyRefused, OutgoingMessage, PeerInfo, Region, Slice, TimedOut,
+                           TransferError, Transport)
 from messenger.call_lane import FAILED as LANE_FAILED
 from messenger.call_lane import OK as LANE_OK
 from messenger.call_lane import LaneClient, LaneServer, LaneUnreachable
@@ -420,6 +421,8 @@ class TransferEngine:
         if message is not None and message.payload[:1] == bytes([NOTIFY]) and self._on_notify is not None:
             try:
                 self._on_notify(peer, bytes(message.payload[1:]), error)
+            except NotifyRefused as exc:  # landed, but not wanted here: the sender must not count it delivered
+                error = error or f"NotifyRefused: {self.name} refused the batch: {exc}"
             except Exception:  # the sender's batch landed; a failing handler is this side's bug
                 log.exception("on_notify failed for a batch from %s", peer)
         return error

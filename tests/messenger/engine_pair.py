@@ -32,7 +32,7 @@ def make_pair(config: EngineConfig = EngineConfig(transports=("tcp",)), on_call=
     sender.start()
     info = receiver.start(on_notify=lambda peer, message, error: notes.append((peer, message, error)),
                           on_call=on_call)
-    assert sender.add_peer(info) == "tcp"
+    assert sender.add_peer(info) == config.transports[0]
     return Pair(sender, receiver, src, dst, notes)
 
 

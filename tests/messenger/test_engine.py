@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import xxhash
 
-from messenger.api import ChecksumError, NoTransport, PeerInfo, Slice, TransferError
+from messenger.api import ChecksumError, NoTransport, NotifyRefused, PeerInfo, Slice, TransferError
 from messenger.engine import EngineConfig, TransferEngine
 from messenger.integrity import PendingMessage
 from messenger.wire import ENGINE_PREFIX_SIZE
@@ -232,6 +232,25 @@ def test_a_wrong_checksum_fails_the_batch_with_checksum_error_and_tells_on_notif
         batch.wait(10)
     assert len(pair.notes) == 1 and pair.notes[0][1] == b"n" and "ChecksumError" in pair.notes[0][2]
     assert sender.stats()["tcp"]["failures"] == {"checksum": 1}
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_a_batch_its_receiver_refuses_in_on_notify_fails_at_the_sender(transport):
+    """The bytes landed, but nothing on the receiving side will use them (a KV push for a transfer
+    that expired there): the sender must not count the batch delivered."""
+    p = make_pair(EngineConfig(transports=(transport,), timeout_s=5), size=MiB)
+    try:
+        def refuse(peer, message, error):
+            if message == b"stale":
+                raise NotifyRefused("no reservation for transfer t")
+
+        p.receiver._on_notify = refuse
+        with pytest.raises(TransferError, match="no reservation for transfer t"):
+            p.sender.write("receiver", [Slice("src", 0, "dst", 0, 4096)], b"stale").wait(5)
+        p.sender.write("receiver", [Slice("src", 0, "dst", 0, 4096)], b"wanted").wait(5)  # the link stays up
+    finally:
+        p.sender.close()
+        p.receiver.close()
 
 
 def _done(value):

@@ -17,6 +17,7 @@ from decode import kv_receiver
 from decode.kv_receiver import KVReceiver
 from decode.load_planner import LoadSpec
 from decode.staging import StagingConfig
+from messenger.api import NotifyRefused
 from mooncake.protocol import KV_CALL_ENCODER, KV_RESERVED_DECODER, KVLayerNote, KVReserve
 
 LAYERS, BLOCKS, BLOCK, SHAPE = 2, 16, 4, (2, 4, 2, 8)  # one block: K and V, BLOCK tokens, 2 heads of 8
@@ -97,7 +98,8 @@ def test_a_request_aborted_while_waiting_for_its_kv_is_reported_finished_once(cl
     assert r.consumer.collect_loads(set()) == (set(), set())
     assert r.consumer.collect_loads({"d"}) == ({"d"}, set())  # finished, not failed: nothing to recompute
     assert r.consumer.collect_loads({"d"}) == (set(), set())  # once
-    push_layer(r, "t", slot, 1, 3)  # late: counts for nothing, reports nothing
+    with pytest.raises(NotifyRefused):  # late: the prefill's push fails instead of counting as landed
+        push_layer(r, "t", slot, 1, 3)
     assert r.consumer.collect_loads(set()) == (set(), set())
 
 
@@ -163,14 +165,15 @@ def test_landing_that_raises_is_a_failed_load_not_a_crash(clock, monkeypatch):
 
 
 def test_a_pull_of_a_transfer_that_expired_fails_at_once(clock):
-    """The prefill was told "ok" (the engine acknowledged its batches): the pull must not wait
-    out its timeout for bytes that were dropped."""
+    """The pull must not wait out its timeout for bytes that were dropped; and the prefill's push
+    of a later layer fails (the engine fails the sender's batch), so it does not report "ok"."""
     r = receiver(ttl_s=10.0)
     slot = reserve(r, "t", 3)
     push_layer(r, "t", slot, 0, 3)
     clock.now += 11.0
     r.consumer.collect_loads(set())  # any step expires it
-    push_layer(r, "t", slot, 1, 3)  # too late
+    with pytest.raises(NotifyRefused):  # too late
+        push_layer(r, "t", slot, 1, 3)
     r.consumer.start_load_kv([load("d", "t", (5, 6, 7), wait_timeout_s=30.0)])
     assert r.consumer.collect_loads(set()) == ({"d"}, {"d"})
 
