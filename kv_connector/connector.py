@@ -53,6 +53,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 
@@ -69,6 +70,7 @@ class MooncakeServeConnector(KVConnectorBase_V1):
         self._receiver: KVReceiver | None = None
         self._control: ControlServer | None = None
         self._engine = None
+        self._invalidated: list[tuple[str, str]] = []  # scheduler: pushes to fail, for the next metadata
         if role == KVConnectorRole.SCHEDULER:
             self._pushes, self._loads = PushPlanner(block_size), LoadPlanner(block_size)
             return
@@ -109,8 +111,13 @@ class MooncakeServeConnector(KVConnectorBase_V1):
         # Before this step's forward may overwrite a preempted request's freed blocks: the sends
         # still reading them must be done (bounded by the engine's timeout; a late one fails).
         assert self._sender is not None
-        if isinstance(kv_connector_metadata, ServeConnectorMetadata) and kv_connector_metadata.preempted:
+        if not isinstance(kv_connector_metadata, ServeConnectorMetadata):
+            return
+        if kv_connector_metadata.preempted:
             self._sender.settle(kv_connector_metadata.preempted)
+        for request_id, transfer_id in kv_connector_metadata.invalidated:
+            self._sender.invalidate(request_id, transfer_id, "blocks it pushed were computed over KV that failed to "
+                                                             "load from the pool (vLLM recomputes them)")
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         assert self._receiver is not None
@@ -186,8 +193,17 @@ class MooncakeServeConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         assert self._pushes is not None and self._loads is not None
+        invalidated, self._invalidated = self._invalidated, []
         return ServeConnectorMetadata(saves=self._pushes.plan(scheduler_output), loads=self._loads.take(),
-                                      preempted=self._pushes.preempted(scheduler_output.preempted_req_ids))
+                                      preempted=self._pushes.preempted(scheduler_output.preempted_req_ids),
+                                      invalidated=invalidated)
+
+    def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
+        # Blocks another connector (the pool) failed to load in the last step: pushes that
+        # already carried KV computed over them must fail (told to the worker in the next step's
+        # metadata, before the recompute can finish the request).
+        assert self._pushes is not None
+        self._invalidated += self._pushes.invalid_blocks(connector_output.invalid_block_ids)
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self._pushes is not None and self._loads is not None

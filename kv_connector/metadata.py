@@ -17,3 +17,6 @@ class ServeConnectorMetadata(KVConnectorMetadata):
     # producer: requests preempted this step whose earlier sends may still read their old blocks;
     # the worker waits for those sends before the forward may overwrite the blocks.
     preempted: set[str] = field(default_factory=set)
+    # producer: (request id, transfer id) of pushes that carried KV computed over blocks that
+    # failed to load: the worker fails them, even if every layer was acknowledged.
+    invalidated: list[tuple[str, str]] = field(default_factory=list)

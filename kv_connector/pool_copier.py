@@ -237,6 +237,11 @@ class PoolCopier:
             self._step = None
             # Blocks that could not be read: vLLM recomputes them (reported in this same step).
             self._invalid_blocks |= step.failed_blocks
+            # This step computed those requests' other blocks over the bad KV: their saves must not
+            # commit (each job's commit waits for its last layer, saved after this wait returns).
+            failed = {load.request_id for load in step.loads if step.failed_blocks.intersection(load.block_ids)}
+            if failed:
+                self._spoil_saves(failed, "computed over blocks that failed to load")
 
     def _load_layers(self, step: _StepLoads) -> None:
         """The copy thread of one step's synchronous loads: pin and locate the blocks, then copy
@@ -447,10 +452,23 @@ class PoolCopier:
                 log.warning("pool abort failed: %s", exc)
 
     def flush(self, request_ids) -> None:
-        """Wait until the saves of these requests are copied (their blocks are about to be reused)."""
+        """Wait until the saves of these requests are copied (their blocks are about to be reused).
+        Those not copied in time abort instead of committing: they would copy other requests' KV."""
         with self._lock:
-            self._lock.wait_for(lambda: all(self._saves_left.get(r, 0) <= 0 for r in request_ids),
-                                timeout=self._load_timeout_s)
+            copied = self._lock.wait_for(lambda: all(self._saves_left.get(r, 0) <= 0 for r in request_ids),
+                                         timeout=self._load_timeout_s)
+        if not copied:
+            self._spoil_saves(set(request_ids), f"not copied within {self._load_timeout_s:g} s before the "
+                                                "blocks were reused")
+
+    def _spoil_saves(self, request_ids: set[str], why: str) -> None:
+        """The pending saves of these requests abort instead of committing (their bytes are wrong)."""
+        with self._lock:
+            spoiled = [job for save, job in self._jobs.items() if save.request_id in request_ids]
+            for job in spoiled:
+                job.ok = False
+        if spoiled:
+            log.warning("%d pool save(s) of %s will not commit: %s", len(spoiled), sorted(request_ids), why)
 
     def finished_saving(self, finished_req_ids: set[str]) -> set[str]:
         """Requests vLLM finished whose saves are all copied: it may free their blocks now."""

@@ -48,6 +48,10 @@ class TimedOut(TransferError):
     """A batch or call did not complete in time: its peer is dead, silent or too slow."""
 
 
+class CallFailed(TransferError):
+    """The peer answered a call with its handler's error: it is alive and reachable."""
+
+
 class NoTransport(TransferError):
     """No transport both sides have can reach the peer (e.g. rdma without a device)."""
 

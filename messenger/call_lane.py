@@ -35,7 +35,7 @@ import time
 from collections.abc import Callable
 from contextlib import contextmanager
 
-from messenger.api import AttachmentSink, CallReply, TransferError
+from messenger.api import AttachmentSink, CallFailed, CallReply, TimedOut, TransferError
 from messenger.handshake import client_handshake, server_handshake
 from messenger.stats import TransportStats
 from messenger.tcp_link import keep_alive, published_address, shutdown_socket
@@ -247,7 +247,7 @@ class LaneClient:
                 raise
             self._stats.request(time.perf_counter() - started)
             if status != OK:  # the handler's error, answered in order: the lane stays good
-                raise TransferError(f"{peer} failed the call: {body.decode(errors='replace')}")
+                raise CallFailed(f"{peer} failed the call: {body.decode(errors='replace')}")
             return body
         raise AssertionError("unreachable")
 
@@ -300,7 +300,7 @@ class LaneClient:
             sent = send_views(sock, [_REQUEST.pack(REQUEST_MAGIC, len(info), len(request)), info, request])
             head = sock.recv(_REPLY.size)
         except TimeoutError:
-            raise TransferError(f"call to {peer} got no reply within {timeout_s} s") from None
+            raise TimedOut(f"call to {peer} got no reply within {timeout_s} s") from None
         except (BrokenPipeError, ConnectionResetError):
             raise _Stale() from None
         except OSError as exc:
@@ -378,7 +378,7 @@ def _reading(peer: str, timeout_s: float):
     try:
         yield
     except TimeoutError:
-        raise TransferError(f"call to {peer} got no reply within {timeout_s} s") from None
+        raise TimedOut(f"call to {peer} got no reply within {timeout_s} s") from None
     except OSError as exc:
         raise TransferError(f"call to {peer}: the connection broke mid-reply: {exc}") from None
 

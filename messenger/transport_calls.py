@@ -20,7 +20,7 @@ from typing import Callable
 
 import msgspec
 
-from messenger.api import AttachmentSink, Batch, CallReply, PeerInfo, TransferError
+from messenger.api import AttachmentSink, Batch, CallFailed, CallReply, PeerInfo, TimedOut, TransferError
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ class TransportCalls:
             send(f"call to {peer}", payload, sent)
             body, attachment = reply.result(timeout_s)
         except TimeoutError:
-            raise TransferError(f"call to {peer} got no reply within {timeout_s} s") from None
+            raise TimedOut(f"call to {peer} got no reply within {timeout_s} s") from None
         finally:
             self._pending.pop(call_id, None)
         if not attachment:
@@ -113,7 +113,7 @@ class TransportCalls:
                 if kind != REPLY_ERROR:
                     future.set_result((body, attachment))
                 else:
-                    _fail(future, TransferError(f"{peer} failed the call: {body.decode(errors='replace')}"))
+                    _fail(future, CallFailed(f"{peer} failed the call: {body.decode(errors='replace')}"))
         else:
             log.warning("dropped a message of unknown kind %d from %s", kind, peer)
 

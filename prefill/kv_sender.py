@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass, field
 import msgspec
 import torch
 
-from messenger.api import Batch, PeerInfo, Slice, TransferError
+from messenger.api import Batch, CallFailed, PeerInfo, Slice, TransferError
 from mooncake.kv_layout import block_bytes, blocks_first, direct, runs
 from mooncake.protocol import (KV_CALL_ENCODER, KV_RESERVED_DECODER, KVHello, KVLayerNote, KVReserve)
 from prefill.push_planner import SaveSpec
@@ -41,6 +41,10 @@ log = logging.getLogger("vllm.mooncake." + __name__)
 LANE_IDLE_S = 60.0
 """A decode worker's sender thread ends after this long with nothing to send (a worker that left,
 or restarted on another port, leaves no thread behind); the next push to it starts another."""
+UNREACHABLE_BACKOFF_S = 5.0
+"""After a decode worker could not be reached (no answer to the hello or the reservation within
+the timeout, a refused connection), pushes to it fail at once for this long: each would otherwise
+wait out its own timeout in turn on that worker's sender thread, holding its blocks meanwhile."""
 TIMELINE_LENGTH = 64  # transfers kept for the Figure-5 timeline (control op `stats`)
 OUTCOMES_KEPT = 4096  # finished transfers whose outcome the shell may still ask for
 
@@ -121,6 +125,7 @@ class KVSender:
         self._busy_since: float | None = None
         self._in_flight_total = 0
         self._gather_seq = 0
+        self._unreachable: dict[str, tuple[float, str]] = {}  # dest -> (until, why): see UNREACHABLE_BACKOFF_S
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], num_blocks: int | None = None) -> None:
         """`num_blocks`: blocks per layer, which tells the block dim (mooncake/kv_layout.py)."""
@@ -228,6 +233,22 @@ class KVSender:
                     return
                 self._lock.wait(min(left, 0.05))
 
+    def invalidate(self, request_id: str, transfer_id: str, reason: str) -> None:
+        """Blocks this transfer already pushed were computed over KV that failed to load (vLLM
+        recomputes them): the transfer fails, even if every layer was acknowledged already, so the
+        decode side recomputes instead of using them. Too late once the request left
+        finished_sending (the shell asked its outcome before that)."""
+        with self._lock:
+            transfer = self._transfers.get(request_id)
+            if transfer is None or transfer.spec.transfer_id != transfer_id:
+                log.warning("KV push %s: %s, but it is no longer tracked", transfer_id, reason)
+                return
+            self._fail(transfer, reason)
+            if self._outcomes.get(transfer_id) == "ok":
+                self._outcomes[transfer_id] = reason
+                self._stats.pushed_transfers -= 1
+                self._lock.notify_all()
+
     # -- the shell's questions (control thread) ----------------------------------------------
 
     def outcome(self, transfer_id: str, timeout_s: float) -> str | None:
@@ -289,25 +310,37 @@ class KVSender:
     def _run(self, dest: str, lane: queue.Queue[_Work | None]) -> None:
         while (work := self._next(dest, lane)) is not None:
             transfer = work.transfer
+            written = False  # a batch took the work's gathered rows (its completion releases them)
             try:
                 if transfer.error is None:
-                    self._send(transfer, work)
+                    written = self._send(transfer, work)
             except Exception as exc:  # noqa: BLE001 - any failure fails this transfer, never the thread
                 with self._lock:
                     self._fail(transfer, f"{type(exc).__name__}: {exc}")
             finally:
+                if not written:
+                    self._release_rows(work)
                 with self._lock:
                     transfer.queued -= 1
                     self._maybe_done(transfer)
 
-    def _send(self, transfer: _Transfer, work: _Work) -> None:
+    def _release_rows(self, work: _Work) -> None:
+        """Unregister a work's gathered host rows (a pinned buffer on CUDA): once its batch
+        completed, or when it was never written (its transfer failed first)."""
+        if not work.contiguous_ids and work.spec.block_ids:
+            self._engine.unregister(work.region)
+
+    def _send(self, transfer: _Transfer, work: _Work) -> bool:
+        """Write one layer's slices; True once a batch owns the work (its completion ends it)."""
         if transfer.peer is None:
             self._reserve(transfer)
+            if transfer.error is not None:  # failed (settle: preempted) while the reservation was asked
+                return False
         spec, layer = work.spec, work.layer
         if not spec.block_ids:
             with self._lock:
                 transfer.layers[layer][1] = time.monotonic()
-            return
+            return False
         if work.event is not None:
             work.event.synchronize()  # the pinned copy is complete
         size = self._block_bytes[layer]
@@ -325,19 +358,20 @@ class KVSender:
             self._in_flight_total += 1
             if self._busy_since is None:
                 self._busy_since = time.monotonic()
-        batch = self._engine.write(transfer.peer, slices, note)
+        try:
+            batch = self._engine.write(transfer.peer, slices, note)
+        except BaseException:  # no batch, so no completion will count it out: do it here
+            with self._lock:
+                self._written_out(transfer, time.monotonic())
+            raise
         batch.add_done_callback(lambda b: self._acked(transfer, work, b))
+        return True
 
     def _acked(self, transfer: _Transfer, work: _Work, batch: Batch) -> None:
         now = time.monotonic()
-        if not work.contiguous_ids and work.spec.block_ids:
-            self._engine.unregister(work.region)  # the gathered rows are no longer needed
+        self._release_rows(work)  # the gathered rows are no longer needed
         with self._lock:
-            transfer.in_flight -= 1
-            self._in_flight_total -= 1
-            if self._in_flight_total == 0 and self._busy_since is not None:
-                self._stats.push_seconds += now - self._busy_since
-                self._busy_since = None
+            self._written_out(transfer, now)
             if batch.error is not None:
                 self._fail(transfer, f"{type(batch.error).__name__}: {batch.error}")
             else:
@@ -347,13 +381,42 @@ class KVSender:
                 self._stats.pushed_blocks += len(work.spec.block_ids)
             self._maybe_done(transfer)
 
+    def _written_out(self, transfer: _Transfer, now: float) -> None:
+        """A written batch is over (under the lock): out of the in-flight counts."""
+        transfer.in_flight -= 1
+        self._in_flight_total -= 1
+        if self._in_flight_total == 0 and self._busy_since is not None:
+            self._stats.push_seconds += now - self._busy_since
+            self._busy_since = None
+
     def _reserve(self, transfer: _Transfer) -> None:
         spec = transfer.spec
-        peer = self._peer(spec.dest)
+        with self._lock:
+            until, why = self._unreachable.get(spec.dest, (0.0, ""))
+        if time.monotonic() < until:
+            raise TransferError(f"decode worker at {spec.dest} unreachable {why} (retried after "
+                                f"{UNREACHABLE_BACKOFF_S:g} s)")
         request = KVReserve(spec.transfer_id, spec.skip_blocks, spec.total_blocks - spec.skip_blocks,
                             self._block_bytes[0], self._layout)
-        reply = KV_RESERVED_DECODER.decode(
-            self._engine.call(peer, KV_CALL_ENCODER.encode(request), timeout_s=self._timeout_s))
+        with self._lock:
+            fresh = spec.dest not in self._peers  # introduced now, so its description is not stale
+        try:
+            peer = self._peer(spec.dest)
+            raw = self._engine.call(peer, KV_CALL_ENCODER.encode(request), timeout_s=self._timeout_s)
+        except CallFailed:  # it answered (its handler failed): reachable
+            raise
+        except (TransferError, OSError) as exc:
+            # Silent or gone (a refusal is an answer: not here). Through a description kept from
+            # before, the failure may only say it is stale (a worker restarted at that address):
+            # the next push introduces it afresh and is not held back.
+            if fresh:
+                with self._lock:
+                    self._unreachable[spec.dest] = (time.monotonic() + UNREACHABLE_BACKOFF_S,
+                                                    f"({type(exc).__name__}: {exc})")
+            raise
+        with self._lock:
+            self._unreachable.pop(spec.dest, None)
+        reply = KV_RESERVED_DECODER.decode(raw)
         if reply.error is not None:
             raise TransferError(f"{spec.dest} refused the transfer: {reply.error}")
         with self._lock:

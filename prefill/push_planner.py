@@ -68,6 +68,9 @@ class PushPlanner:
         self._kv_cache_manager: KVCacheManager | None = None
         self._pushes: dict[str, _Push] = {}  # producer requests whose final step is not planned yet
         self._streamed: set[str] = set()  # requests with at least one SaveSpec: the worker tracks them
+        # Of the streamed requests: their transfer and the end of the blocks planned so far (kept
+        # past the final step, for blocks vLLM reports invalid after they went: `invalid_blocks`).
+        self._planned: dict[str, tuple[str, int]] = {}
 
     def bind_kv_cache_manager(self, manager: "KVCacheManager") -> None:
         self._kv_cache_manager = manager
@@ -96,6 +99,7 @@ class PushPlanner:
             if spec is not None:
                 saves.append(spec)
                 self._streamed.add(req_id)
+                self._planned[req_id] = (spec.transfer_id, push.next_block)
                 if spec.final:
                     del self._pushes[req_id]
         return saves
@@ -118,6 +122,22 @@ class PushPlanner:
             num_tokens=params.num_tokens, final=final,
         )
 
+    def invalid_blocks(self, block_ids: set[int]) -> list[tuple[str, str]]:
+        """vLLM reports blocks whose KV failed to load (a pool read that failed its checksum or
+        lost its block) and recomputes from the first of them; every token computed after it in
+        that step attended over the bad KV. Returns (request id, transfer id) of the streamed
+        requests that already planned blocks from such a block on: their pushes carried wrong KV
+        and must fail (the decode side then recomputes)."""
+        if not block_ids:
+            return []
+        hit = []
+        for req_id, (transfer_id, planned_end) in self._planned.items():
+            ids = self._block_ids(req_id)  # none once freed
+            first_bad = next((i for i, b in enumerate(ids) if b in block_ids), None)
+            if first_bad is not None and first_bad < planned_end:
+                hit.append((req_id, transfer_id))
+        return hit
+
     def preempted(self, request_ids: set[str] | None) -> set[str]:
         """Of the requests vLLM preempted this step, those with sends of their blocks: their blocks
         go back to the pool, so the worker must let those sends finish first."""
@@ -127,6 +147,7 @@ class PushPlanner:
         """The request ended; True when the worker has sends of it to finish (vLLM then keeps
         its blocks until the worker reports it in finished_sending: the delayed free)."""
         self._pushes.pop(request_id, None)
+        self._planned.pop(request_id, None)
         if request_id in self._streamed:
             self._streamed.discard(request_id)
             return True

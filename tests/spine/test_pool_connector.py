@@ -398,3 +398,67 @@ def test_the_conductor_fetches_only_from_a_holder_whose_pool_it_can_reach():
         "mooncake_fetch": {"peer": '{"name": "p1"}', "num_tokens": 512}}
     assert fetch_params(decision, {"p1": WorkerHandle("http://p1")}) is None  # no pool to fetch from
     assert fetch_params(decision, {}) is None  # the holder left
+
+
+def test_blocks_computed_in_a_step_whose_pool_load_failed_are_not_saved(service):
+    """Blocks 0-1 come from the pool, 2-3 are computed in the same step, over them. Block 1 is
+    gone by the time it is read: vLLM recomputes from it, and blocks 2-3, computed over the bad
+    KV, must not be committed under this prefix (every later hit would read them)."""
+    tokens = list(range(70, 70 + 4 * BS + 1))
+    keys = hash_prompt_blocks(tokens, BS)
+    writer, _ = save_prompt(service, tokens[:2 * BS + 1], [0, 1, 2])
+    planner = PoolPlanner(PoolClient(service.endpoint), BS)
+    planner.bind_kv_cache_manager(FakeManager({"b": [8, 9, 10, 11, 12]}))
+    req = FakeRequest("b", tokens)
+    assert planner.matched_tokens(req, 0) == (2 * BS, False)
+    planner.after_alloc(req, blocks_of([8, 9, 10, 11, 12]), 2 * BS)
+    loads, saves, _ = planner.plan(step(new={"b": 2 * BS}, scheduled={"b": 2 * BS + 1}))
+    assert [s.block_ids for s in saves] == [(10, 11)]
+    service.pool.remove([keys[1]])  # evicted before the step runs
+    kv = caches(fill=3.0)
+    reader = PoolCopier(connect(service), BS)
+    reader.register_kv_caches(kv)
+    reader.start_loads(loads)
+    for name in kv:  # vLLM's order: each layer waits for its load, computes, then saves
+        reader.wait_for_layer(name)
+        reader.save_layer(saves, name)
+    assert reader.take_invalid_blocks() == {9}
+    reader.flush(["b"])
+    assert reader.finished_saving({"b"}) == {"b"}  # its blocks are still freed
+    assert service.lookup(keys[2:4]) == []  # nothing computed over the bad block was stored
+    for c in (writer, reader):
+        c.shutdown()
+
+
+def test_saves_not_copied_before_their_blocks_are_reused_do_not_commit(service, monkeypatch):
+    """flush (a preempted request: its blocks go to others in this step) gives up after its
+    timeout; the saves still queued would copy other requests' KV, so they abort."""
+    tokens = list(range(80, 80 + 2 * BS + 1))
+    keys = hash_prompt_blocks(tokens, BS)
+    kv = caches()
+    copier = PoolCopier(connect(service), BS, load_timeout_s=0.2)
+    copier.register_kv_caches(kv)
+    planner = PoolPlanner(PoolClient(service.endpoint), BS)
+    planner.bind_kv_cache_manager(FakeManager({"a": [0, 1, 2]}))
+    req = FakeRequest("a", tokens)
+    planner.matched_tokens(req, 0)
+    planner.after_alloc(req, blocks_of([0, 1, 2]), 0)
+    _, saves, _ = planner.plan(step(new={"a": 0}, scheduled={"a": len(tokens)}))
+    assert saves
+    copy = copier._save_layer
+    release = __import__("threading").Event()
+
+    def slow_copy(*args, **kwargs):  # the save thread is behind (a busy machine)
+        release.wait(5)
+        return copy(*args, **kwargs)
+
+    monkeypatch.setattr(copier, "_save_layer", slow_copy)
+    save_step(copier, saves, kv)
+    copier.flush(["a"])  # times out
+    release.set()
+    deadline = time.monotonic() + 5
+    while copier.finished_saving({"a"}) != {"a"}:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert service.lookup(keys) == []
+    copier.shutdown()

@@ -100,3 +100,49 @@ def test_preempted_requests_with_sends_are_named_for_the_worker():
     # Rescheduled after the preemption (recomputed from 0): blocks already sent do not go again.
     planner.after_alloc(request("a", 12))
     assert [(s.first_block, s.final) for s in step(planner, cached=[("a", 0)], scheduled={"a": 12})] == [(2, True)]
+
+
+def test_pushes_that_carried_kv_computed_over_a_block_that_failed_to_load_are_named():
+    """A pool hit loaded in the step (blocks 0-1 of each prompt) failed for one block: vLLM
+    recomputes from it, but blocks computed over it already went (in the final step too). Only
+    pushes with planned blocks from the first bad one on carry wrong KV."""
+    table = {"a": [7, 8, 9], "b": [1, 2, 3, 4, 5], "c": [20, 21, 22]}
+    planner = planner_with(table, request("a", 10), request("b", 20), request("c", 10, skip=2))
+    step(planner, new=[("a", 8), ("b", 8), ("c", 8)], scheduled={"a": 2, "b": 4, "c": 2})
+    # a: all 3 blocks went (final); b: blocks 0-2 went, 3-4 not yet; c: blocks 0-1 skipped, 2 went.
+    assert planner.invalid_blocks(set()) == []
+    assert planner.invalid_blocks({8}) == [("a", "t-a")]
+    assert planner.invalid_blocks({4}) == []  # b's block 3: not planned yet, vLLM recomputes it before it goes
+    assert planner.invalid_blocks({3}) == [("b", "t-b")]
+    assert planner.invalid_blocks({21}) == [("c", "t-c")]  # skipped itself, but block 2 was computed over it
+    planner.finished("a")
+    assert planner.invalid_blocks({8}) == []
+
+
+def test_the_connector_carries_invalidated_pushes_from_the_scheduler_to_the_worker():
+    """The glue in kv_connector/connector.py: vLLM's update_connector_output (invalid blocks of
+    the last step) -> the next step's metadata -> the worker's sender, before the forward."""
+    from vllm.v1.outputs import KVConnectorOutput
+
+    from decode.load_planner import LoadPlanner
+    from kv_connector.connector import MooncakeServeConnector
+
+    scheduler = object.__new__(MooncakeServeConnector)  # its scheduler half, without a VllmConfig
+    scheduler._pushes, scheduler._loads, scheduler._invalidated = planner_with({"a": [7, 8, 9]}, request("a", 10)), \
+        LoadPlanner(BLOCK), []
+    out = SimpleNamespace(scheduled_new_reqs=[SimpleNamespace(req_id="a", num_computed_tokens=8)],
+                          scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[]),
+                          num_scheduled_tokens={"a": 2}, preempted_req_ids=set())
+    assert [s.final for s in scheduler.build_connector_meta(out).saves] == [True]
+    scheduler.update_connector_output(KVConnectorOutput(invalid_block_ids={8}))
+    out.scheduled_new_reqs, out.num_scheduled_tokens = [], {}
+    meta = scheduler.build_connector_meta(out)
+    assert meta.invalidated == [("a", "t-a")]
+    assert scheduler.build_connector_meta(out).invalidated == []  # told once
+
+    told = []
+    worker = object.__new__(MooncakeServeConnector)
+    worker._sender = SimpleNamespace(settle=lambda ids: None,
+                                     invalidate=lambda req, transfer, why: told.append((req, transfer)))
+    worker.handle_preemptions(meta)
+    assert told == [("a", "t-a")]
