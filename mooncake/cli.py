@@ -67,7 +67,8 @@ def _check_serve(args: argparse.Namespace) -> list[str]:
     from conductor.cli_args import check_scheduler_args
 
     errors = engine_option_errors(args.kv_cache_gib, args.block_size, args.chunk_size)
-    if (error := chunk_size_error(args.decode_chunk_size, "--decode-chunk-size")) is not None:
+    if args.decode_chunk_size is not None and (
+            error := chunk_size_error(args.decode_chunk_size, "--decode-chunk-size")) is not None:
         errors.append(error)
     errors += [e for e in check_scheduler_args(args) if e not in errors]
     if error := max_model_len_error(args.max_model_len):
@@ -82,7 +83,7 @@ def _check_serve(args: argparse.Namespace) -> list[str]:
         errors.append(f"--model {args.model}: not a model folder (no config.json there)")
     from mooncake.engine.cli import pool_errors
 
-    return errors + pool_errors(args) + _auth_errors(args)
+    return errors + pool_errors(args) + _auth_errors(args) + _profile_errors(args)
 
 
 def _worker_ports(args: argparse.Namespace) -> range:
@@ -122,22 +123,27 @@ def _check_conductor(args: argparse.Namespace) -> list[str]:
     from mooncake.engine.cli import registry_errors
 
     errors = check_scheduler_args(args) + _auth_errors(args) + registry_errors(args)
-    if args.drain_timeout < 0:
-        errors.append(f"--drain-timeout must be >= 0 seconds, got {args.drain_timeout:g}")
+    if not 0 <= args.drain_timeout < math.inf:
+        errors.append(f"--drain-timeout must be >= 0 seconds and finite, got {args.drain_timeout:g}")
     if not 1 <= args.port <= 65535:
         errors.append(f"--port must be in 1..65535, got {args.port}")
     if not (math.isfinite(args.kv_wait_timeout) and args.kv_wait_timeout > 0):
         errors.append(f"--kv-wait-timeout must be a positive number of seconds, got {args.kv_wait_timeout:g}")
     if error := max_model_len_error(args.max_model_len):
         errors.append(error)
-    if args.profile is not None:
-        from conductor.core.profile_table import load_profile
+    return errors + _profile_errors(args)
 
-        try:
-            load_profile(args.profile)
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            errors.append(f"--profile {args.profile}: cannot be read as a profile table ({exc})")
-    return errors
+
+def _profile_errors(args: argparse.Namespace) -> list[str]:
+    if args.profile is None:
+        return []
+    from conductor.core.profile_table import load_profile
+
+    try:
+        load_profile(args.profile)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return [f"--profile {args.profile}: cannot be read as a profile table ({exc})"]
+    return []
 
 
 def _auth_errors(args: argparse.Namespace) -> list[str]:
@@ -207,7 +213,7 @@ def _start_pool(config):
     # proving the key derived from the cluster token, like the KV socket; each block carries its
     # own checksum, so the messenger's per-slice one is off.
     messenger = replace(EngineConfig(), host=config.kv_host, advertise_host=config.advertise_host, checksums=False,
-                        transports=defaults.KV_TRANSPORTS,
+                        transports=defaults.kv_transports(),
                         auth_key=kv_key(config.cluster_token) if config.cluster_token else None)
     return PoolService(pool, remote=True, engine_config=messenger).start()
 

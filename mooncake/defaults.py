@@ -42,8 +42,9 @@ MAX_MODEL_LEN = 8192
 """Longest prompt + output, tokens."""
 CHUNK_SIZE = 2048
 """Tokens per engine step (vLLM's max_num_batched_tokens); longer prompts prefill in chunks."""
-DECODE_CHUNK_SIZE = CHUNK_SIZE
-"""The decode workers' tokens per engine step under `mooncake serve` (`--decode-chunk-size`). A decode worker that takes a prompt (flexible roles, conditional
+DECODE_CHUNK_SIZE: int | None = None
+"""The decode workers' tokens per engine step under `mooncake serve` (`--decode-chunk-size`; None:
+the prefill workers' `--chunk-size`). A decode worker that takes a prompt (flexible roles, conditional
 disaggregation) computes it beside its running batch, and each step is a gap between that
 batch's tokens: a step must fit the TBT SLO for the scheduler to give it prefill work at all. On
 one core a 2,048-token step takes about 2 s, so the decode worker never prefills while it
@@ -86,6 +87,17 @@ KV_TRANSPORTS = ("shm", "rdma", "tcp")
 is left out by default: on the tcp wire here our tcp moved more than NIXL through our engine
 (benchmarks/RESULTS.md, "Messenger throughput"), and its agent adds a polling thread on the
 engine's pinned core. Name it (`MOONCAKE_KV_TRANSPORTS=shm,nixl,tcp`) to use it."""
+KV_TRANSPORTS_ENV = "MOONCAKE_KV_TRANSPORTS"
+
+
+def kv_transports(named: str | None = None) -> tuple[str, ...]:
+    """The transports a KV messenger (the connector's, the pool's) allows, in order: `named`
+    (comma-separated), else $MOONCAKE_KV_TRANSPORTS, else KV_TRANSPORTS."""
+    import os
+
+    value = (named or os.environ.get(KV_TRANSPORTS_ENV) or "").strip()
+    chosen = tuple(t.strip() for t in value.split(",") if t.strip())
+    return chosen or KV_TRANSPORTS
 
 # --- the KVCache pool (store/, one per worker) ------------------------------------------------
 POOL_DRAM_BYTES = 2 << 30
@@ -230,8 +242,8 @@ def engine_option_errors(kv_cache_gib: float, block_size: int, chunk_size: int) 
     An empty list means the engine can take them. Checked by the worker's config and by
     `mooncake serve` before any process starts."""
     errors = []
-    if not kv_cache_gib >= MIN_KV_CACHE_GIB:
-        errors.append(f"--kv-cache-gib must be >= {MIN_KV_CACHE_GIB:g} GiB, got {kv_cache_gib:g}")
+    if not MIN_KV_CACHE_GIB <= kv_cache_gib < float("inf"):
+        errors.append(f"--kv-cache-gib must be >= {MIN_KV_CACHE_GIB:g} GiB and finite, got {kv_cache_gib:g}")
     if (error := block_size_error(block_size)) is not None:
         errors.append(error)
     if (error := chunk_size_error(chunk_size)) is not None:

@@ -47,7 +47,7 @@ class ClusterConfig:
     kv_cache_gib: float = defaults.KV_CACHE_GIB
     chunk_size: int = defaults.CHUNK_SIZE
     """The prefill workers' tokens per engine step."""
-    decode_chunk_size: int = defaults.DECODE_CHUNK_SIZE
+    decode_chunk_size: int | None = defaults.DECODE_CHUNK_SIZE  # None: chunk_size
     """The decode workers' (defaults.DECODE_CHUNK_SIZE says why it is smaller)."""
     api_keys: tuple = field(default=(), repr=False)
     """conductor.auth.ApiKey entries of the public API (none: open)."""
@@ -70,7 +70,8 @@ class ClusterConfig:
             raise ValueError("a cluster needs at least one decode worker (and zero or more prefill workers)")
         # Checked here, before any worker starts: each would otherwise die inside vLLM.
         errors = engine_option_errors(self.kv_cache_gib, self.scheduler.block_size, self.chunk_size)
-        if (error := chunk_size_error(self.decode_chunk_size, "--decode-chunk-size")) is not None:
+        if self.decode_chunk_size is not None and (
+                error := chunk_size_error(self.decode_chunk_size, "--decode-chunk-size")) is not None:
             errors.append(error)
         if errors:
             raise ValueError("; ".join(errors))
@@ -88,10 +89,24 @@ def plan_cpu_binding(cores: list[int], count: int) -> list[str]:
     plan, start = [], 0
     for i in range(count):
         size = per + (1 if i < extra else 0)
-        chunk = cores[start:start + size]
-        plan.append(str(chunk[0]) if size == 1 else f"{chunk[0]}-{chunk[-1]}")
+        plan.append(core_list(cores[start:start + size]))
         start += size
     return plan
+
+
+def core_list(cores: list[int]) -> str:
+    """vLLM's (and taskset's) core list: ids, with runs of consecutive ids as ranges ("0-1,8-9").
+    A range over a gap would take cores this process may not use (a cpuset with holes)."""
+    parts: list[str] = []
+    first = prev = cores[0]
+    for core in [*cores[1:], None]:
+        if core is not None and core == prev + 1:
+            prev = core
+            continue
+        parts.append(str(first) if first == prev else f"{first}-{prev}")
+        if core is not None:
+            first = prev = core
+    return ",".join(parts)
 
 
 @dataclass
@@ -155,19 +170,22 @@ class Cluster:
         c = self.config
         roles = [WorkerRole.PREFILL] * c.num_prefill + [WorkerRole.DECODE] * c.num_decode
         binding = plan_cpu_binding(list(os.sched_getaffinity(0)), len(roles))
+        # The conductor in this process hosts the embedded registry, where it listens: loopback
+        # unless --host names one address (then only that one).
+        registry_host = "127.0.0.1" if c.host in ("0.0.0.0", "::", "", "localhost") else c.host
+        registry = f"embedded+http://{f'[{registry_host}]' if ':' in registry_host else registry_host}:{c.port}"
         for i, (role, cores) in enumerate(zip(roles, binding)):
             port = c.first_worker_port + i
+            # Decode workers prefill only beside a batch (unless no prefill worker exists).
+            chunk = c.decode_chunk_size or c.chunk_size if role == WorkerRole.DECODE and c.num_prefill else c.chunk_size
             cmd = [sys.executable, "-m", "mooncake.cli", role, "--model", c.model_path,
                    "--served-model-name", c.served_model_name, "--host", "127.0.0.1", "--port", str(port),
                    "--dtype", str(c.dtype), "--max-model-len", str(c.max_model_len),
                    "--kv-cache-gib", f"{c.kv_cache_gib:g}",
-                   # Decode workers prefill only beside a batch (unless no prefill worker exists).
-                   "--chunk-size", str(c.decode_chunk_size if role == WorkerRole.DECODE and c.num_prefill
-                                       else c.chunk_size),
+                   "--chunk-size", str(chunk),
                    "--cpu-bind", cores, "--instance-id", f"{role}-{i}",
                    "--block-size", str(c.scheduler.block_size),
-                   # The conductor in this process hosts the embedded registry.
-                   "--registry", f"embedded+http://127.0.0.1:{c.port}", *worker_pool_args(c.pool_args, f"{role}-{i}")]
+                   "--registry", registry, *worker_pool_args(c.pool_args, f"{role}-{i}")]
             worker = WorkerProcess(role, f"http://127.0.0.1:{port}", None, tuple(cmd))
             worker.process = self.spawn(worker)
             self.workers.append(worker)
@@ -182,22 +200,27 @@ class Cluster:
         return tuple(w.url for w in self.workers if w.role == role)
 
     def stop(self, grace_s: float = 10.0) -> None:
-        for w in self.workers:
-            kill_group(w.process, signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        for w in self.workers:
-            try:
-                w.process.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
-            # vLLM's engine processes live in the same group, and got the SIGTERM too: the rest of
-            # the grace lets them shut down, which removes their shared memory (a /dev/shm/psm_*
-            # file of 160 MiB, sparse, was left behind at each stop when they were killed at once).
-            # Then make sure none outlives us.
-            while group_running(w.process.pid) and time.monotonic() < deadline:
-                time.sleep(0.1)
-            kill_group(w.process)
-        self.workers.clear()
+        try:
+            for w in self.workers:
+                kill_group(w.process, signal.SIGTERM)
+            deadline = time.monotonic() + grace_s
+            for w in self.workers:
+                try:
+                    w.process.wait(timeout=max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    pass
+                # vLLM's engine processes live in the same group, and got the SIGTERM too: the rest
+                # of the grace lets them shut down, which removes their shared memory (a
+                # /dev/shm/psm_* file of 160 MiB, sparse, was left behind at each stop when they
+                # were killed at once).
+                while group_running(w.process.pid) and time.monotonic() < deadline:
+                    time.sleep(0.1)
+        finally:
+            # Whatever happened meanwhile (a second Ctrl-C while a worker still loads and ignores
+            # SIGTERM), none outlives us.
+            for w in self.workers:
+                kill_group(w.process)
+            self.workers.clear()
 
 
 def worker_pool_args(pool_args: tuple[str, ...], instance: str) -> list[str]:

@@ -51,7 +51,7 @@ def parse(*argv: str):
     (["prefill", "--registry", "foo://x"], "scheme must be one of"),
     (["decode", "--etcd", "h:2379", "--registry-ttl", "1.5"], "use a TTL of at least 2 s"),
     (["decode", "--instance-id", "a/b"], "--instance-id must be non-empty without '/'"),
-    (["prefill", "--kv-port", "70000"], "must be in 0..65535"),
+    (["prefill", "--kv-port", "70000"], "--kv-port in 0..65535"),
     (["conductor", "--port", "70000"], "--port must be in 1..65535"),
     (["conductor", "--kv-wait-timeout", "0"], "--kv-wait-timeout must be a positive"),
     (["conductor", "--max-model-len", "0"], "--max-model-len must be >= 16"),
@@ -59,6 +59,13 @@ def parse(*argv: str):
     (["conductor", "--etcd", "https://h:2379"], "TLS to etcd is not supported"),
     (["prefill", "--etcd", "HTTPS://h:2379"], "TLS to etcd is not supported"),
     (["conductor", "--profile", "nonexistent"], "cannot be read as a profile table"),
+    (["serve", "--profile", "nonexistent"], "cannot be read as a profile table"),
+    (["prefill", "--port", "0"], "--port must be in 1..65535"),
+    (["decode", "--cpu-bind", "0-99999"], "are not among those this process may use"),
+    (["decode", "--cpu-bind", "first"], "--cpu-bind takes core ids and ranges"),
+    (["serve", "--kv-cache-gib", "inf"], "and finite"),
+    (["prefill", "--drain-timeout", "nan"], "--drain-timeout must be >= 0 seconds and finite"),
+    (["conductor", "--registry-ttl", "0"], "--registry-ttl"),
 ])
 def test_cli_refuses_what_the_engine_cannot_take(argv, needle, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -163,7 +170,7 @@ def test_live_defaults_have_one_source():
     worker_args = parse("decode", "--insecure-no-cluster-token")
     worker = worker_config(worker_args, WorkerRole.DECODE, "/models/m")
     assert (worker.block_size, worker.kv_cache_gib, worker.max_num_batched_tokens, worker.dtype) == (
-        defaults.KV_BLOCK_SIZE, defaults.KV_CACHE_GIB, defaults.DECODE_CHUNK_SIZE, Dtype.FLOAT32)
+        defaults.KV_BLOCK_SIZE, defaults.KV_CACHE_GIB, defaults.CHUNK_SIZE, Dtype.FLOAT32)
     prefill_worker = worker_config(parse("prefill", "--insecure-no-cluster-token"), WorkerRole.PREFILL, "/models/m")
     assert prefill_worker.max_num_batched_tokens == defaults.CHUNK_SIZE
     assert worker.role is WorkerRole.DECODE and worker.port == defaults.DECODE_PORT
@@ -186,3 +193,12 @@ def test_a_worker_with_another_block_size_is_refused_with_the_fix():
     assert worker_block_size_error(0, 128) is None  # not known yet
     message = worker_block_size_error(64, 128)
     assert message and "--block-size 128" in message and "64" in message
+
+
+def test_the_kv_transports_come_from_the_option_then_the_environment_then_the_default(monkeypatch):
+    """One rule for the connector's messenger and the pool's (the pool's ignored the variable)."""
+    monkeypatch.delenv(defaults.KV_TRANSPORTS_ENV, raising=False)
+    assert defaults.kv_transports() == defaults.KV_TRANSPORTS
+    monkeypatch.setenv(defaults.KV_TRANSPORTS_ENV, " tcp ,")
+    assert defaults.kv_transports() == ("tcp",)
+    assert defaults.kv_transports("shm,tcp") == ("shm", "tcp")

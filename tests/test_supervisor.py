@@ -284,3 +284,52 @@ def test_serve_gives_decode_workers_their_own_chunk_size_when_prefill_workers_ex
     assert chunks(1) == {"prefill-0": "2048", "decode-1": "256"}
     # No prefill worker: the decode workers prefill everything, in the prefill chunk.
     assert chunks(0) == {"decode-0": "2048"}
+
+
+def test_serve_decode_workers_default_to_the_prefill_chunk_and_register_where_the_conductor_listens(monkeypatch):
+    from mooncake.launcher import Cluster, ClusterConfig
+
+    def commands(**options) -> dict[str, tuple[str, ...]]:
+        cluster = Cluster(ClusterConfig("/models/m", "m", num_prefill=1, **options), cluster_token="t")
+        monkeypatch.setattr(cluster, "spawn", lambda worker: subprocess.Popen(["true"]))
+        cluster.start()
+        for w in cluster.workers:
+            w.process.wait()
+        return {w.command[w.command.index("--instance-id") + 1]: w.command for w in cluster.workers}
+
+    def arg(command, flag):
+        return command[command.index(flag) + 1]
+
+    found = commands(chunk_size=512)  # as --help says: the decode workers' default is the prefill chunk
+    assert arg(found["decode-1"], "--chunk-size") == "512"
+    assert arg(found["decode-1"], "--registry") == "embedded+http://127.0.0.1:8000"
+    found = commands(host="10.1.2.3", port=9000)  # a conductor bound to one address is only there
+    assert {arg(c, "--registry") for c in found.values()} == {"embedded+http://10.1.2.3:9000"}
+    assert arg(commands(host="0.0.0.0")["prefill-0"], "--registry") == "embedded+http://127.0.0.1:8000"
+
+
+def test_a_stop_interrupted_by_a_second_ctrl_c_still_kills_every_worker():
+    """A worker still loading ignores SIGTERM; the operator presses Ctrl-C again during the grace."""
+    from mooncake.launcher import Cluster, ClusterConfig
+
+    cluster = Cluster(ClusterConfig("/models/m", "m", num_prefill=1), cluster_token="t")
+    deaf = ("import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(120)")
+    for role in ("prefill", "decode"):
+        process = subprocess.Popen([sys.executable, "-c", deaf], start_new_session=True)
+        cluster.workers.append(Worker(role, "http://127.0.0.1:1", process, deaf))
+    processes = [w.process for w in cluster.workers]
+    time.sleep(0.5)  # the SIGTERM handler is in place
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    signal.setitimer(signal.ITIMER_REAL, 0.5)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            cluster.stop(grace_s=30)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    for process in processes:
+        assert process.wait(timeout=10) == -signal.SIGKILL

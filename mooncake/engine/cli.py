@@ -101,15 +101,35 @@ def pool_errors(args: argparse.Namespace) -> list[str]:
     return errors
 
 
+def cpu_bind_error(spec: str) -> str | None:
+    """--cpu-bind as vLLM reads it ("0-3,8"): ids and ranges of cores this process may use."""
+    try:
+        cores = set()
+        for part in spec.split(","):
+            first, _, last = part.partition("-")
+            cores.update(range(int(first), int(last or first) + 1))
+    except ValueError:
+        return f"--cpu-bind takes core ids and ranges such as 0-3,8, got {spec!r}"
+    allowed = os.sched_getaffinity(0)
+    if not cores or not cores <= allowed:
+        return (f"--cpu-bind {spec}: cores {sorted(cores - allowed) or 'none'} are not among those this process "
+                f"may use ({len(allowed)}: {sorted(allowed)})")
+    return None
+
+
 def check_worker_args(args: argparse.Namespace) -> list[str]:
     """Options the engine cannot take, found before the model is resolved or vLLM imported."""
     errors = engine_option_errors(args.kv_cache_gib, args.block_size, args.chunk_size)
     if error := max_model_len_error(args.max_model_len):
         errors.append(error)
-    if args.drain_timeout < 0:
-        errors.append(f"--drain-timeout must be >= 0 seconds, got {args.drain_timeout:g}")
-    if not 0 <= args.port <= 65535 or not 0 <= args.kv_port <= 65535:
-        errors.append(f"--port and --kv-port must be in 0..65535 (0: any free one), got {args.port} and {args.kv_port}")
+    if not 0 <= args.drain_timeout < float("inf"):
+        errors.append(f"--drain-timeout must be >= 0 seconds and finite, got {args.drain_timeout:g}")
+    # The HTTP port is registered as given: 0 would publish an address nobody can reach.
+    if not 1 <= args.port <= 65535 or not 0 <= args.kv_port <= 65535:
+        errors.append(f"--port must be in 1..65535 and --kv-port in 0..65535 (0: any free one), got {args.port} "
+                      f"and {args.kv_port}")
+    if args.cpu_bind is not None and (error := cpu_bind_error(args.cpu_bind)):
+        errors.append(error)
     if args.instance_id is not None and (not args.instance_id or "/" in args.instance_id):
         errors.append(f"--instance-id must be non-empty without '/', got {args.instance_id!r}")
     return errors + pool_errors(args) + token_errors(args) + registry_errors(args)
@@ -160,11 +180,8 @@ def registry_errors(args: argparse.Namespace) -> list[str]:
         # gRPC to a TLS port and retry for ever.
         return [f"--etcd {etcd}: TLS to etcd is not supported; give an http:// endpoint (or a TLS-terminating "
                 f"proxy's)"]
-    url = registry_url(args)
-    if url is None:
-        return []
-    try:
-        RegistryConfig(url=url, ttl_s=args.registry_ttl)
+    try:  # no url: the conductor's embedded registry (memory://), with the same TTL
+        RegistryConfig(url=registry_url(args) or "memory://", ttl_s=args.registry_ttl)
     except ValueError as exc:
         return [f"--registry / --etcd / --registry-ttl: {exc}"]
     return []

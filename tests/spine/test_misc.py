@@ -16,6 +16,9 @@ from mooncake.protocol import GenerateRequest, Sampling
     ([0, 1, 2], 2, ["0-1", "2"]),
     ([0, 1], 3, ["0", "1", "0"]),
     ([0], 1, ["0"]),
+    ([0, 2, 4, 6], 2, ["0,2", "4,6"]),  # a cpuset with holes: never a range over cores not ours
+    ([0, 1, 8, 9], 1, ["0-1,8-9"]),
+    ([2, 3, 34, 35, 36], 2, ["2-3,34", "35-36"]),
 ])
 def test_cpu_binding_plan(cores, count, expected):
     assert plan_cpu_binding(cores, count) == expected
