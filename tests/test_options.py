@@ -61,7 +61,6 @@ def parse(*argv: str):
     (["conductor", "--profile", "nonexistent"], "cannot be read as a profile table"),
     (["serve", "--profile", "nonexistent"], "cannot be read as a profile table"),
     (["prefill", "--port", "0"], "--port must be in 1..65535"),
-    (["decode", "--cpu-bind", "0-99999"], "are not among those this process may use"),
     (["decode", "--cpu-bind", "first"], "--cpu-bind takes core ids and ranges"),
     (["serve", "--kv-cache-gib", "inf"], "and finite"),
     (["prefill", "--drain-timeout", "nan"], "--drain-timeout must be >= 0 seconds and finite"),
@@ -202,3 +201,23 @@ def test_the_kv_transports_come_from_the_option_then_the_environment_then_the_de
     monkeypatch.setenv(defaults.KV_TRANSPORTS_ENV, " tcp ,")
     assert defaults.kv_transports() == ("tcp",)
     assert defaults.kv_transports("shm,tcp") == ("shm", "tcp")
+
+
+def test_a_cpu_binding_outside_the_workers_cores_is_refused_where_it_runs(monkeypatch):
+    """Checked at engine start, not by the option parser: the cores a worker may use are its own
+    machine's (a Helm or Ansible command line is checked elsewhere)."""
+    import os
+
+    from mooncake.engine.config import WorkerConfig
+    from mooncake.engine.engine import set_engine_environment
+
+    for name in ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE", "VLLM_LOGGING_LEVEL"):
+        monkeypatch.setenv(name, "")  # restored after: engines later tests start inherit the environment
+    mine = sorted(os.sched_getaffinity(0))
+    def worker(cores: str) -> WorkerConfig:
+        return WorkerConfig(role=WorkerRole.DECODE, model="/m", served_model_name="m", cpu_bind=cores)
+
+    with pytest.raises(ValueError, match="are not among those this process may use"):
+        set_engine_environment(worker(f"{mine[-1] + 1}"))
+    set_engine_environment(worker(str(mine[0])))
+    assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == str(mine[0])

@@ -9,7 +9,7 @@ import os
 from mooncake import defaults
 from mooncake.auth import add_token_arguments, token_errors, token_from_args
 from mooncake.defaults import Dtype, WorkerRole, engine_option_errors, max_model_len_error
-from mooncake.engine.config import WorkerConfig
+from mooncake.engine.config import WorkerConfig, cpu_bind_error
 from mooncake.paths import unusable_directory
 from mooncake.registry.config import EtcdCredentials
 
@@ -99,22 +99,6 @@ def pool_errors(args: argparse.Namespace) -> list[str]:
         if problem:
             errors.append(f"--pool-ssd-dir {directory}: {problem}")
     return errors
-
-
-def cpu_bind_error(spec: str) -> str | None:
-    """--cpu-bind as vLLM reads it ("0-3,8"): ids and ranges of cores this process may use."""
-    try:
-        cores = set()
-        for part in spec.split(","):
-            first, _, last = part.partition("-")
-            cores.update(range(int(first), int(last or first) + 1))
-    except ValueError:
-        return f"--cpu-bind takes core ids and ranges such as 0-3,8, got {spec!r}"
-    allowed = os.sched_getaffinity(0)
-    if not cores or not cores <= allowed:
-        return (f"--cpu-bind {spec}: cores {sorted(cores - allowed) or 'none'} are not among those this process "
-                f"may use ({len(allowed)}: {sorted(allowed)})")
-    return None
 
 
 def check_worker_args(args: argparse.Namespace) -> list[str]:

@@ -88,3 +88,21 @@ class WorkerConfig:
     @property
     def http_url(self) -> str:
         return f"http://{self.public_host}:{self.port}"
+
+
+def cpu_bind_error(spec: str, allowed: set[int] | None = None) -> str | None:
+    """--cpu-bind as vLLM reads it ("0-3,8"): core ids and ranges; with `allowed` (the cores the
+    worker's process may use, known only where it runs), among those."""
+    try:
+        cores = set()
+        for part in spec.split(","):
+            first, _, last = part.partition("-")
+            cores.update(range(int(first), int(last or first) + 1))
+    except ValueError:
+        return f"--cpu-bind takes core ids and ranges such as 0-3,8, got {spec!r}"
+    if not cores:
+        return f"--cpu-bind {spec}: names no core"
+    if allowed is not None and not cores <= allowed:
+        return (f"--cpu-bind {spec}: cores {sorted(cores - allowed)} are not among those this process may use "
+                f"({sorted(allowed)})")
+    return None

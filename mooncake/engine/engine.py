@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from mooncake.auth import kv_key
 from mooncake.control import ControlEndpoint
-from mooncake.engine.config import WorkerConfig
+from mooncake.engine.config import WorkerConfig, cpu_bind_error
 from mooncake.engine.kv_events import publisher_endpoint
 from mooncake.engine.prefill_overlap import PrefillOverlap
 from mooncake.protocol import CONSUMER_KEY, LOADED_TOKENS_KEY, GenerateChunk, GenerateRequest
@@ -33,6 +33,10 @@ def set_engine_environment(config: WorkerConfig) -> None:
     # (kv_cache_memory_bytes, see kv_cache_bytes), which also takes fractions.
     os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
     if config.cpu_bind:
+        # Checked here, where the worker runs (its cpuset is this machine's): vLLM would pin
+        # threads to cores outside it, or fail obscurely.
+        if error := cpu_bind_error(config.cpu_bind, os.sched_getaffinity(0)):
+            raise ValueError(error)
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = config.cpu_bind
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO")
 
