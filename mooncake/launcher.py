@@ -281,7 +281,8 @@ def serve(config: ClusterConfig) -> int:
                 failure.append(error)
                 server.should_exit = True  # uvicorn polls this and shuts down; `finally` stops the rest
                 return
-            supervisor = Supervisor(cluster.workers, cluster.spawn, config.restart_policy, time.monotonic)
+            supervisor = Supervisor(cluster.workers, cluster.spawn, config.restart_policy, time.monotonic,
+                                    probe=fetch_health)
             while not stop.wait(1.0):
                 supervisor.check()
 

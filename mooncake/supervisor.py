@@ -9,8 +9,10 @@ after a back-off. They are asked first (SIGTERM), as systemd and Kubernetes do, 
 segments in /dev/shm (vLLM's, hundreds of MB each, and the multiprocessing resource tracker
 that would unlink them died with them). A restart waits until the group is gone. A worker that
 keeps dying is given up on after `max_restarts` within `window_s`, and the cluster goes on with
-the others (the conductor routes around it and its /health says "degraded"). Pure but for the
-processes: the clock and the spawning are passed in.
+the others (the conductor routes around it and its /health says "degraded"). A restarted
+worker whose engine fails to start stays alive saying so on /health (`probe`): it is stopped and
+counted as a death, like one that exited. Pure but for the processes: the clock, the spawning
+and the probe are passed in.
 """
 
 from __future__ import annotations
@@ -54,8 +56,13 @@ class RestartPolicy:
 
 class Supervisor:
     def __init__(self, workers: list[Supervised], spawn: Callable[[Supervised], subprocess.Popen],
-                 policy: RestartPolicy, clock: Callable[[], float]):
+                 policy: RestartPolicy, clock: Callable[[], float],
+                 probe: Callable[[str], dict | None] | None = None):
+        """`probe(url)`: the worker's /health body (None: no answer yet), asked of restarted
+        workers until they are ready."""
         self._workers = workers
+        self._probe = probe
+        self._starting: set[str] = set()  # restarted, not ready yet (urls)
         self._spawn = spawn
         self._policy = policy
         self._clock = clock
@@ -69,7 +76,10 @@ class Supervisor:
         now = self._clock()
         for w in self._workers:
             self._finish_stopping(w.url, now)
-            if w.url in self.given_up or w.process.poll() is None:
+            if w.url in self.given_up:
+                continue
+            if w.process.poll() is None:
+                self._check_start(w)
                 continue
             if w.url in self._due:
                 if now >= self._due[w.url] and w.url not in self._stopping:
@@ -94,6 +104,19 @@ class Supervisor:
                       "%.0f s); its log is above", w.role, w.url, w.process.pid, code, delay, len(recent) + 1,
                       self._policy.max_restarts, self._policy.window_s)
 
+    def _check_start(self, w: Supervised) -> None:
+        """A restarted worker that says its engine failed is stopped: its exit is then a death."""
+        if w.url not in self._starting or self._probe is None:
+            return
+        health = self._probe(w.url) or {}
+        if health.get("status") == "ready":
+            self._starting.discard(w.url)
+        elif health.get("status") == "failed":
+            self._starting.discard(w.url)
+            log.error("restarted %s worker %s (pid %d) could not start its engine: %s; stopping it", w.role, w.url,
+                      w.process.pid, health.get("error") or "no reason given")
+            kill_group(w.process, signal.SIGTERM)
+
     def _finish_stopping(self, url: str, now: float) -> None:
         """The dead worker's group is gone, or its grace has passed and it is killed."""
         if url not in self._stopping:
@@ -113,6 +136,7 @@ class Supervisor:
         except OSError as exc:  # counted as a death: the next poll schedules another try
             log.error("could not restart %s worker %s: %s", w.role, w.url, exc)
             return
+        self._starting.add(w.url)
         log.warning("restarted %s worker %s (pid %d); /health says when it is ready again", w.role, w.url,
                     w.process.pid)
 

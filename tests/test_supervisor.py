@@ -333,3 +333,27 @@ def test_a_stop_interrupted_by_a_second_ctrl_c_still_kills_every_worker():
         signal.signal(signal.SIGALRM, previous)
     for process in processes:
         assert process.wait(timeout=10) == -signal.SIGKILL
+
+
+def test_a_restarted_worker_whose_engine_fails_to_start_is_stopped_and_counted_as_a_death(procs):
+    """It stays alive answering /health "failed": without the probe it would sit there for ever."""
+    now = [0.0]
+    health: dict[str, dict] = {}
+    worker = Worker("decode", "http://w1", None, "import sys; sys.exit(3)")
+    worker.process = procs(worker)
+    keeper = Supervisor([worker], procs, RestartPolicy(max_restarts=3, window_s=60, first_delay_s=0),
+                        lambda: now[0], probe=lambda url: health.get(url))
+    wait_exit(worker.process)
+    keeper.check()  # a death: its restart is due at once
+    worker.code = LIVES
+    keeper.check()
+    restarted = worker.process
+    assert restarted.poll() is None
+    keeper.check()  # no answer yet: still starting
+    health["http://w1"] = {"status": "failed", "error": "RuntimeError: no memory"}
+    keeper.check()
+    assert restarted.wait(timeout=10) == -signal.SIGTERM
+    now[0] += 1.0
+    keeper.check()  # its exit is a death: restarted again after the back-off
+    keeper.check()
+    assert worker.process is not restarted and len(keeper._restarted["http://w1"]) == 2
