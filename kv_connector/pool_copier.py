@@ -38,8 +38,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import torch
-import xxhash
 
+from kv_connector.pool_checksums import BlockReads, SaveJob
 from kv_connector.pool_planner import PoolLoad, PoolSave
 from messenger.cma import in_parallel
 from mooncake.kv_layout import block_bytes, blocks_first, runs
@@ -103,51 +103,6 @@ class _StepLoads:
     failed_blocks: set[int] = field(default_factory=set)
 
 
-class _Read:
-    """Blocks a load read (pinned) from the pool, and the running checksum of the bytes copied
-    out of each: a block changed in DRAM since it was committed is caught, never computed on."""
-
-    def __init__(self, load: PoolLoad, got: list[tuple[int, int, int]]):
-        self.keys = [k for k, _, _ in got]
-        self.slots = [s for _, s, _ in got]
-        self.expected = [c for _, _, c in got]
-        self.block_ids = load.block_ids[:len(got)]
-        self.digests = [xxhash.xxh3_64() for _ in got]
-
-    def corrupt(self) -> list[int]:
-        """Positions of the blocks whose copied bytes do not match their checksum (call once
-        every layer is copied)."""
-        return [i for i, (d, c) in enumerate(zip(self.digests, self.expected)) if d.intdigest() != c]
-
-
-class _SaveJob:
-    """A save's layers still to copy, and the running checksum of each block's bytes as copied
-    (layers in slot order make the block's checksum). The commit names these checksums, so a
-    slot that anything else wrote into before the commit (a peer's transfer that arrived past
-    its quarantine) fails every read instead of being committed as it stands."""
-
-    def __init__(self, layers: int, blocks: int):
-        self.layers_left = layers
-        self.ok = True
-        self.next_index = 0  # the layer the running checksums take next
-        self.digests: list | None = [xxhash.xxh3_64() for _ in range(blocks)]
-
-    def hash_layer(self, index: int, rows) -> None:
-        """Feed layer `index`'s rows (one per block) to the checksums. Layers out of slot order
-        leave the commit without checksums (the pool then hashes the slots itself)."""
-        if self.digests is None:
-            return
-        if index != self.next_index:
-            self.digests = None
-            return
-        for digest, row in zip(self.digests, rows):
-            digest.update(row)
-        self.next_index += 1
-
-    def checksums(self) -> list[int] | None:
-        return None if self.digests is None else [d.intdigest() for d in self.digests]
-
-
 class PoolCopier:
     def __init__(self, connect: Callable[[float], PoolClient], block_size: int, timeout_s: float = 2.0,
                  load_timeout_s: float = 30.0):
@@ -171,7 +126,7 @@ class PoolCopier:
         self._layer_of: dict[str, int] = {}
         self._async: dict[str, Future] = {}  # request id -> its asynchronous load
         self._lock = threading.Condition()
-        self._jobs: dict[PoolSave, _SaveJob] = {}
+        self._jobs: dict[PoolSave, SaveJob] = {}
         self._saves_left: dict[str, int] = {}  # request id -> its saves not yet committed
         self._has_saves: set[str] = set()  # requests vLLM must hear "finished sending" about
         self._finished: set[str] = set()  # finished by vLLM, saves maybe still in flight
@@ -248,11 +203,11 @@ class PoolCopier:
         layer after layer, releasing the forward pass one layer at a time."""
         start = time.perf_counter()
         assert self._layout is not None
-        plans: list[_Read] = []
+        plans: list[BlockReads] = []
         try:
             for load in step.loads:
                 got = self._sync_client.read(load.keys)  # pinned on this line; SSD blocks promoted
-                plans.append(_Read(load, got))
+                plans.append(BlockReads(load, got))
                 step.failed_blocks.update(load.block_ids[len(got):])
         except Exception as exc:  # noqa: BLE001 - nothing read: vLLM recomputes these blocks
             log.warning("pool read failed (%s); recomputing %d requests' prefixes", exc, len(step.loads))
@@ -292,7 +247,7 @@ class PoolCopier:
             held = self._async_client.fetch_remote(load.peer.encode(), load.keys)
             with self._lock:
                 self.stats.fetched_blocks += held
-        read = _Read(load, self._async_client.read(load.keys))
+        read = BlockReads(load, self._async_client.read(load.keys))
         corrupt: list[int] = []
         try:
             if len(read.keys) < len(load.keys):
@@ -387,7 +342,7 @@ class PoolCopier:
                 if save not in self._jobs:  # its first layer
                     self._has_saves.add(save.request_id)
                     self._saves_left[save.request_id] = self._saves_left.get(save.request_id, 0) + 1
-                    self._jobs[save] = _SaveJob(len(self._layer_of), len(save.keys))
+                    self._jobs[save] = SaveJob(len(self._layer_of), len(save.keys))
         for save in saves:
             self._saver.submit(self._save_layer, save, layer_name, index, written)
 

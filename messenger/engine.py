@@ -51,6 +51,7 @@ from messenger.call_lane import FAILED as LANE_FAILED
 from messenger.call_lane import OK as LANE_OK
 from messenger.call_lane import LaneClient, LaneServer, LaneUnreachable
 from messenger.integrity import CHECKSUM_ERROR_PREFIX, SliceHasher
+from messenger.regions import RegionTable
 from messenger.stats import TransportStats
 from messenger.transport_calls import NOTIFY, REPLY, REPLY_ERROR, SILENT, TransportCalls
 from messenger.watchdog import Watchdog
@@ -108,35 +109,6 @@ class EngineConfig:
             raise ValueError("EngineConfig.timeout_s must be positive")
         if self.auth_key is not None and len(self.auth_key) < 16:
             raise ValueError("EngineConfig.auth_key must be at least 16 bytes")
-
-
-class RegionTable:
-    """Registered regions by name (thread-safe)."""
-
-    def __init__(self) -> None:
-        self._regions: dict[str, Region] = {}
-        self._lock = threading.Lock()
-
-    def add(self, region: Region) -> None:
-        with self._lock:
-            if region.name in self._regions:
-                raise ValueError(f"region {region.name!r} is already registered")
-            self._regions[region.name] = region
-
-    def remove(self, name: str) -> None:
-        with self._lock:
-            if self._regions.pop(name, None) is None:
-                raise KeyError(f"no region {name!r}")
-
-    def get(self, name: str) -> Region:
-        region = self._regions.get(name)
-        if region is None:
-            raise TransferError(f"no region {name!r} is registered here")
-        return region
-
-    def all(self) -> list[Region]:
-        with self._lock:
-            return list(self._regions.values())
 
 
 @dataclass

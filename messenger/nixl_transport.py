@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from messenger.api import Batch, Direction, OutgoingMessage, PeerInfo, Region, Slice, TransferError
+from messenger.nixl_wire import Ack, Address, Message, Notice, Notification, Regions, Want, decode, encode
 from messenger.peer_queues import PeerQueues
 from messenger.stats import TransportStats
 
@@ -56,46 +57,6 @@ class NixlConfig:
             raise ValueError("nixl ucx_tls must name at least one UCX transport (e.g. 'tcp,self')")
         if self.poll_idle_s < 0:
             raise ValueError(f"nixl poll_idle_s must be >= 0, got {self.poll_idle_s}")
-
-
-class Address(msgspec.Struct, frozen=True):
-    agent: str
-    metadata: str  # base64 of nixl_agent.get_agent_metadata()
-
-
-class Want(msgspec.Struct, tag=True):
-    sender: str
-    metadata: bytes
-    names: list[str]
-
-
-class Regions(msgspec.Struct, tag=True):  # answers carry no engine name: the initiator knows the agent
-    metadata: list[bytes]  # partial metadata (one per memory kind): the keys of the regions below
-    regions: list[tuple[str, int, int, str, int]]  # name, address, length, memory kind (DRAM/VRAM), device id
-    missing: list[str]
-
-
-class Notice(msgspec.Struct, tag=True):
-    sender: str
-    seq: int
-    slices: list[tuple[str, int, str, int, int]]
-    payload: bytes
-    checksums: list[int]
-
-
-class Ack(msgspec.Struct, tag=True):
-    seq: int
-    error: str | None
-
-
-class Message(msgspec.Struct, tag=True):
-    sender: str
-    payload: bytes
-
-
-Notification = Want | Regions | Notice | Ack | Message
-_encode = msgspec.msgpack.Encoder().encode
-_decode = msgspec.msgpack.Decoder(Notification).decode
 
 
 def nixl_missing() -> str | None:
@@ -198,7 +159,7 @@ class NixlTransport:
             self._want(peer.name, remote, {s.remote_region for s in slices})
             local_kind, local_descs, remote_kind, remote_descs = self._descriptors(remote, slices)
             seq = next(self._seq) if message is not None and direction is Direction.WRITE else None
-            notice = b"" if seq is None else _encode(Notice(
+            notice = b"" if seq is None else encode(Notice(
                 self._sender(), seq, [(s.local_region, s.local_offset, s.remote_region, s.remote_offset, s.length)
                                       for s in slices], message.payload, list(message.checksums)))
             with self._lock:
@@ -376,7 +337,7 @@ class NixlTransport:
 
     def _notify(self, agent: str, notification: Notification) -> None:
         with self._lock:
-            self._agent.send_notif(agent, _encode(notification))
+            self._agent.send_notif(agent, encode(notification))
 
     # -- inbound and completions ----------------------------------------------------------------
 
@@ -427,7 +388,7 @@ class NixlTransport:
 
     def _on_notification(self, agent: str, raw: bytes) -> None:
         try:
-            n = _decode(raw)
+            n = decode(raw)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             log.warning("nixl: dropped a notification from agent %s that is not ours: %s", agent, exc)
             return

@@ -5,6 +5,7 @@ manager and scheduler output are stand-ins carrying only the fields the connecto
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -88,19 +89,25 @@ def save_step(copier: PoolCopier, saves, kv):
         copier.save_layer(saves, name)
 
 
-def save_prompt(service, tokens, block_ids):
-    """An engine (its planner and copier) computes `tokens` into `block_ids` and saves every full
-    block to the pool. Returns (its copier, its KV cache)."""
-    source = caches()
-    writer = PoolCopier(connect(service), BS)
-    writer.register_kv_caches(source)
+def plan_saves(service, tokens, block_ids):
+    """The saves a planner plans for request "a", whose `tokens` are all computed in one step
+    into `block_ids` (nothing of them cached)."""
     planner = PoolPlanner(PoolClient(service.endpoint), BS)
     planner.bind_kv_cache_manager(FakeManager({"a": list(block_ids)}))
     req = FakeRequest("a", tokens)
     planner.matched_tokens(req, 0)
     planner.after_alloc(req, blocks_of(block_ids), 0)
     _, saves, _ = planner.plan(step(new={"a": 0}, scheduled={"a": len(tokens)}))
-    save_step(writer, saves, source)
+    return saves
+
+
+def save_prompt(service, tokens, block_ids):
+    """An engine (its planner and copier) computes `tokens` into `block_ids` and saves every full
+    block to the pool. Returns (its copier, its KV cache)."""
+    source = caches()
+    writer = PoolCopier(connect(service), BS)
+    writer.register_kv_caches(source)
+    save_step(writer, plan_saves(service, tokens, block_ids), source)
     writer.flush(["a"])
     return writer, source
 
@@ -277,12 +284,7 @@ def test_a_slot_written_between_a_saves_copy_and_its_commit_fails_its_reads(serv
     source = caches()
     writer = PoolCopier(connect(service), BS)
     writer.register_kv_caches(source)
-    planner = PoolPlanner(PoolClient(service.endpoint), BS)
-    planner.bind_kv_cache_manager(FakeManager({"a": [0, 1, 2]}))
-    req = FakeRequest("a", tokens)
-    planner.matched_tokens(req, 0)
-    planner.after_alloc(req, blocks_of([0, 1, 2]), 0)
-    _, saves, _ = planner.plan(step(new={"a": 0}, scheduled={"a": len(tokens)}))
+    saves = plan_saves(service, tokens, [0, 1, 2])
     *first, last = list(source)
     for name in first:
         writer.save_layer(saves, name)
@@ -305,9 +307,9 @@ def test_a_slot_written_between_a_saves_copy_and_its_commit_fails_its_reads(serv
 
 
 def test_a_save_whose_layers_come_out_of_order_leaves_the_checksums_to_the_pool():
-    from kv_connector.pool_copier import _SaveJob
+    from kv_connector.pool_checksums import SaveJob
     rows = [b"ab", b"cd"]
-    in_order, out_of_order = _SaveJob(2, 2), _SaveJob(2, 2)
+    in_order, out_of_order = SaveJob(2, 2), SaveJob(2, 2)
     in_order.hash_layer(0, rows)
     in_order.hash_layer(1, rows)
     assert in_order.checksums() == [checksum(b"abab"), checksum(b"cdcd")]  # the slot's bytes, in order
@@ -438,15 +440,10 @@ def test_saves_not_copied_before_their_blocks_are_reused_do_not_commit(service, 
     kv = caches()
     copier = PoolCopier(connect(service), BS, load_timeout_s=0.2)
     copier.register_kv_caches(kv)
-    planner = PoolPlanner(PoolClient(service.endpoint), BS)
-    planner.bind_kv_cache_manager(FakeManager({"a": [0, 1, 2]}))
-    req = FakeRequest("a", tokens)
-    planner.matched_tokens(req, 0)
-    planner.after_alloc(req, blocks_of([0, 1, 2]), 0)
-    _, saves, _ = planner.plan(step(new={"a": 0}, scheduled={"a": len(tokens)}))
+    saves = plan_saves(service, tokens, [0, 1, 2])
     assert saves
     copy = copier._save_layer
-    release = __import__("threading").Event()
+    release = threading.Event()
 
     def slow_copy(*args, **kwargs):  # the save thread is behind (a busy machine)
         release.wait(5)
