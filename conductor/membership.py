@@ -89,6 +89,11 @@ async def poll_health(pool: WorkerPool, client: WorkerClient, index: PrefixIndex
             renamed(h, names[h.http_url], index)
             if before.get(h.http_url) and not h.ready:
                 log.warning("worker %s is %s: %s", h.name, h.status, h.last_error)
+                # Its blocks leave the index now, not when it is back: a restarted process keeps
+                # its name (serve's decode-1) and answers /health ready before its follower's
+                # first snapshot, and routes priced on the dead process's blocks in between
+                # (P skipped blocks that D no longer held; D recomputed the whole prompt).
+                index.remove_instance(h.name)
                 h.events_seq = -1  # when it comes back, take a full snapshot of its blocks
         await asyncio.sleep(interval_s)
 

@@ -210,6 +210,37 @@ def test_a_restart_seen_by_the_health_poll_also_clears_the_old_ids_blocks():
     assert index.block_count("w-old") == 0 and handle.events_seq == -1
 
 
+def test_a_worker_that_goes_down_leaves_the_prefix_index_at_once():
+    """A worker restarted under its own name (serve's decode-1, a static --decode-url) answers
+    /health ready before its KV events follower has taken a snapshot: its old blocks must be gone
+    by then, or a route skips pushing blocks the new process does not hold."""
+    import asyncio
+
+    from conductor.membership import poll_health
+
+    pool, index = WorkerPool(), PrefixIndex()
+    handle = pool.add("http://w1:1", static=True)
+    states = iter([True, False])
+
+    class Health:
+        async def check(self, h):
+            h.instance_id, h.ready = "decode-1", next(states, False)
+
+    async def main():
+        poller = asyncio.create_task(poll_health(pool, Health(), index, 0.01))
+        while not handle.ready:
+            await asyncio.sleep(0.001)
+        index.apply_stored("decode-1", [1, 2, 3])
+        handle.events_seq = 7
+        while handle.ready:
+            await asyncio.sleep(0.001)
+        await asyncio.sleep(0.005)  # the poll looks at readiness right after its checks
+        poller.cancel()
+
+    asyncio.run(asyncio.wait_for(main(), 5))
+    assert index.block_count("decode-1") == 0 and handle.events_seq == -1
+
+
 def test_a_registered_workers_step_size_reaches_the_scheduler():
     pool, index, view = WorkerPool(), PrefixIndex(), ClusterView()
     info = InstanceInfo("d1", "decode", "http://d1:1", "d1:2", "m", BLOCK, 100_000, 0.0, chunk_tokens=256)
