@@ -319,10 +319,14 @@ class CompletionService:
         tried: set[str] = set()
         while True:
             route = life.route
+            # Each attempt has its own id, which names its KV transfer and its workers' requests:
+            # the failed attempt's prefill may still reserve on the decode worker, and its drop
+            # is sent after the retry started; under one id either would take the retry's KV.
+            attempt_id = f"{req.request_id}-r{len(tried)}" if tried else req.request_id
             if req.n == 1:
-                life.chunks = sample_zero(self.relay.run(req.request_id, req.prompt, req.sampling, route, stats))
+                life.chunks = sample_zero(self.relay.run(attempt_id, req.prompt, req.sampling, route, stats))
             else:
-                life.chunks = self.relay.samples(req.request_id, req.prompt, req.sampling, route, stats, req.n)
+                life.chunks = self.relay.samples(attempt_id, req.prompt, req.sampling, route, stats, req.n)
             try:
                 return await life.chunks.__anext__()
             except RequestRefused as exc:  # the request itself is invalid: no other worker would take it

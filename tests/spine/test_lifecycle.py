@@ -43,11 +43,13 @@ class ScriptedRelay:
         self.error_after = error_after
         self.pause_s = pause_s
         self.prefills: list[str] = []
+        self.request_ids: list[str] = []
         self.closed_early = 0
         self.completed = 0
 
     async def run(self, request_id, prompt, sampling, route, stats):
         self.prefills.append(route.prefill.name)
+        self.request_ids.append(request_id)
         if route.prefill.name in self.fail_on:
             raise WorkerError(f"{route.prefill.name} is down")
         chunks = self.stream(self.tokens, self.error_after)
@@ -188,6 +190,9 @@ def test_retry_on_another_prefill_worker_moves_the_ledger_entry_and_pending_pref
         response = await service.serve(req, "completions")
         other = "p2" if first.prefill.name == "p1" else "p1"
         assert relay.prefills == [first.prefill.name, other]
+        # The retry's KV transfer is not the failed attempt's (a late reservation or drop of
+        # that one must not touch it).
+        assert relay.request_ids == [req.request_id, req.request_id + "-r1"]
         assert response.headers["x-mooncake-prefill"] == other
         snap = service.snapshot()  # mid-request: only the new route holds entries
         assert snap["ledgers"][first.prefill.name] == {"prefill_jobs": 0, "incoming": 0, "running": 0}
