@@ -3,57 +3,92 @@
 
 With one shared thread, a frozen peer stalled every other peer's batches behind it until they
 timed out. Here it stalls only its own; batches to one peer still go in submission order. A
-peer's thread lives as long as the transport (peers are the workers of one deployment: few).
+peer's thread ends once it has had nothing to do for `idle_s`: a worker restarted is a new peer
+name, and a long-lived deployment would otherwise keep one thread per name it ever wrote to.
 """
 
 from __future__ import annotations
 
+import queue
 import threading
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 
 from messenger.api import Batch, TransferError
 
+IDLE_S = 30.0  # a peer's thread ends after this long without work; the next submit starts one
+
+
+class _Lane:
+    def __init__(self) -> None:
+        self.work: queue.SimpleQueue[tuple[Batch, Callable, tuple] | None] = queue.SimpleQueue()
+        self.thread: threading.Thread | None = None
+
 
 class PeerQueues:
-    """Per-peer single-thread executors. `close` once; later submissions fail their batch."""
+    """Per-peer submission threads. `close` once; later submissions fail their batch."""
 
-    def __init__(self, prefix: str) -> None:
+    def __init__(self, prefix: str, idle_s: float = IDLE_S) -> None:
         self._prefix = prefix  # thread names: "<prefix>-<peer>"
-        self._lock = threading.Lock()
-        self._pools: dict[str, ThreadPoolExecutor] = {}
+        self._idle_s = idle_s
+        self._lock = threading.Lock()  # a lane leaves `_lanes` only under it, with nothing queued
+        self._lanes: dict[str, _Lane] = {}
         self._closed = False
 
     def submit(self, peer: str, batch: Batch, run: Callable, *args) -> None:
         """Run `run(*args)` on `peer`'s thread after what was queued for it before. If the queue
         is closed, or `close` cancels it before it runs, `batch` fails instead of waiting forever."""
-        closed = TransferError(f"{self._prefix} transport closed")
         with self._lock:
-            pool = None if self._closed else self._pools.get(peer)
-            if pool is None and not self._closed:
-                pool = self._pools[peer] = ThreadPoolExecutor(1, thread_name_prefix=f"{self._prefix}-{peer}")
-        if pool is None:
-            batch.complete(closed)
-            return
-        try:
-            future = pool.submit(run, *args)
-        except RuntimeError:  # close shut it down meanwhile
-            batch.complete(closed)
-            return
+            if not self._closed:
+                lane = self._lanes.get(peer)
+                if lane is None:
+                    lane = self._lanes[peer] = _Lane()
+                    lane.thread = threading.Thread(target=self._run, args=(peer, lane), daemon=True,
+                                                   name=f"{self._prefix}-{peer}")
+                    lane.thread.start()
+                lane.work.put((batch, run, args))
+                return
+        batch.complete(self._closed_error())
 
-        def cancelled(done: Future) -> None:
-            if done.cancelled():
-                batch.complete(closed)
-
-        future.add_done_callback(cancelled)
+    def lanes(self) -> int:
+        """How many peers have a submission thread now."""
+        with self._lock:
+            return len(self._lanes)
 
     def close(self, wait: bool) -> None:
         """Cancel what is still queued (failing its batches); `wait`: for what runs to return."""
         with self._lock:
             self._closed = True
-            pools, self._pools = list(self._pools.values()), {}
-        for pool in pools:
-            pool.shutdown(wait=False, cancel_futures=True)
+            lanes, self._lanes = list(self._lanes.values()), {}
+        for lane in lanes:
+            lane.work.put(None)  # after what is queued: the thread fails those (closed) and ends
         if wait:
-            for pool in pools:
-                pool.shutdown(wait=True)
+            for lane in lanes:
+                if lane.thread is not threading.current_thread():
+                    lane.thread.join()
+
+    def _closed_error(self) -> TransferError:
+        return TransferError(f"{self._prefix} transport closed")
+
+    def _run(self, peer: str, lane: _Lane) -> None:
+        while True:
+            try:
+                item = lane.work.get(timeout=self._idle_s)
+            except queue.Empty:
+                with self._lock:
+                    if lane.work.empty():  # nothing came meanwhile: nobody can queue here now
+                        if self._lanes.get(peer) is lane:
+                            del self._lanes[peer]
+                        return
+                continue
+            if item is None:
+                return
+            batch, run, args = item
+            with self._lock:
+                closed = self._closed
+            if closed:  # closed after it was queued: fail it rather than start it
+                batch.complete(self._closed_error())
+                continue
+            try:
+                run(*args)
+            except Exception as exc:  # noqa: BLE001 - the batch fails; the peer's thread goes on
+                batch.complete(TransferError(f"{self._prefix} to {peer!r}: {type(exc).__name__}: {exc}"))
