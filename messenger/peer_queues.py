@@ -9,18 +9,21 @@ name, and a long-lived deployment would otherwise keep one thread per name it ev
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 from collections.abc import Callable
 
 from messenger.api import Batch, TransferError
 
+log = logging.getLogger(__name__)
+
 IDLE_S = 30.0  # a peer's thread ends after this long without work; the next submit starts one
 
 
 class _Lane:
     def __init__(self) -> None:
-        self.work: queue.SimpleQueue[tuple[Batch, Callable, tuple] | None] = queue.SimpleQueue()
+        self.work: queue.SimpleQueue[tuple[Batch | None, Callable, tuple] | None] = queue.SimpleQueue()
         self.thread: threading.Thread | None = None
 
 
@@ -34,9 +37,10 @@ class PeerQueues:
         self._lanes: dict[str, _Lane] = {}
         self._closed = False
 
-    def submit(self, peer: str, batch: Batch, run: Callable, *args) -> None:
+    def submit(self, peer: str, batch: Batch | None, run: Callable, *args) -> None:
         """Run `run(*args)` on `peer`'s thread after what was queued for it before. If the queue
-        is closed, or `close` cancels it before it runs, `batch` fails instead of waiting forever."""
+        is closed, or `close` cancels it before it runs, `batch` (the one waiting on this work,
+        None if none here is) fails instead of waiting forever."""
         with self._lock:
             if not self._closed:
                 lane = self._lanes.get(peer)
@@ -47,7 +51,7 @@ class PeerQueues:
                     lane.thread.start()
                 lane.work.put((batch, run, args))
                 return
-        batch.complete(self._closed_error())
+        self._fail(batch, self._closed_error())
 
     def lanes(self) -> int:
         """How many peers have a submission thread now."""
@@ -65,6 +69,11 @@ class PeerQueues:
             for lane in lanes:
                 if lane.thread is not threading.current_thread():
                     lane.thread.join()
+
+    @staticmethod
+    def _fail(batch: Batch | None, error: TransferError) -> None:
+        if batch is not None:
+            batch.complete(error)
 
     def _closed_error(self) -> TransferError:
         return TransferError(f"{self._prefix} transport closed")
@@ -86,9 +95,10 @@ class PeerQueues:
             with self._lock:
                 closed = self._closed
             if closed:  # closed after it was queued: fail it rather than start it
-                batch.complete(self._closed_error())
+                self._fail(batch, self._closed_error())
                 continue
             try:
                 run(*args)
             except Exception as exc:  # noqa: BLE001 - the batch fails; the peer's thread goes on
-                batch.complete(TransferError(f"{self._prefix} to {peer!r}: {type(exc).__name__}: {exc}"))
+                log.exception("%s to %r failed", self._prefix, peer)
+                self._fail(batch, TransferError(f"{self._prefix} to {peer!r}: {type(exc).__name__}: {exc}"))

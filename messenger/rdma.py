@@ -28,7 +28,6 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 
 from messenger import rdma_control as ctl
 from messenger.api import Batch, Direction, OutgoingMessage, PeerInfo, Region, Slice, TransferError
@@ -74,6 +73,11 @@ class RdmaTransport:
         # Submissions (connecting, asking for regions, planning) on one thread per peer: a frozen
         # peer delays only its own batches. A peer's links are made on its thread only: no duplicates.
         self._submitter = PeerQueues("rdma-submit")
+        # Notices (sender) and checksum checks with their acks (receiver) go out on the control
+        # socket, whose send blocks once a frozen peer's TCP window is full: one thread per peer
+        # each, so that peer holds up only its own.
+        self._noticer = PeerQueues("rdma-notice")
+        self._verifier = PeerQueues("rdma-verify")
         self._local_name: str | None = None
         self._port: VerbsPort | None = None
         self._mrs: dict[str, tuple[LocalKey, int, object]] = {}  # name -> (key, rkey, MR handle)
@@ -104,8 +108,6 @@ class RdmaTransport:
         # engine's other transports are reached.
         bound = self._config.host if self._rdma.control_host in WILDCARD_HOSTS else self._rdma.control_host
         host = reachable_host(bound, self._config.advertise_host)
-        self._verifier = ThreadPoolExecutor(1, thread_name_prefix="rdma-verify")
-        self._noticer = ThreadPoolExecutor(1, thread_name_prefix="rdma-notice")
         for target, name in ((self._accept_loop, "rdma-accept"), (self._poll_loop, "rdma-poll")):
             thread = threading.Thread(target=target, name=name, daemon=True)
             thread.start()
@@ -147,7 +149,7 @@ class RdmaTransport:
         seq, numbered = self._book.open(peer.name, batch, requests, awaits_ack)
         self._post(link, lambda: link.sendq.enqueue(numbered))
         if awaits_ack:  # its checksums may still be computing: wait for them on the notice thread
-            self._noticer.submit(self._send_notice, link, seq, slices, message)
+            self._noticer.submit(link.peer, batch, self._send_notice, link, seq, slices, message)
 
     def _send_notice(self, link: _Link, seq: int, slices: list[Slice], message: OutgoingMessage) -> None:
         try:
@@ -200,10 +202,8 @@ class RdmaTransport:
             self._break(link, "rdma transport closed")
         for thread in self._threads:
             thread.join(timeout=5)
-        self._submitter.close(wait=False)
-        for pool in (getattr(self, name, None) for name in ("_noticer", "_verifier")):
-            if pool is not None:
-                pool.shutdown(wait=False, cancel_futures=True)
+        for queues in (self._submitter, self._noticer, self._verifier):
+            queues.close(wait=False)
         for _, _, handle in self._mrs.values():
             self._port.deregister(handle)
         self._mrs.clear()
@@ -380,7 +380,7 @@ class RdmaTransport:
                 frame = channel.receive()
                 if isinstance(frame, ctl.Notice):  # a message without slices has no immediate to wait for
                     if not frame.slices or (frame := link.inbound.notice(frame)) is not None:
-                        self._verifier.submit(self._verify, link, frame)
+                        self._verifier.submit(link.peer, None, self._verify, link, frame)
                 elif isinstance(frame, ctl.RegionsWanted):
                     channel.send(ctl.Regions(*self._export(frame.names)))
                 elif isinstance(frame, ctl.Message):
@@ -436,7 +436,7 @@ class RdmaTransport:
             self._break(link, f"rdma link from {link.peer!r}: cannot post a receive: {exc}")
             return
         if (ready := link.inbound.landed(c.imm)) is not None:
-            self._verifier.submit(self._verify, link, ready)
+            self._verifier.submit(link.peer, None, self._verify, link, ready)
 
     def _on_send(self, link: _Link, c) -> None:
         if c.status != 0:

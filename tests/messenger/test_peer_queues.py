@@ -76,3 +76,13 @@ def test_close_fails_what_is_queued_and_what_comes_after():
     release.set()
     closer.join(5.0)
     assert outcome(running) is None and "closed" in str(outcome(queued))
+
+
+def test_work_no_batch_waits_on_runs_and_is_dropped_at_close():
+    """rdma's receive side queues checksum checks (their ack is the peer's to wait for)."""
+    queues = PeerQueues("test")
+    ran = threading.Event()
+    queues.submit("a", None, ran.set)
+    assert ran.wait(5.0)
+    queues.close(wait=True)
+    queues.submit("a", None, lambda: 1 / 0)  # closed: dropped, nothing raised here
