@@ -155,6 +155,9 @@ worker's KVCache pool (its DRAM or SSD tier, through the messenger) instead of c
 that prices the lower TTFT. Only a worker whose pool serves other nodes (its /health names a
 pool_peer) is fetched from. With flexible roles it matters most for conversations: the decode
 worker saved the answer's blocks, so the next turn's prefill takes them from there."""
+ENGINE_DIED_EXIT_CODE = 70
+"""A worker's exit code when its vLLM engine died under it (the supervisor, systemd or Kubernetes
+restarts it). Not 3: uvicorn exits 3 when the server cannot start (its port taken)."""
 WORKER_MAX_RESTARTS = 5
 WORKER_RESTART_WINDOW_S = 600.0
 """`serve` restarts a worker that dies, at most WORKER_MAX_RESTARTS times within

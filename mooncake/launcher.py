@@ -28,7 +28,7 @@ from mooncake.auth import TOKEN_ENV, generate_token
 from mooncake.defaults import Dtype, WorkerRole, chunk_size_error, engine_option_errors
 from mooncake.logs import uvicorn_log_config
 from mooncake.net import http_server_config
-from mooncake.supervisor import RestartPolicy, Supervisor, group_running, kill_group
+from mooncake.supervisor import RestartPolicy, Supervisor, exit_reason, group_running, kill_group
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +123,7 @@ def startup_failure(worker: WorkerProcess, health: dict | None) -> str | None:
     `health` is the body of its /health (None: not answering yet)."""
     code = worker.process.poll()
     if code is not None:
-        return (f"{worker.role} worker {worker.url} (pid {worker.process.pid}) exited with code {code} "
+        return (f"{worker.role} worker {worker.url} (pid {worker.process.pid}) {exit_reason(code)} "
                 f"while starting; its log is above")
     if health and health.get("status") == "failed":
         return f"{worker.role} worker {worker.url} failed to start: {health.get('error') or 'no error given'}"

@@ -94,14 +94,14 @@ class Supervisor:
             code = w.process.returncode
             if len(recent) >= self._policy.max_restarts:
                 self.given_up.add(w.url)
-                log.error("%s worker %s (pid %d) exited with code %s, its %s death within %.0f s: not restarting "
-                          "it; the cluster goes on without it", w.role, w.url, w.process.pid, code,
+                log.error("%s worker %s (pid %d) %s, its %s death within %.0f s: not restarting "
+                          "it; the cluster goes on without it", w.role, w.url, w.process.pid, exit_reason(code),
                           _ordinal(len(recent) + 1), self._policy.window_s)
                 continue
             delay = min(self._policy.max_delay_s, self._policy.first_delay_s * 2 ** len(recent))
             self._due[w.url] = now + delay
-            log.error("%s worker %s (pid %d) exited with code %s; restarting it in %.0f s (restart %d of %d within "
-                      "%.0f s); its log is above", w.role, w.url, w.process.pid, code, delay, len(recent) + 1,
+            log.error("%s worker %s (pid %d) %s; restarting it in %.0f s (restart %d of %d within "
+                      "%.0f s); its log is above", w.role, w.url, w.process.pid, exit_reason(code), delay, len(recent) + 1,
                       self._policy.max_restarts, self._policy.window_s)
 
     def _check_start(self, w: Supervised) -> None:
@@ -166,6 +166,20 @@ def kill_group(process: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
         os.killpg(process.pid, sig)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+def exit_reason(code: int | None) -> str:
+    """A worker process's exit code, said the way an operator reads it."""
+    if code is None:
+        return "is still running"
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}" + (" (the OOM killer?)" if code == -signal.SIGKILL else "")
+        except ValueError:
+            return f"was killed by signal {-code}"
+    known = {defaults.ENGINE_DIED_EXIT_CODE: "its vLLM engine died",
+             3: "its HTTP server could not start (its port taken?)", 0: "it stopped"}
+    return f"exited with code {code}" + (f" ({known[code]})" if code in known else "")
 
 
 def _ordinal(n: int) -> str:

@@ -357,3 +357,14 @@ def test_a_restarted_worker_whose_engine_fails_to_start_is_stopped_and_counted_a
     keeper.check()  # its exit is a death: restarted again after the back-off
     keeper.check()
     assert worker.process is not restarted and len(keeper._restarted["http://w1"]) == 2
+
+
+def test_exit_codes_are_said_the_way_an_operator_reads_them():
+    from mooncake import defaults
+    from mooncake.supervisor import exit_reason
+
+    assert exit_reason(-9) == "was killed by SIGKILL (the OOM killer?)"
+    assert exit_reason(-15) == "was killed by SIGTERM"
+    assert exit_reason(defaults.ENGINE_DIED_EXIT_CODE).endswith("(its vLLM engine died)")
+    assert "port taken" in exit_reason(3)  # uvicorn's startup failure: not our engine's code
+    assert exit_reason(1) == "exited with code 1"

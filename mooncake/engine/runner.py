@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import time
 
+from mooncake.defaults import ENGINE_DIED_EXIT_CODE
 from mooncake.net import free_port, http_server_config
 from mooncake.control import ControlEndpoint
 from mooncake.logs import configure_logging
@@ -13,8 +14,6 @@ from mooncake.engine.app import create_app, drain_worker
 from mooncake.engine.config import WorkerConfig
 
 
-ENGINE_DIED_EXIT_CODE = 3
-"""A worker's exit code when its engine died under it (the supervisor restarts it)."""
 
 
 def run_worker(config: WorkerConfig, pool_factory=None) -> int:

@@ -52,6 +52,7 @@ def test_a_killed_worker_is_restarted_its_engine_processes_reaped_and_served_aga
     assert "restarting it in" in spine_cluster.proc.log_tail(2000)
     if killed == "engine":
         assert "engine died; stopping the worker" in spine_cluster.proc.log_tail(4000)
+        assert "(its vLLM engine died); restarting it in" in spine_cluster.proc.log_tail(4000)
     restarted = worker_process(spine_cluster.proc.process.pid, decode_url.rsplit(":", 1)[1])
     assert restarted.pid != victim.pid
     # The fixed-roles conductor pushes a prompt's KV into the new decode process.
