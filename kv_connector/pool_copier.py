@@ -194,9 +194,11 @@ class PoolCopier:
             self._invalid_blocks |= step.failed_blocks
             # This step computed those requests' other blocks over the bad KV: their saves must not
             # commit (each job's commit waits for its last layer, saved after this wait returns).
+            # Nor may any other request's whose blocks include a failed one: vLLM's prefix cache
+            # shares a block loaded for one request with the requests admitted after it.
             failed = {load.request_id for load in step.loads if step.failed_blocks.intersection(load.block_ids)}
-            if failed:
-                self._spoil_saves(failed, "computed over blocks that failed to load")
+            if step.failed_blocks:
+                self._spoil_saves(failed, "computed over blocks that failed to load", step.failed_blocks)
 
     def _load_layers(self, step: _StepLoads) -> None:
         """The copy thread of one step's synchronous loads: pin and locate the blocks, then copy
@@ -416,14 +418,16 @@ class PoolCopier:
             self._spoil_saves(set(request_ids), f"not copied within {self._load_timeout_s:g} s before the "
                                                 "blocks were reused")
 
-    def _spoil_saves(self, request_ids: set[str], why: str) -> None:
-        """The pending saves of these requests abort instead of committing (their bytes are wrong)."""
+    def _spoil_saves(self, request_ids: set[str], why: str, blocks: set[int] = frozenset()) -> None:
+        """The pending saves of these requests, and those over any of `blocks`, abort instead of
+        committing (their bytes are wrong)."""
         with self._lock:
-            spoiled = [job for save, job in self._jobs.items() if save.request_id in request_ids]
-            for job in spoiled:
+            spoiled = {save.request_id: job for save, job in self._jobs.items()
+                       if save.request_id in request_ids or not blocks.isdisjoint(save.prefix_ids or save.block_ids)}
+            for job in spoiled.values():
                 job.ok = False
         if spoiled:
-            log.warning("%d pool save(s) of %s will not commit: %s", len(spoiled), sorted(request_ids), why)
+            log.warning("pool saves of %s will not commit: %s", sorted(spoiled), why)
 
     def finished_saving(self, finished_req_ids: set[str]) -> set[str]:
         """Requests vLLM finished whose saves are all copied: it may free their blocks now."""

@@ -65,6 +65,10 @@ class PoolSave:
     keys: tuple[BlockHash, ...]
     block_ids: tuple[int, ...]
     slots: tuple[int, ...]
+    # The request's blocks from its first through its last saved one: what the saved blocks were
+    # computed over. Another request may hold some of them through vLLM's prefix cache; if one
+    # of those fails to load, these saves hold wrong KV too.
+    prefix_ids: tuple[int, ...] = ()
 
 
 @dataclass
@@ -224,7 +228,7 @@ class PoolPlanner:
         self._saving.add(request.request_id)
         self.stats.saved_blocks += len(picked)
         return PoolSave(request.request_id, tuple(k for k, _, _ in picked), tuple(b for _, b, _ in picked),
-                        tuple(s for _, _, s in picked))
+                        tuple(s for _, _, s in picked), prefix_ids=tuple(all_ids[:full]))
 
     def finished(self, request: "Request") -> tuple[bool, int]:
         """(keep: True to keep the request's blocks until the worker half reports its saves

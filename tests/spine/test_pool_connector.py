@@ -459,3 +459,47 @@ def test_saves_not_copied_before_their_blocks_are_reused_do_not_commit(service, 
         time.sleep(0.01)
     assert service.lookup(keys) == []
     copier.shutdown()
+
+
+def _shared_prefix_step(service, prefix):
+    """r1 loads blocks 0-1 of `prefix` from the pool into blocks 8, 9; r2, admitted in the same
+    step, holds those blocks through vLLM's prefix cache (sync loads are cached at allocation)
+    and computes two blocks of its own, 12 and 13, over them."""
+    r1_tokens, r2_tokens = prefix + [1] * (BS + 1), prefix + [2] * (2 * BS + 1)
+    writer, _ = save_prompt(service, prefix + [0], [0, 1, 2])  # the pool holds the prefix's 2 blocks
+    planner = PoolPlanner(PoolClient(service.endpoint), BS)
+    manager = FakeManager({"r1": [8, 9, 10], "r2": [8, 9, 12, 13, 14]})
+    planner.bind_kv_cache_manager(manager)
+    r1, r2 = FakeRequest("r1", r1_tokens), FakeRequest("r2", r2_tokens)
+    assert planner.matched_tokens(r1, 0) == (2 * BS, False)
+    planner.after_alloc(r1, blocks_of(manager.blocks["r1"]), 2 * BS)
+    assert planner.matched_tokens(r2, 2 * BS) == (0, False)
+    planner.after_alloc(r2, blocks_of(manager.blocks["r2"]), 0)
+    return writer, planner, hash_prompt_blocks(r2_tokens, BS)
+
+
+@pytest.mark.parametrize("evicted", ["before_the_plan", "after_the_plan"])
+def test_a_failed_load_spoils_the_saves_of_every_request_sharing_the_block(service, evicted):
+    """Before the plan, r2 (which lacks k1 in the pool) plans to save block 9 itself; after it,
+    only its own blocks. Either way the failed block's stale bytes, or blocks computed over them,
+    were committed: r1's saves alone were spoiled, and later hits on the prefix read wrong KV."""
+    writer, planner, keys = _shared_prefix_step(service, list(range(70, 70 + 2 * BS)))
+    if evicted == "before_the_plan":
+        service.pool.remove([keys[1]])
+    loads, saves, _ = planner.plan(step(new={"r1": 2 * BS, "r2": 2 * BS}, scheduled={"r1": BS + 1, "r2": 2 * BS + 1}))
+    assert any(save.request_id == "r2" for save in saves)
+    if evicted == "after_the_plan":
+        service.pool.remove([keys[1]])
+    kv = caches(fill=7.0)  # block 9 holds some earlier request's KV
+    reader = PoolCopier(connect(service), BS)
+    reader.register_kv_caches(kv)
+    reader.start_loads(loads)
+    for name in kv:  # vLLM's order per layer: wait for the load, compute, save
+        reader.wait_for_layer(name)
+        reader.save_layer(saves, name)
+    assert reader.take_invalid_blocks() == {9}  # vLLM recomputes block 9 (for both requests)
+    reader.flush(["r1", "r2"])
+    # The prefix's first block only: nothing of block 9 or computed over it.
+    assert [service.lookup([key]) for key in keys] == [["dram"], [], [], []]
+    for copier in (writer, reader):
+        copier.shutdown()
