@@ -48,6 +48,11 @@ from store.channel import PoolClient, PoolUnavailable
 
 log = logging.getLogger("vllm.mooncake." + __name__)
 
+POISON_STEPS = 3
+"""Steps after a pool load failed in which new saves over the failed blocks still abort. With
+async scheduling (vLLM's default on GPU) the next step is planned, its saves included, before
+the failed step's invalid blocks reach the scheduler, and its forward computes over the bad
+block; a save spoiled for a reused block id is only a cache miss."""
 ARENA_COPY_THREADS = 4
 """Threads sharing one layer's copy between the arena and host rows, when the caches are on a GPU:
 one thread's memcpy (9-11 GB/s on the H200 machine) is far below a GPU node's memory bandwidth,
@@ -131,6 +136,8 @@ class PoolCopier:
         self._has_saves: set[str] = set()  # requests vLLM must hear "finished sending" about
         self._finished: set[str] = set()  # finished by vLLM, saves maybe still in flight
         self._invalid_blocks: set[int] = set()
+        self._poisoned: set[int] = set()  # blocks whose load failed in the last POISON_STEPS steps
+        self._poison_steps = 0
         self._said_unhashed = False
         self.stats = CopierStats()
 
@@ -167,6 +174,12 @@ class PoolCopier:
     # -- loads ----------------------------------------------------------------------------
 
     def start_loads(self, loads: list[PoolLoad]) -> None:
+        """Called once per step (vLLM's start_load_kv), before its layers."""
+        with self._lock:
+            if self._poison_steps:
+                self._poison_steps -= 1
+                if not self._poison_steps:
+                    self._poisoned = set()
         if self._arena is None and loads:  # no arena mapped: nothing can be loaded, vLLM recomputes
             self._invalid_blocks.update(b for load in loads if load.sync for b in load.block_ids)
             loads = [load for load in loads if not load.sync]
@@ -199,6 +212,9 @@ class PoolCopier:
             failed = {load.request_id for load in step.loads if step.failed_blocks.intersection(load.block_ids)}
             if step.failed_blocks:
                 self._spoil_saves(failed, "computed over blocks that failed to load", step.failed_blocks)
+                with self._lock:  # and the saves of the steps planned before vLLM hears of it
+                    self._poisoned |= step.failed_blocks
+                    self._poison_steps = POISON_STEPS + 1  # (this step's own start_loads is past)
 
     def _load_layers(self, step: _StepLoads) -> None:
         """The copy thread of one step's synchronous loads: pin and locate the blocks, then copy
@@ -344,7 +360,11 @@ class PoolCopier:
                 if save not in self._jobs:  # its first layer
                     self._has_saves.add(save.request_id)
                     self._saves_left[save.request_id] = self._saves_left.get(save.request_id, 0) + 1
-                    self._jobs[save] = SaveJob(len(self._layer_of), len(save.keys))
+                    job = self._jobs[save] = SaveJob(len(self._layer_of), len(save.keys))
+                    if not self._poisoned.isdisjoint(save.prefix_ids or save.block_ids):
+                        job.ok = False  # computed over a block whose load failed a step or two ago
+                        log.warning("pool save of %s will not commit: computed over blocks that failed to load",
+                                    save.request_id)
         for save in saves:
             self._saver.submit(self._save_layer, save, layer_name, index, written)
 

@@ -66,7 +66,7 @@ class PoolSave:
     block_ids: tuple[int, ...]
     slots: tuple[int, ...]
     # The request's blocks from its first through its last saved one: what the saved blocks were
-    # computed over. Another request may hold some of them through vLLM's prefix cache; if one
+    # computed over (a block's KV depends on the blocks before it and on itself only). Another request may hold some of them through vLLM's prefix cache; if one
     # of those fails to load, these saves hold wrong KV too.
     prefix_ids: tuple[int, ...] = ()
 
@@ -222,13 +222,13 @@ class PoolPlanner:
             self.stats.pool_errors += 1
             log.warning("pool reserve failed (%s); %d blocks not saved", exc, len(keys))
             return None
-        picked = [(k, b, reserved[k]) for k, b in zip(keys, block_ids) if k in reserved]
+        picked = [(i, k, b, reserved[k]) for i, k, b in zip(wanted, keys, block_ids) if k in reserved]
         if not picked:  # all held already, or no room
             return None
         self._saving.add(request.request_id)
         self.stats.saved_blocks += len(picked)
-        return PoolSave(request.request_id, tuple(k for k, _, _ in picked), tuple(b for _, b, _ in picked),
-                        tuple(s for _, _, s in picked), prefix_ids=tuple(all_ids[:full]))
+        return PoolSave(request.request_id, tuple(k for _, k, _, _ in picked), tuple(b for _, _, b, _ in picked),
+                        tuple(s for _, _, _, s in picked), prefix_ids=tuple(all_ids[:picked[-1][0] + 1]))
 
     def finished(self, request: "Request") -> tuple[bool, int]:
         """(keep: True to keep the request's blocks until the worker half reports its saves

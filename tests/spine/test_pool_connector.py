@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kv_connector.pool_copier import ArenaLayout, PoolCopier
+from kv_connector.pool_copier import POISON_STEPS, ArenaLayout, PoolCopier
 from kv_connector.pool_planner import PoolPlanner
 from mooncake.hashing import hash_prompt_blocks
 from mooncake.protocol import CONSUMER_KEY
@@ -501,5 +501,50 @@ def test_a_failed_load_spoils_the_saves_of_every_request_sharing_the_block(servi
     reader.flush(["r1", "r2"])
     # The prefix's first block only: nothing of block 9 or computed over it.
     assert [service.lookup([key]) for key in keys] == [["dram"], [], [], []]
+    for copier in (writer, reader):
+        copier.shutdown()
+
+
+def test_saves_of_the_steps_planned_before_a_failed_load_was_reported_do_not_commit(service):
+    """Async scheduling (vLLM's default on GPU) plans step N+1, with the next chunk's saves,
+    before step N's invalid blocks come back: that chunk is computed over the failed block."""
+    tokens = list(range(70, 70 + 8 * BS + 1))
+    keys = hash_prompt_blocks(tokens, BS)
+    writer, _ = save_prompt(service, tokens[:2 * BS + 1], [0, 1, 2])  # the pool holds blocks 0-1
+    planner = PoolPlanner(PoolClient(service.endpoint), BS)
+    ids = [8, 9, 10, 11, 12, 13, 14, 15, 16]
+    planner.bind_kv_cache_manager(FakeManager({"b": ids}))
+    request = FakeRequest("b", tokens)
+    assert planner.matched_tokens(request, 0) == (2 * BS, False)
+    planner.after_alloc(request, blocks_of(ids), 2 * BS)
+    steps = [planner.plan(step(new={"b": 2 * BS}, scheduled={"b": 2 * BS}))[:2]]  # N: chunk of 2 blocks
+    steps.append(planner.plan(step(running={"b": 4 * BS}, scheduled={"b": 2 * BS}))[:2])  # N+1, planned early
+    service.pool.remove([keys[1]])  # evicted before the worker reads it
+    kv = caches(fill=3.0)
+    reader = PoolCopier(connect(service), BS)
+    reader.register_kv_caches(kv)
+
+    def run(loads, saves):
+        reader.start_loads(loads)
+        for name in kv:
+            reader.wait_for_layer(name)
+            reader.save_layer(saves, name)
+
+    for loads, saves in steps:
+        run(loads, saves)
+    assert reader.take_invalid_blocks() == {9}
+    reader.flush(["b"])
+    assert [service.lookup([key]) for key in keys[2:6]] == [[], [], [], []]
+    # Once vLLM has recomputed (steps later), saves over a reused block 9 commit again.
+    for _ in range(POISON_STEPS):
+        run([], [])
+    planner.finished(request)
+    again = FakeRequest("c", list(range(5000, 5000 + 2 * BS + 1)))
+    planner.bind_kv_cache_manager(FakeManager({"c": [9, 2, 3]}))
+    assert planner.matched_tokens(again, 0) == (0, False)
+    planner.after_alloc(again, blocks_of([9, 2, 3]), 0)
+    run(*planner.plan(step(new={"c": 0}, scheduled={"c": 2 * BS + 1}))[:2])
+    reader.flush(["c"])
+    assert service.lookup(hash_prompt_blocks(again.all_token_ids, BS)) == ["dram", "dram"]
     for copier in (writer, reader):
         copier.shutdown()
