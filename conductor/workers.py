@@ -246,7 +246,7 @@ class WorkerClient:
         """Stream a request's chunks. Raises WorkerError on any failure, including the health
         poller giving the stream up (WorkerHandle.abandon_silent_streams); closing the iterator
         early aborts the request on the worker."""
-        started = False
+        started = finished = False
         watch = StreamWatch(time.monotonic())
         handle.in_flight += 1
         handle.streams.add(watch)
@@ -277,13 +277,17 @@ class WorkerClient:
                     if not line:
                         continue
                     chunk = CHUNK_DECODER.decode(line)
-                    if chunk.error and chunk.refused and not started:
-                        raise RequestRefused(chunk.error)
-                    if chunk.error:
-                        raise WorkerError(f"{handle.name}: {chunk.error}", started=started)
+                    # An error line may say nothing (vLLM's EngineGenerateError has no text), and
+                    # vLLM's own FinishReason.ERROR (a grammar that failed) carries no error field.
+                    if chunk.error is not None or chunk.finish_reason == "error":
+                        if chunk.refused and not started:
+                            raise RequestRefused(chunk.error or "refused")
+                        raise WorkerError(f"{handle.name}: {chunk.error or 'the engine failed the request'}",
+                                          started=started)
                     started = started or bool(chunk.token_ids)
+                    finished = chunk.finish_reason is not None  # (closed at this yield: nothing to abort)
                     yield chunk
-                    if chunk.finish_reason is not None:
+                    if finished:
                         return
             raise WorkerError(f"{handle.name} ended the stream without finishing", started=started)
         except httpx.ReadTimeout as exc:
@@ -301,7 +305,8 @@ class WorkerClient:
                 raise WorkerError(watch.lost or f"{handle.name} stopped answering", started=started) from None
             raise
         except GeneratorExit:  # a stop string matched, or the caller closed the stream early
-            asyncio.ensure_future(self.abort(handle, request.request_id))
+            if not finished:
+                asyncio.ensure_future(self.abort(handle, request.request_id))
             raise
         finally:
             handle.streams.discard(watch)

@@ -261,3 +261,56 @@ def test_more_streams_than_an_http_pool_holds_run_at_once_and_health_is_still_an
         assert all([c.token_ids for c in chunks] == [[1], [2]] for chunks in results)
         await client.close()
     asyncio.run(main())
+
+
+def _scripted_worker(lines: list[GenerateChunk], calls: list[str]):
+    """A worker whose /internal/generate answers `lines` and records every call's path."""
+    def reply(request: httpx.Request) -> httpx.Response:
+        calls.append(request.url.path)
+        if request.url.path == "/internal/generate":
+            return httpx.Response(200, content=b"".join(ENCODER.encode(c) + b"\n" for c in lines))
+        return httpx.Response(200, json={})
+    return reply
+
+
+@pytest.mark.parametrize("last", [GenerateChunk([], finish_reason="abort", error=""),
+                                  GenerateChunk([], finish_reason="error")],
+                         ids=["error_without_text", "finish_reason_error"])
+def test_an_engine_error_that_says_nothing_is_still_a_failure(last):
+    """vLLM's EngineGenerateError has no text (the worker's error line had error=""), and its
+    FinishReason.ERROR (a grammar that failed) carries no error field: both were relayed as a
+    successful answer, a prefill's even taken as its first token."""
+    async def main():
+        calls: list[str] = []
+        client = WorkerClient(token_timeout_s=5.0)
+        await client._http.aclose()
+        client._http = httpx.AsyncClient(transport=httpx.MockTransport(_scripted_worker([GenerateChunk([7]), last], calls)))
+        request = GenerateRequest("r", [1, 2, 3], Sampling(max_tokens=4), {})
+        got = []
+        with pytest.raises(WorkerError) as failed:
+            async for chunk in client.generate(WorkerHandle(http_url="http://w"), request):
+                got.append(chunk.token_ids)
+        assert got == [[7]] and failed.value.started
+        await client.close()
+    asyncio.run(main())
+
+
+def test_a_finished_stream_closed_at_its_last_chunk_sends_no_abort():
+    """The relay stops reading at the finish chunk and closes the stream there: that sent an
+    /internal/abort to the worker for every completed request."""
+    async def main():
+        calls: list[str] = []
+        client = WorkerClient(token_timeout_s=5.0)
+        await client._http.aclose()
+        client._http = httpx.AsyncClient(transport=httpx.MockTransport(_scripted_worker(
+            [GenerateChunk([7]), GenerateChunk([8], finish_reason="length")], calls)))
+        handle = WorkerHandle(http_url="http://w")
+        for stop_after in (2, 1):  # at the finish chunk; then one early (a stop string matched)
+            stream = client.generate(handle, GenerateRequest(f"r{stop_after}", [1, 2], Sampling(max_tokens=2), {}))
+            for _ in range(stop_after):
+                await anext(stream)
+            await stream.aclose()
+            await asyncio.sleep(0.05)  # the abort is sent from a task of its own
+        assert calls.count("/internal/abort") == 1
+        await client.close()
+    asyncio.run(main())
