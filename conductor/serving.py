@@ -7,6 +7,7 @@ nothing and loses nothing.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -394,10 +395,13 @@ class CompletionService:
             yield ""  # the headers go out now, as the first token is known
         status = "200"
         try:
-            async for k, event in merged([started.events for _, started in parts]):
-                so_far = _usage(parts) if req.continuous_usage else None
-                yield responses.chunk(req.meta, event.text, finish_reason=event.finish, index=k * n + event.index,
-                                      logprobs=event.logprobs, usage_body=so_far, stop_reason=event.stop_reason)
+            # Closed here however this stream ends (a client that leaves closes it at a yield):
+            # its reads of the other prompts' streams must stop before the lives close those.
+            async with contextlib.aclosing(merged([started.events for _, started in parts])) as events:
+                async for k, event in events:
+                    so_far = _usage(parts) if req.continuous_usage else None
+                    yield responses.chunk(req.meta, event.text, finish_reason=event.finish, index=k * n + event.index,
+                                          logprobs=event.logprobs, usage_body=so_far, stop_reason=event.stop_reason)
         except WorkerError as exc:
             status = "502"
             yield sse_error(APIError(502, f"a worker failed mid-stream: {exc}", code="worker_failed"))

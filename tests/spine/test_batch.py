@@ -13,6 +13,7 @@ from conductor.errors import APIError
 from conductor.schemas import CompletionRequest
 from conductor.serving import merged
 from conductor.workers import WorkerError
+from mooncake.protocol import GenerateChunk
 from tests.spine.test_lifecycle import PROMPT, Client, ScriptedRelay, drive, make_service
 
 
@@ -162,6 +163,40 @@ def test_a_client_leaving_a_streamed_batch_aborts_every_prompt():
         assert relay.closed_early == 3 and relay.completed == 0
         assert_nothing_held(service)
         assert answered(service) == ["499"] * 3
+
+    asyncio.run(main())
+
+
+class UnevenRelay(PerPromptRelay):
+    """Prompt 0's worker streams fast, the others' slowly."""
+
+    async def stream(self, tokens, error_after):
+        done = False
+        try:
+            for i, token in enumerate(tokens):
+                done = i == len(tokens) - 1
+                yield GenerateChunk([token], finish_reason="length" if done else None)
+                await asyncio.sleep(0.001 if tokens[0] == 0 else 0.5)
+        finally:
+            if done:
+                self.completed += 1
+            else:
+                self.closed_early += 1
+
+
+def test_a_client_leaving_a_batch_whose_prompts_stream_unevenly_aborts_every_prompt_at_once():
+    """The merge was left to the garbage collector: its read of the slow prompt's stream was
+    still pending, so that life's release failed ('aclose(): asynchronous generator is already
+    running') and the slow prompt's worker kept generating."""
+    async def main():
+        relay = UnevenRelay(500)
+        service = make_service(relay)
+        reqs = await prepare_batch(service, batch_of(2, max_tokens=500, stream=True), None)
+        response = await serve_batch(service, reqs, "completions")
+        await asyncio.wait_for(drive(response, Client(leave_after_bodies=8)), timeout=10)
+        assert relay.closed_early == 2 and relay.completed == 0
+        assert_nothing_held(service)
+        assert answered(service) == ["499"] * 2
 
     asyncio.run(main())
 
