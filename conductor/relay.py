@@ -230,6 +230,8 @@ class Relay:
                     raise
                 log.warning("%s failed before its first token (%s); retrying on %s", worker.name, exc, fallback.name)
                 self._on_retry("decode")
+                if pull is not None:  # the KV pushed to the failed worker (one that refused, say) is not claimed
+                    self._drop_soon(worker, pull.transfer_id)
                 if pull is None:  # the failed worker was to compute the prompt too: the fallback does
                     stats.prefill_instance = fallback.name
                 worker, pull, stats.retried = fallback, None, True

@@ -93,8 +93,12 @@ def test_a_decode_worker_failing_before_its_first_token_is_retried_and_counted()
         relay = Relay(workers, 5.0, lambda tried: handle("spare"), on_retry=retries.append)
         chunks = [c async for c in relay.run("r", [5] * 300, Sampling(max_tokens=3),
                                              Route(handle("p"), handle("d")), RelayStats())]
+        await asyncio.gather(*relay._drops)
         return workers, retries, chunks
 
     workers, retries, chunks = asyncio.run(main())
     assert [w for w, _ in workers.requests] == ["p", "d", "spare"] and retries == ["decode"]
     assert [t for c in chunks for t in c.token_ids] == [7, 1, 2]
+    # The spare computes the prompt; the KV pushed to the failed worker is freed there, not left
+    # to its staging TTL.
+    assert workers.requests[2][1].kv_transfer_params == {} and workers.dropped == [("d", "r")]
