@@ -337,7 +337,11 @@ class CompletionService:
             except WorkerError as exc:
                 chunks, life.chunks = life.chunks, None
                 await chunks.aclose()
-                tried.add(route.prefill.name)
+                # The worker that failed: the prefill, or a decode worker that failed before its
+                # first token with no other to take it (a grammar's request starts on D).
+                failed = exc.worker if exc.worker in (route.prefill.name, route.decode.name) else route.prefill.name
+                stage = "decode" if failed != route.prefill.name else "prefill"
+                tried.add(failed)
                 life.leave_route()
                 try:
                     # Admitted already: its SLOs priced it once and do not refuse it now (a worker
@@ -345,11 +349,12 @@ class CompletionService:
                     retry = self.router.pick(req.request_id, req.prompt, req.sampling.max_tokens, self.clock(),
                                              exclude=tried, slo=retry_slo(req.slo, self.router.scheduler.config))
                 except APIError as refused:  # no other worker is ready, or none has room for its KV
-                    raise APIError(refused.status, f"{route.prefill.name} failed before the first token ({exc}), "
+                    raise APIError(refused.status, f"{failed} failed before the first token ({exc}), "
                                                    f"and no other worker can take the request: {refused.message}",
                                    code=refused.code, headers=refused.headers) from exc
-                log.warning("prefill on %s failed (%s); retrying on %s", route.prefill.name, exc, retry.prefill.name)
-                self.metrics.retries.labels(stage="prefill").inc()
+                log.warning("%s on %s failed (%s); retrying with prefill on %s, decode on %s", stage, failed, exc,
+                            retry.prefill.name, retry.decode.name)
+                self.metrics.retries.labels(stage=stage).inc()
                 life.reroute(retry)
 
     async def _events(self, req: Prepared, life: RequestLife, first: tuple[int, GenerateChunk], first_at: float,

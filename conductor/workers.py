@@ -33,9 +33,10 @@ own event loop, not the worker: it is not counted (WorkerClient.check)."""
 class WorkerError(RuntimeError):
     """A worker could not be reached, failed the request, or went silent."""
 
-    def __init__(self, message: str, *, started: bool = False):
+    def __init__(self, message: str, *, started: bool = False, worker: str = ""):
         super().__init__(message)
         self.started = started  # True when tokens were already relayed before the failure
+        self.worker = worker  # the failed worker's name, when known (a retry must not pick it)
 
 
 class StreamWatch:
@@ -260,12 +261,12 @@ class WorkerClient:
                 if resp.status_code != 200:
                     body = (await resp.aread()).decode(errors="replace")[:500]
                     watch.waiting = False
-                    raise WorkerError(f"{handle.name} answered {resp.status_code}: {body}")
+                    raise WorkerError(f"{handle.name} answered {resp.status_code}: {body}", worker=handle.name)
                 watch.waiting = False
                 lines = resp.aiter_lines()
                 while True:
                     if watch.lost:  # given up while this task was busy elsewhere
-                        raise WorkerError(watch.lost, started=started)
+                        raise WorkerError(watch.lost, started=started, worker=handle.name)
                     watch.task, watch.waiting = asyncio.current_task(), True
                     try:
                         line = await anext(lines, None)
@@ -283,26 +284,26 @@ class WorkerClient:
                         if chunk.refused and not started:
                             raise RequestRefused(chunk.error or "refused")
                         raise WorkerError(f"{handle.name}: {chunk.error or 'the engine failed the request'}",
-                                          started=started)
+                                          started=started, worker=handle.name)
                     started = started or bool(chunk.token_ids)
                     finished = chunk.finish_reason is not None  # (closed at this yield: nothing to abort)
                     yield chunk
                     if finished:
                         return
-            raise WorkerError(f"{handle.name} ended the stream without finishing", started=started)
+            raise WorkerError(f"{handle.name} ended the stream without finishing", started=started, worker=handle.name)
         except httpx.ReadTimeout as exc:
             watch.waiting = False  # (a timeout waiting for the headers): the abort below is no read
             await self.abort(handle, request.request_id)
-            raise WorkerError(f"{handle.name} sent nothing for too long", started=started) from exc
+            raise WorkerError(f"{handle.name} sent nothing for too long", started=started, worker=handle.name) from exc
         except (httpx.HTTPError, msgspec.DecodeError) as exc:  # a bad line: msgspec names the field
-            raise WorkerError(f"{handle.name} failed: {type(exc).__name__}: {exc}", started=started) from exc
+            raise WorkerError(f"{handle.name} failed: {type(exc).__name__}: {exc}", started=started, worker=handle.name) from exc
         except asyncio.CancelledError:
             # The client went away, or the health poller gave the stream up: free the worker's slot
             # (if it ever thaws). The poller's cancel is an error like any other failure of the
             # worker, unless the caller was cancelled too.
             asyncio.ensure_future(self.abort(handle, request.request_id))
             if watch.cancelled and watch.task is not None and watch.task.uncancel() == 0:
-                raise WorkerError(watch.lost or f"{handle.name} stopped answering", started=started) from None
+                raise WorkerError(watch.lost or f"{handle.name} stopped answering", started=started, worker=handle.name) from None
             raise
         except GeneratorExit:  # a stop string matched, or the caller closed the stream early
             if not finished:

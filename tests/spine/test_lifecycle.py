@@ -204,6 +204,39 @@ def test_retry_on_another_prefill_worker_moves_the_ledger_entry_and_pending_pref
     asyncio.run(main())
 
 
+def test_a_decode_worker_failing_before_the_first_token_is_excluded_not_the_prefill():
+    """A grammar's request starts on D (P's token is not used): D failing there, with no other
+    decode worker for the relay to try, was blamed on the healthy prefill worker, which was
+    excluded and the same D asked again."""
+    class FailingDecode(ScriptedRelay):
+        decodes: list[str] = []
+
+        async def run(self, request_id, prompt, sampling, route, stats):
+            self.decodes.append(route.decode.name)
+            if route.decode.name == "d1":
+                self.prefills.append(route.prefill.name)
+                raise WorkerError("d1: grammar backend crashed", worker="d1")
+            async for chunk in super().run(request_id, prompt, sampling, route, stats):
+                yield chunk
+
+    async def main():
+        relay = FailingDecode(list(range(5)))
+        service = make_service(relay, (("p1", "prefill"), ("d1", "decode"), ("d2", "decode")))
+        first = service.router.pick("probe", PROMPT, 5, 0.0)
+        service.router.finished(first, 0.0)
+        if first.decode.name != "d1":
+            pytest.skip("the core chose d2 first")
+        req = await prepared(service, max_tokens=5, stream=True)
+        response = await service.serve(req, "completions")
+        assert relay.decodes == ["d1", "d2"] and relay.prefills == ["p1", "p1"]
+        assert service.metrics.value("mooncake_retries_total", stage="decode") == 1
+        assert service.metrics.value("mooncake_retries_total", stage="prefill") == 0
+        await drive(response, Client())
+        assert_all_released(service, "200")
+
+    asyncio.run(main())
+
+
 def test_a_retry_is_not_refused_for_the_slos_that_admitted_the_request():
     """A prefill worker died before the first token: the request, admitted already, goes to
     another worker even where the SLO gate would now refuse it (say, the only other worker is
