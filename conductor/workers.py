@@ -164,9 +164,17 @@ class WorkerClient:
             connect=connect_timeout_s, read=token_timeout_s, write=30.0, pool=connect_timeout_s),
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
             headers=token_headers(cluster_token))
+        # Aborts sent from streams being closed: the loop keeps only weak references to tasks,
+        # so one nobody holds may be collected before it has sent anything.
+        self._aborts: set[asyncio.Task] = set()
 
     async def close(self) -> None:
         await self._http.aclose()
+
+    def _abort_soon(self, handle: WorkerHandle, request_id: str) -> None:
+        task = asyncio.ensure_future(self.abort(handle, request_id))
+        self._aborts.add(task)
+        task.add_done_callback(self._aborts.discard)
 
     async def check(self, handle: WorkerHandle) -> None:
         """Refresh one handle from the worker's /health."""
@@ -301,13 +309,13 @@ class WorkerClient:
             # The client went away, or the health poller gave the stream up: free the worker's slot
             # (if it ever thaws). The poller's cancel is an error like any other failure of the
             # worker, unless the caller was cancelled too.
-            asyncio.ensure_future(self.abort(handle, request.request_id))
+            self._abort_soon(handle, request.request_id)
             if watch.cancelled and watch.task is not None and watch.task.uncancel() == 0:
                 raise WorkerError(watch.lost or f"{handle.name} stopped answering", started=started, worker=handle.name) from None
             raise
         except GeneratorExit:  # a stop string matched, or the caller closed the stream early
             if not finished:
-                asyncio.ensure_future(self.abort(handle, request.request_id))
+                self._abort_soon(handle, request.request_id)
             raise
         finally:
             handle.streams.discard(watch)
