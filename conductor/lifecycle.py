@@ -47,6 +47,9 @@ class RequestLife:
         self.last_token_at: float | None = None
         self.tokens = 0  # generated so far, as relayed to the client
         self.chunks: AsyncIterator[GenerateChunk] | None = None  # the workers' stream, once started
+        # n > 1: samples whose choice has ended (a stop string) while others go on; the relay
+        # closes their workers' streams (Relay.samples).
+        self.stopped_samples: set[int] = set()
         self.stats: RelayStats | None = None  # what the relay saw, measured times included
         self.released = False
         self._router = router

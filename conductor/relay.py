@@ -139,11 +139,14 @@ class Relay:
                 self._drop_soon(route.decode, request_id)
 
     async def samples(self, request_id: str, prompt: list[int], sampling: Sampling, route: Route,
-                      stats: RelayStats, n: int) -> AsyncIterator[tuple[int, GenerateChunk]]:
+                      stats: RelayStats, n: int, stopped: set[int] | None = None,
+                      ) -> AsyncIterator[tuple[int, GenerateChunk]]:
         """`n` samples of one prompt, as (sample index, chunk). The prompt is prefilled once:
         sample 0 runs as `run` does (its KV pushed to the decode worker); samples 1..n-1 start on
         the decode worker once sample 0 is decoding there, so they find the prompt in its prefix
-        cache and compute only its last, partial block. Closing this iterator aborts them all."""
+        cache and compute only its last, partial block. Closing this iterator aborts them all; a
+        sample whose index the caller puts in `stopped` ends (aborted) at its next chunk."""
+        stopped = set() if stopped is None else stopped
         primary = self.run(request_id, prompt, sampling, route, stats)
         queue: asyncio.Queue = asyncio.Queue()
         decoding = asyncio.Event()  # sample 0's KV is in the decode worker's cache (or it ended)
@@ -154,6 +157,8 @@ class Relay:
                     await queue.put((index, chunk))
                     if index == 0 and (stats.decode_cached_tokens is not None or route.colocated):
                         decoding.set()
+                    if index in stopped:
+                        break  # its stream is closed below, which aborts it on the worker
                 await queue.put((index, None))
             except Exception as exc:  # noqa: BLE001 - handed to the reader, which raises it
                 await queue.put((index, exc))

@@ -327,7 +327,8 @@ class CompletionService:
             if req.n == 1:
                 life.chunks = sample_zero(self.relay.run(attempt_id, req.prompt, req.sampling, route, stats))
             else:
-                life.chunks = self.relay.samples(attempt_id, req.prompt, req.sampling, route, stats, req.n)
+                life.chunks = self.relay.samples(attempt_id, req.prompt, req.sampling, route, stats, req.n,
+                                                 stopped=life.stopped_samples)
             try:
                 return await life.chunks.__anext__()
             except RequestRefused as exc:  # the request itself is invalid: no other worker would take it
@@ -380,6 +381,8 @@ class CompletionService:
                 yield event
             if all(c.done for c in choices):
                 return
+            if choices[index].done:  # cut at a stop string: its worker need not go on
+                life.stopped_samples.add(index)
             if self.closing:
                 raise ServerClosing
             item = await anext(life.chunks, None)

@@ -308,8 +308,10 @@ class WorkerClient:
         except asyncio.CancelledError:
             # The client went away, or the health poller gave the stream up: free the worker's slot
             # (if it ever thaws). The poller's cancel is an error like any other failure of the
-            # worker, unless the caller was cancelled too.
-            self._abort_soon(handle, request.request_id)
+            # worker, unless the caller was cancelled too. (Cancelled once it finished, while the
+            # answer's connection closes: nothing runs there to abort.)
+            if not finished:
+                self._abort_soon(handle, request.request_id)
             if watch.cancelled and watch.task is not None and watch.task.uncancel() == 0:
                 raise WorkerError(watch.lost or f"{handle.name} stopped answering", started=started, worker=handle.name) from None
             raise

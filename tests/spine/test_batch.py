@@ -39,7 +39,7 @@ class PerPromptRelay(ScriptedRelay):
         finally:
             await chunks.aclose()
 
-    async def samples(self, request_id, prompt, sampling, route, stats, n):
+    async def samples(self, request_id, prompt, sampling, route, stats, n, stopped=None):
         """n samples of the prompt, their chunks in turn (as the relay interleaves them)."""
         runs = [self.run(request_id, prompt, sampling, route, stats) for _ in range(n)]
         try:

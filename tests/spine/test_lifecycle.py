@@ -441,7 +441,7 @@ def test_time_between_tokens_is_measured_within_each_sample():
         def __init__(self, clock):
             self.clock = clock
 
-        async def samples(self, request_id, prompt, sampling, route, stats, n):
+        async def samples(self, request_id, prompt, sampling, route, stats, n, stopped=None):
             for i, index in enumerate((0, 1, 0, 1, 0, 1)):
                 self.clock[0] += 1.0
                 yield index, GenerateChunk([5], finish_reason="length" if i >= 4 else None)

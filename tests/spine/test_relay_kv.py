@@ -102,3 +102,43 @@ def test_a_decode_worker_failing_before_its_first_token_is_retried_and_counted()
     # The spare computes the prompt; the KV pushed to the failed worker is freed there, not left
     # to its staging TTL.
     assert workers.requests[2][1].kv_transfer_params == {} and workers.dropped == [("d", "r")]
+
+
+def test_a_sample_the_caller_stops_is_closed_at_its_next_chunk_and_the_others_go_on():
+    """n > 1, one sample cut at a stop string: its decode request went on to max_tokens for
+    nobody, taking decode capacity from the others."""
+    class Streams(Workers):
+        def __init__(self):
+            super().__init__()
+            self.sent, self.closed = {}, []
+
+        async def generate(self, worker, request):
+            self.requests.append((worker.name, request))
+            if request.sampling.max_tokens == 1:
+                yield GenerateChunk([7], finish_reason="length", num_cached_tokens=0)
+                return
+            finished = False
+            try:
+                for i in range(20):
+                    self.sent[request.request_id] = i + 1
+                    finished = i == 19
+                    yield GenerateChunk([i], num_cached_tokens=0, finish_reason="length" if finished else None)
+                    await asyncio.sleep(0.001)
+            finally:
+                if not finished:
+                    self.closed.append(request.request_id)
+
+    async def main():
+        workers, stopped = Streams(), set()
+        relay = Relay(workers, 5.0, lambda tried: None)
+        counts = {0: 0, 1: 0}
+        async for index, chunk in relay.samples("r", [5] * 300, Sampling(max_tokens=21), Route(handle("p"), handle("d")),
+                                                RelayStats(), 2, stopped=stopped):
+            counts[index] += len(chunk.token_ids)
+            if index == 0 and counts[0] >= 3:
+                stopped.add(0)
+        return workers, counts
+
+    workers, counts = asyncio.run(main())
+    assert workers.closed == ["r-d1"] and workers.sent["r-d1"] <= 4  # at most one chunk more
+    assert workers.sent["r-s1-d1"] == 20 and counts[1] == 20
