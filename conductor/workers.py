@@ -286,13 +286,10 @@ class WorkerClient:
                     if not line:
                         continue
                     chunk = CHUNK_DECODER.decode(line)
-                    # An error line may say nothing (vLLM's EngineGenerateError has no text), and
-                    # vLLM's own FinishReason.ERROR (a grammar that failed) carries no error field.
-                    if chunk.error is not None or chunk.finish_reason == "error":
-                        if chunk.refused and not started:
-                            raise RequestRefused(chunk.error or "refused")
-                        raise WorkerError(f"{handle.name}: {chunk.error or 'the engine failed the request'}",
-                                          started=started, worker=handle.name)
+                    if chunk.error and chunk.refused and not started:
+                        raise RequestRefused(chunk.error)
+                    if chunk.error:
+                        raise WorkerError(f"{handle.name}: {chunk.error}", started=started, worker=handle.name)
                     started = started or bool(chunk.token_ids)
                     finished = chunk.finish_reason is not None  # (closed at this yield: nothing to abort)
                     yield chunk

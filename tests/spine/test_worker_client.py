@@ -273,28 +273,6 @@ def _scripted_worker(lines: list[GenerateChunk], calls: list[str]):
     return reply
 
 
-@pytest.mark.parametrize("last", [GenerateChunk([], finish_reason="abort", error=""),
-                                  GenerateChunk([], finish_reason="error")],
-                         ids=["error_without_text", "finish_reason_error"])
-def test_an_engine_error_that_says_nothing_is_still_a_failure(last):
-    """vLLM's EngineGenerateError has no text (the worker's error line had error=""), and its
-    FinishReason.ERROR (a grammar that failed) carries no error field: both were relayed as a
-    successful answer, a prefill's even taken as its first token."""
-    async def main():
-        calls: list[str] = []
-        client = WorkerClient(token_timeout_s=5.0)
-        await client._http.aclose()
-        client._http = httpx.AsyncClient(transport=httpx.MockTransport(_scripted_worker([GenerateChunk([7]), last], calls)))
-        request = GenerateRequest("r", [1, 2, 3], Sampling(max_tokens=4), {})
-        got = []
-        with pytest.raises(WorkerError) as failed:
-            async for chunk in client.generate(WorkerHandle(http_url="http://w"), request):
-                got.append(chunk.token_ids)
-        assert got == [[7]] and failed.value.started
-        await client.close()
-    asyncio.run(main())
-
-
 def test_a_finished_stream_closed_at_its_last_chunk_sends_no_abort():
     """The relay stops reading at the finish chunk and closes the stream there: that sent an
     /internal/abort to the worker for every completed request."""
