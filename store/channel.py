@@ -29,12 +29,12 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 from multiprocessing import AuthenticationError
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Client, Connection
 from typing import Any
 
 import msgspec
 
-from mooncake.control import ControlEndpoint, connect
+from mooncake.control import ControlEndpoint
 from store.arena import ArenaInfo
 
 KEY_BYTES = 16
@@ -141,7 +141,7 @@ class PoolClient:
             for attempt in (0, 1):
                 try:
                     if self._conn is None:
-                        self._conn = connect(self._endpoint, self._timeout_s)
+                        self._conn = Client(self._endpoint.path, family="AF_UNIX", authkey=self._endpoint.authkey)
                     self._conn.send_bytes(payload)
                     return
                 except (OSError, AuthenticationError) as exc:
@@ -158,7 +158,7 @@ class PoolClient:
             for attempt in (0, 1):
                 try:
                     if self._conn is None:
-                        self._conn = connect(self._endpoint, timeout_s)
+                        self._conn = Client(self._endpoint.path, family="AF_UNIX", authkey=self._endpoint.authkey)
                     self._conn.send_bytes(payload)
                     if not self._conn.poll(timeout_s):
                         raise TimeoutError(f"no answer within {timeout_s} s")

@@ -103,26 +103,3 @@ def test_the_shell_marks_a_prefill_whose_push_did_not_land():
         assert [a[:2] for a in asked] == [("push_outcome", "good"), ("push_outcome", "bad")] and asked[0][2] > 0
     finally:
         server.close()
-
-
-def test_a_listener_whose_process_is_frozen_fails_the_call_in_time(tmp_path):
-    """connect() into a frozen process's backlog succeeds; the HMAC challenge never comes. The
-    pool's client (vLLM's scheduler thread) waited for it for ever."""
-    import socket
-
-    from store.channel import PoolClient, PoolUnavailable
-
-    path = str(tmp_path / "frozen.sock")
-    frozen = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    frozen.bind(path)
-    frozen.listen(16)  # never accepts
-    try:
-        endpoint = ControlEndpoint(path, "00" * 16)
-        started = time.monotonic()
-        with pytest.raises(ControlError, match="handshake"):
-            control_call(endpoint, {"op": "stats"}, timeout_s=0.3)
-        with pytest.raises(PoolUnavailable, match="handshake"):
-            PoolClient(endpoint, timeout_s=0.3).lookup([1, 2])
-        assert time.monotonic() - started < 5.0
-    finally:
-        frozen.close()
