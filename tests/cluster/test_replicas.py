@@ -155,7 +155,7 @@ def test_killing_one_replica_loses_no_request_sent_to_the_other(replicas):
     replicas.wait_all()
     a, b = replicas.api_of(replicas.port), replicas.api_of(replicas.port_b)
     prompts = [words(120, f"k{i}_") + f" {uuid.uuid4().hex}" for i in range(4)]
-    max_tokens = 64
+    max_tokens = 160  # long enough to be mid-stream when A dies, even with all four decoding at once
     baseline_client = openai.OpenAI(base_url=a, api_key="x", max_retries=0, timeout=300)
     with cf.ThreadPoolExecutor(4) as pool:
         baseline = list(pool.map(lambda p: baseline_client.completions.create(
@@ -169,12 +169,16 @@ def test_killing_one_replica_loses_no_request_sent_to_the_other(replicas):
     finished_b: list[str] = []
     try:
         with cf.ThreadPoolExecutor(6) as pool:
-            streams_b = [pool.submit(_stream, client_b, p, max_tokens, ev, finished_b) for p, ev in zip(prompts, on_b)]
-            # A's own streams are long: they must still be running when A dies.
+            # A's own streams start first and are long: they must still be running when A dies. B's start
+            # after them, so the kill follows B's first tokens at once (started the other way round, B's
+            # short streams could all end while A's waited for their first token).
             streams_a = [pool.submit(_stream, client_a, words(120, f"a{i}_") + uuid.uuid4().hex, 400, ev, [])
                          for i, ev in enumerate(on_a)]
-            for ev in (*on_b, *on_a):
-                assert ev.wait(240), "a stream never started"
+            for ev in on_a:
+                assert ev.wait(240), "a stream on A never started"
+            streams_b = [pool.submit(_stream, client_b, p, max_tokens, ev, finished_b) for p, ev in zip(prompts, on_b)]
+            for ev in on_b:
+                assert ev.wait(240), "a stream on B never started"
             done_at_kill = len(finished_b)
             replicas.conductor.stop(sig=signal.SIGKILL, grace_s=1)  # replica A crashes mid-stream
             texts = [s.result(timeout=240) for s in streams_b]
