@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 
 from mooncake.hashing import BlockHash, hash_block_tokens, hash_prompt_blocks
 from mooncake.protocol import CONSUMER_KEY, BadTransferParams, FetchParams, parse_fetch
-from store.channel import PoolClient, PoolUnavailable
+from store.channel import PoolClient, PoolSilent, PoolUnavailable
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
@@ -140,7 +140,10 @@ class PoolPlanner:
                 tiers = self._client.lookup(keys)
             except PoolUnavailable as exc:
                 self.stats.pool_errors += 1
-                log.warning("pool lookup failed (%s); computing the prompt", exc)
+                # While the pool is silent every new request would say so; the call that went
+                # unanswered already did.
+                log.log(logging.DEBUG if isinstance(exc, PoolSilent) else logging.WARNING,
+                        "pool lookup failed (%s); computing the prompt", exc)
                 return 0, False
             fetch = self._fetch_of(request)
             if fetch is not None:
@@ -220,7 +223,8 @@ class PoolPlanner:
             reserved = dict(self._client.reserve(keys))  # key -> slot, for the keys it lacks
         except PoolUnavailable as exc:
             self.stats.pool_errors += 1
-            log.warning("pool reserve failed (%s); %d blocks not saved", exc, len(keys))
+            log.log(logging.DEBUG if isinstance(exc, PoolSilent) else logging.WARNING,
+                    "pool reserve failed (%s); %d blocks not saved", exc, len(keys))
             return None
         picked = [(i, k, b, reserved[k]) for i, k, b in zip(wanted, keys, block_ids) if k in reserved]
         if not picked:  # all held already, or no room

@@ -27,7 +27,8 @@ logged there), so they cost the caller no round trip; one connection keeps them 
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from multiprocessing import AuthenticationError
 from multiprocessing.connection import Client, Connection
 from typing import Any
@@ -42,8 +43,19 @@ _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder()
 
 
+POOL_SILENCE_BACKOFF_S = 5.0
+"""After a pool call goes unanswered for its whole timeout, the client fails every call at once
+for this long instead of asking again. A pool that accepts calls but never answers them (its
+process frozen, swapping) would otherwise cost the full timeout on every lookup, on vLLM's
+scheduler thread, and every step would stall. A failed call is a cache miss, never wrong KV."""
+
+
 class PoolUnavailable(ConnectionError):
     """The pool service did not answer (not started, gone) or refused the call."""
+
+
+class PoolSilent(PoolUnavailable):
+    """Not asked: the pool left a call unanswered a moment ago (POOL_SILENCE_BACKOFF_S)."""
 
 
 def pack_keys(keys: Sequence[int]) -> bytes:
@@ -69,13 +81,19 @@ def decode(data: bytes) -> dict[str, Any]:
 
 class PoolClient:
     """A connector's handle on its node's pool. Thread-safe (one call at a time on the
-    connection); reconnects once if the connection broke."""
+    connection); reconnects once if the connection broke. A call left unanswered for its timeout
+    makes the next calls fail at once for `backoff_s` (POOL_SILENCE_BACKOFF_S)."""
 
-    def __init__(self, endpoint: ControlEndpoint, timeout_s: float = 10.0):
+    def __init__(self, endpoint: ControlEndpoint, timeout_s: float = 10.0,
+                 backoff_s: float = POOL_SILENCE_BACKOFF_S, clock: Callable[[], float] = time.monotonic):
         self._endpoint = endpoint
         self._timeout_s = timeout_s
+        self._backoff_s = backoff_s
+        self._clock = clock
         self._lock = threading.Lock()
         self._conn: Connection | None = None
+        self._silent_until = float("-inf")  # see POOL_SILENCE_BACKOFF_S
+        self._silence = ""  # what went unanswered
 
     def configure(self, block_bytes: int, layout: str, timeout_s: float | None = None) -> ArenaInfo:
         """Tell the pool the engine's block size and KV layout; the first call creates the
@@ -138,6 +156,7 @@ class PoolClient:
         """A message the service answers with nothing (release, abort, commit without wait)."""
         payload = encode({**request, "noreply": True})
         with self._lock:
+            self._check_silence(request)
             for attempt in (0, 1):
                 try:
                     if self._conn is None:
@@ -155,12 +174,15 @@ class PoolClient:
         payload = encode(request)
         timeout_s = self._timeout_s if timeout_s is None else timeout_s
         with self._lock:
+            self._check_silence(request)
             for attempt in (0, 1):
                 try:
                     if self._conn is None:
                         self._conn = Client(self._endpoint.path, family="AF_UNIX", authkey=self._endpoint.authkey)
                     self._conn.send_bytes(payload)
                     if not self._conn.poll(timeout_s):
+                        self._silent_until = self._clock() + self._backoff_s
+                        self._silence = f"{request['op']!r} went unanswered for {timeout_s:g} s"
                         raise TimeoutError(f"no answer within {timeout_s} s")
                     reply = decode(self._conn.recv_bytes())
                     break
@@ -174,3 +196,8 @@ class PoolClient:
         if not reply.get("ok"):
             raise PoolUnavailable(f"pool refused {request['op']!r}: {reply.get('error')}")
         return reply
+
+    def _check_silence(self, request: dict[str, Any]) -> None:
+        left = self._silent_until - self._clock()
+        if left > 0:
+            raise PoolSilent(f"pool {request['op']!r} not asked: {self._silence}; asking again in {left:.1f} s")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import numpy as np
@@ -254,3 +255,43 @@ def test_configure_may_take_longer_than_a_call(tmp_path, monkeypatch):
     finally:
         client.close()
         s.close()
+
+
+def test_a_pool_that_leaves_a_call_unanswered_is_not_asked_again_for_a_while(svc, monkeypatch):
+    """A pool that takes calls but answers none (its process frozen) cost the full timeout on
+    every lookup, on vLLM's scheduler thread. After one unanswered call, calls fail at once until
+    the back-off has passed; then the pool is asked again."""
+    from store.channel import PoolSilent
+
+    now = [100.0]
+    client = PoolClient(svc.endpoint, timeout_s=0.2, backoff_s=5.0, clock=lambda: now[0])
+    answer = PoolService._answer
+    stalled = threading.Event()
+
+    def frozen(self, request, pins):
+        if not stalled.is_set():
+            stalled.wait(5.0)
+        return answer(self, request, pins)
+
+    try:
+        assert client.lookup([1]) == []
+        monkeypatch.setattr(PoolService, "_answer", frozen)
+        with pytest.raises(PoolUnavailable, match="no answer within 0.2 s") as unanswered:
+            client.lookup([1])
+        assert not isinstance(unanswered.value, PoolSilent)
+        started = time.monotonic()
+        for op in (lambda: client.lookup([1]), lambda: client.reserve([1]), lambda: client.release([1])):
+            with pytest.raises(PoolSilent, match="'lookup' went unanswered for 0.2 s; asking again in 5.0 s"):
+                op()
+        assert time.monotonic() - started < 0.1  # failed at once, not after the timeout
+        stalled.set()  # the pool answers again
+        now[0] += 4.9
+        with pytest.raises(PoolSilent):
+            client.lookup([1])
+        now[0] += 0.2
+        assert client.lookup([1]) == []
+        put(svc, [1])
+        assert client.lookup([1]) == ["dram"]
+    finally:
+        stalled.set()
+        client.close()
