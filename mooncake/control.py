@@ -16,12 +16,14 @@ import json
 import logging
 import os
 import secrets
+import socket
+import struct
 import tempfile
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing import AuthenticationError
-from multiprocessing.connection import Client, Connection, Listener
+from multiprocessing.connection import Client, Connection, Listener, answer_challenge, deliver_challenge
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -102,6 +104,51 @@ class ControlServer:
             conn.send_bytes(json.dumps(reply).encode())
         except OSError:
             pass
+
+
+def connect(endpoint: ControlEndpoint, timeout_s: float) -> Connection:
+    """multiprocessing's Client(endpoint.path, authkey=endpoint.authkey), but no read or write on
+    the connection (the HMAC handshake included) waits more than `timeout_s`: it raises OSError
+    (TimeoutError for the connect and the handshake); callers wait for answers with poll. A
+    listener whose process is frozen still completes connect() into its backlog, and Client then
+    waits for the challenge for ever, on the calling thread: vLLM's scheduler, for the pool.
+
+    For long-lived connections (the pool's). control_call keeps Client: its listener runs the
+    handshakes one at a time, so a burst of calls can wait their turn past any one call's timeout."""
+    # Blocking, under the kernel's limits (a call past one fails with EAGAIN): Connection reads
+    # the descriptor itself, and a unix connect() waits for room in a full backlog (a socket
+    # timeout would make it fail at once instead).
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        _io_limit(sock, timeout_s)
+        sock.connect(endpoint.path)
+        conn = Connection(sock.detach())
+    except BlockingIOError:
+        sock.close()
+        raise TimeoutError(f"{endpoint.path} took no connection within {timeout_s} s") from None
+    except BaseException:
+        sock.close()
+        raise
+    try:
+        answer_challenge(conn, endpoint.authkey)
+        deliver_challenge(conn, endpoint.authkey)
+    except BlockingIOError:
+        conn.close()
+        raise TimeoutError(f"{endpoint.path} answered no handshake within {timeout_s} s (its process is frozen?)") \
+            from None
+    except BaseException:
+        conn.close()
+        raise
+    return conn
+
+
+def _io_limit(sock: socket.socket, seconds: float) -> None:
+    """Kernel send and receive timeouts of a blocking socket."""
+    seconds = max(seconds, 0.001)  # 0 would mean none
+    whole = int(seconds)
+    value = struct.pack("ll", whole, int((seconds - whole) * 1e6))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, value)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, value)
 
 
 def control_call(endpoint: ControlEndpoint, request: dict[str, Any], timeout_s: float = 2.0) -> dict[str, Any]:

@@ -30,12 +30,12 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from multiprocessing import AuthenticationError
-from multiprocessing.connection import Client, Connection
+from multiprocessing.connection import Connection
 from typing import Any
 
 import msgspec
 
-from mooncake.control import ControlEndpoint
+from mooncake.control import ControlEndpoint, connect
 from store.arena import ArenaInfo
 
 KEY_BYTES = 16
@@ -160,15 +160,16 @@ class PoolClient:
             for attempt in (0, 1):
                 try:
                     if self._conn is None:
-                        self._conn = Client(self._endpoint.path, family="AF_UNIX", authkey=self._endpoint.authkey)
+                        self._conn = connect(self._endpoint, self._timeout_s)
                     self._conn.send_bytes(payload)
                     return
                 except (OSError, AuthenticationError) as exc:
                     if self._conn is not None:
                         self._conn.close()
                         self._conn = None
-                    if attempt:
-                        raise PoolUnavailable(f"pool message {request['op']!r} failed: {exc}") from exc
+                    if attempt or self._went_silent(request, exc):
+                        raise PoolUnavailable(f"pool message {request['op']!r} failed: {type(exc).__name__}: {exc}") \
+                            from exc
 
     def _call(self, request: dict[str, Any], timeout_s: float | None = None) -> dict[str, Any]:
         payload = encode(request)
@@ -178,24 +179,31 @@ class PoolClient:
             for attempt in (0, 1):
                 try:
                     if self._conn is None:
-                        self._conn = Client(self._endpoint.path, family="AF_UNIX", authkey=self._endpoint.authkey)
+                        self._conn = connect(self._endpoint, timeout_s)
                     self._conn.send_bytes(payload)
                     if not self._conn.poll(timeout_s):
-                        self._silent_until = self._clock() + self._backoff_s
-                        self._silence = f"{request['op']!r} went unanswered for {timeout_s:g} s"
-                        raise TimeoutError(f"no answer within {timeout_s} s")
+                        raise TimeoutError(f"no answer within {timeout_s:g} s")
                     reply = decode(self._conn.recv_bytes())
                     break
-                except (OSError, EOFError, AuthenticationError, TimeoutError) as exc:
+                except (OSError, EOFError, AuthenticationError) as exc:
                     if self._conn is not None:
                         self._conn.close()
                         self._conn = None
-                    if attempt or isinstance(exc, TimeoutError):
+                    if attempt or self._went_silent(request, exc):
                         raise PoolUnavailable(f"pool call {request['op']!r} failed: {type(exc).__name__}: {exc}") \
                             from exc
         if not reply.get("ok"):
             raise PoolUnavailable(f"pool refused {request['op']!r}: {reply.get('error')}")
         return reply
+
+    def _went_silent(self, request: dict[str, Any], exc: BaseException) -> bool:
+        """Whether `exc` says the pool is there but not answering (no reply, no handshake, a send
+        buffer it does not drain): then calls stop for the back-off (no retry either)."""
+        if not isinstance(exc, (TimeoutError, BlockingIOError)):
+            return False
+        self._silent_until = self._clock() + self._backoff_s
+        self._silence = f"{request['op']!r} failed: {exc}"
+        return True
 
     def _check_silence(self, request: dict[str, Any]) -> None:
         left = self._silent_until - self._clock()

@@ -281,7 +281,7 @@ def test_a_pool_that_leaves_a_call_unanswered_is_not_asked_again_for_a_while(svc
         assert not isinstance(unanswered.value, PoolSilent)
         started = time.monotonic()
         for op in (lambda: client.lookup([1]), lambda: client.reserve([1]), lambda: client.release([1])):
-            with pytest.raises(PoolSilent, match="'lookup' went unanswered for 0.2 s; asking again in 5.0 s"):
+            with pytest.raises(PoolSilent, match="'lookup' failed: no answer within 0.2 s; asking again in 5.0 s"):
                 op()
         assert time.monotonic() - started < 0.1  # failed at once, not after the timeout
         stalled.set()  # the pool answers again
@@ -295,3 +295,28 @@ def test_a_pool_that_leaves_a_call_unanswered_is_not_asked_again_for_a_while(svc
     finally:
         stalled.set()
         client.close()
+
+
+def test_a_pool_whose_process_is_frozen_fails_the_connect_in_time(tmp_path):
+    """connect() into a frozen process's backlog succeeds; the HMAC challenge never comes. The
+    pool's client (vLLM's scheduler thread) waited for it for ever."""
+    import socket
+
+    from mooncake.control import ControlEndpoint
+    from store.channel import PoolSilent
+
+    path = str(tmp_path / "frozen.sock")
+    frozen = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    frozen.bind(path)
+    frozen.listen(16)  # never accepts
+    client = PoolClient(ControlEndpoint(path, "00" * 16), timeout_s=0.3)
+    try:
+        started = time.monotonic()
+        with pytest.raises(PoolUnavailable, match="answered no handshake within 0.3 s"):
+            client.lookup([1, 2])
+        with pytest.raises(PoolSilent):
+            client.release([1])
+        assert time.monotonic() - started < 2.0
+    finally:
+        client.close()
+        frozen.close()
