@@ -59,7 +59,8 @@ def create_app(config: ConductorConfig) -> FastAPI:
                           (h for h in pool.all() if h.ready and h.name not in tried
                            # with flexible roles any worker may decode
                            and (config.scheduler.flexible_roles or h.serves("decode"))), None),
-                      on_retry=lambda stage: app.state.metrics.retries.labels(stage=stage).inc())
+                      on_retry=lambda stage: app.state.metrics.retries.labels(stage=stage).inc(),
+                      on_moved=lambda route, worker: router.move_decode(route, worker, service.clock()))
         app.state.pool, app.state.index, app.state.router = pool, index, router
         service = app.state.service = CompletionService(config, tokenizer, router, relay, app.state.metrics)
         app.state.metrics.watch(lambda: LiveState(

@@ -83,6 +83,23 @@ class Ledger:
         self.incoming.pop(request_id, None)
         self.running.pop(request_id, None)
 
+    def move(self, request_id: str, to: "Ledger", now: float, prefill_too: bool = False) -> None:
+        """The request's sequence comes to (or decodes on) `to` instead of here: its worker failed
+        before its first token and another took it over. prefill_too: this instance was to
+        compute its prompt too (colocated); the job, with its prediction, joins `to`'s queue."""
+        for mine, theirs in ((self.incoming, to.incoming), (self.running, to.running)):
+            seq = mine.pop(request_id, None)
+            if seq is not None:
+                theirs[request_id] = seq
+        if prefill_too and request_id in self.prefill_jobs:
+            seconds = self.prefill_jobs[request_id]
+            self._advance(now)
+            self._drop_job(request_id)
+            to._advance(now)
+            if not to.prefill_jobs:
+                to.head_spent_s = 0.0
+            to.prefill_jobs[request_id] = seconds
+
     def running_load(self) -> tuple[int, int]:
         """(sequences, KV tokens) decoding here now, as the scheduler prices a decode step."""
         return len(self.running), sum(s.kv_tokens for s in self.running.values())

@@ -54,13 +54,16 @@ class RelayStats:
 class Relay:
     def __init__(self, client: WorkerClient, kv_wait_timeout_s: float,
                  pick_fallback: Callable[[set[str]], WorkerHandle | None],
-                 on_retry: Callable[[str], None] = lambda stage: None):
+                 on_retry: Callable[[str], None] = lambda stage: None,
+                 on_moved: Callable[[Route, WorkerHandle], None] = lambda route, worker: None):
         """`on_retry(stage)`: a request moved to another worker ("decode": its decode worker
-        failed before its first token; the conductor's metrics count it)."""
+        failed before its first token; the conductor's metrics count it). `on_moved(route,
+        worker)`: that worker took over the route's decode (Router.move_decode)."""
         self._client = client
         self._kv_wait_timeout_s = kv_wait_timeout_s
         self._pick_fallback = pick_fallback
         self._on_retry = on_retry
+        self._on_moved = on_moved
         self._drops: set[asyncio.Task] = set()  # drop_transfer calls sent while a request was let go
 
     def _drop_soon(self, worker: WorkerHandle, transfer_id: str) -> None:
@@ -81,7 +84,7 @@ class Relay:
         stats.prompt_tokens = len(prompt)
         fetch = route.fetch.to_params() if route.fetch else {}
         if route.colocated:
-            async for chunk in self._whole(route.decode, request_id, prompt, sampling, stats, None, fetch):
+            async for chunk in self._whole(route.decode, request_id, prompt, sampling, stats, None, fetch, route):
                 yield chunk
             return
 
@@ -115,7 +118,7 @@ class Relay:
                 # A grammar's state, output-token penalties and a seeded generator cannot cross
                 # workers: P's token is dropped and D, which loads the whole prompt's KV (it recomputes
                 # only the last prompt token), samples from the start, as one engine would.
-                async for chunk in self._whole(route.decode, request_id, prompt, rest, stats, pull):
+                async for chunk in self._whole(route.decode, request_id, prompt, rest, stats, pull, route=route):
                     settled = True
                     if first.prompt_logprobs:
                         chunk, first = replace(chunk, prompt_logprobs=first.prompt_logprobs), GenerateChunk([])
@@ -131,7 +134,7 @@ class Relay:
 
             rest = replace(rest, max_tokens=sampling.max_tokens - len(tokens),
                            min_tokens=max(0, sampling.min_tokens - len(tokens)))
-            async for chunk in self._whole(route.decode, request_id, prompt + tokens, rest, stats, pull):
+            async for chunk in self._whole(route.decode, request_id, prompt + tokens, rest, stats, pull, route=route):
                 settled = True
                 yield chunk
         finally:
@@ -202,7 +205,9 @@ class Relay:
 
     async def _whole(self, worker: WorkerHandle, request_id: str, prompt: list[int], sampling: Sampling,
                      stats: RelayStats, pull: PullParams | None,
-                     fetch: dict | None = None) -> AsyncIterator[GenerateChunk]:
+                     fetch: dict | None = None, route: Route | None = None) -> AsyncIterator[GenerateChunk]:
+        """One worker's whole stream; before its first token a failed worker is replaced by
+        another (`route`, if given, moves with it: on_moved)."""
         tried: set[str] = set()
         while True:
             tried.add(worker.name)
@@ -241,6 +246,8 @@ class Relay:
                     stats.prefill_instance = fallback.name
                 worker, pull, stats.retried = fallback, None, True
                 stats.decode_instance = worker.name
+                if route is not None:
+                    self._on_moved(route, worker)
 
 
 async def sample_zero(chunks: AsyncIterator[GenerateChunk]) -> AsyncIterator[tuple[int, GenerateChunk]]:

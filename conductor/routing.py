@@ -198,6 +198,20 @@ class Router:
             self.calibration.instance(route.prefill.name).observe_ttft(
                 now - route.decided_at, decision.predicted_ttft_s, route.ttft_residual)
 
+    def move_decode(self, route: Route, to: WorkerHandle, now: float) -> None:
+        """`route`'s decode worker failed before its first token and `to` took the request over:
+        its sequence (and, colocated, its prompt's prefill and pending blocks) is counted there,
+        so the next requests are priced on the load each worker really has."""
+        if route.released or to is route.decode:
+            return
+        colocated = route.colocated
+        route.decode.ledger.move(route.request_id, to.ledger, now, prefill_too=colocated)
+        if colocated:
+            self.pending.discard(route.pending_on, route.blocks)
+            route.prefill, route.pending_on = to, to.name
+            self.pending.add(route.pending_on, route.blocks)
+        route.decode = to
+
     def _prefill_ended(self, route: Route) -> None:
         """Its blocks are stored now (the worker's KV events follow) or never will be (failure)."""
         self.pending.discard(route.pending_on, route.blocks)

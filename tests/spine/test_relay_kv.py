@@ -89,15 +89,17 @@ def test_a_decode_worker_failing_before_its_first_token_is_retried_and_counted()
                 yield chunk
 
     async def main():
-        workers, retries = FailingDecode(), []
-        relay = Relay(workers, 5.0, lambda tried: handle("spare"), on_retry=retries.append)
+        workers, retries, moved = FailingDecode(), [], []
+        relay = Relay(workers, 5.0, lambda tried: handle("spare"), on_retry=retries.append,
+                      on_moved=lambda route, worker: moved.append((route.request_id, worker.name)))
         chunks = [c async for c in relay.run("r", [5] * 300, Sampling(max_tokens=3),
-                                             Route(handle("p"), handle("d")), RelayStats())]
+                                             Route(handle("p"), handle("d"), "r"), RelayStats())]
         await asyncio.gather(*relay._drops)
-        return workers, retries, chunks
+        return workers, retries, chunks, moved
 
-    workers, retries, chunks = asyncio.run(main())
+    workers, retries, chunks, moved = asyncio.run(main())
     assert [w for w, _ in workers.requests] == ["p", "d", "spare"] and retries == ["decode"]
+    assert moved == [("r", "spare")]  # the router counts the request on the spare from now on
     assert [t for c in chunks for t in c.token_ids] == [7, 1, 2]
     # The spare computes the prompt; the KV pushed to the failed worker is freed there, not left
     # to its staging TTL.

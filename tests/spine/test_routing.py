@@ -10,7 +10,7 @@ from conductor.core.scheduler import Scheduler
 from conductor.errors import APIError
 from conductor.membership import mirror_view
 from conductor.metrics import ConductorMetrics
-from conductor.routing import DEFAULT_BANDWIDTH_BPS, Router, cluster_bandwidth_Bps
+from conductor.routing import DEFAULT_BANDWIDTH_BPS, Route, Router, cluster_bandwidth_Bps
 from conductor.workers import WorkerHandle, WorkerPool
 from mooncake.hashing import hash_prompt_blocks
 from mooncake.registry import ClusterView, InstanceInfo, RegistryEvent
@@ -430,3 +430,35 @@ def test_where_cached_names_each_holder_its_prefix_and_its_pool_only_blocks():
         {"instance": "d1", "url": "http://d1", "cached_blocks": 4, "pool_only_blocks": {"ssd": 2}},
         {"instance": "p1", "url": "http://p1", "cached_blocks": 2, "pool_only_blocks": {}}]
     assert router(pool, index).where_cached(list(range(9000, 9000 + BLOCK)))["instances"] == []
+
+
+def test_a_request_whose_decode_worker_failed_is_counted_on_the_worker_that_took_it_over():
+    """The relay's decode fallback (Relay on_moved): the sequence, and for a colocated route its
+    prompt's queued prefill and pending blocks, leave the failed worker's ledger for the new one."""
+    pool = pool_of(("p1", "prefill"), ("d1", "decode"), ("d2", "decode"))
+    r = router(pool)
+    p1, d1, d2 = (pool.handles[f"http://{n}"] for n in ("p1", "d1", "d2"))
+    route = r.pick("req", list(range(1000, 3000)), 16, now=0.0)
+    failed, spare = (d1, d2) if route.decode is d1 else (d2, d1)
+    assert not route.colocated and "req" in failed.ledger.incoming
+    r.move_decode(route, spare, now=0.5)
+    assert route.decode is spare and "req" not in failed.ledger.incoming and "req" in spare.ledger.incoming
+    assert "req" in p1.ledger.prefill_jobs  # the prefill is where it was
+    r.first_token(route, now=1.0)
+    assert "req" in spare.ledger.running and not failed.ledger.running
+    r.finished(route, now=2.0)
+    assert not spare.ledger.running and r._decoding == 0
+
+    prompt = list(range(5000, 7000))
+    colocated = r._commit(Route(failed, failed, "solo", blocks=tuple(hash_prompt_blocks(prompt, BLOCK))),
+                          prompt, 16, now=3.0, cached=0, tbt_slo_s=0.5)  # P = D, as flexible roles may pick
+    seconds = failed.ledger.prefill_jobs["solo"]
+    r.move_decode(colocated, spare, now=3.5)
+    assert colocated.prefill is spare and colocated.decode is spare and colocated.pending_on == spare.name
+    assert "solo" not in failed.ledger.prefill_jobs and spare.ledger.prefill_jobs["solo"] == seconds
+    assert "solo" in spare.ledger.incoming and "solo" not in failed.ledger.incoming
+    assert r.pending.match(colocated.blocks) == {spare.name: len(colocated.blocks)}
+    r.finished(colocated, now=5.0)
+    assert not spare.ledger.prefill_jobs and not spare.ledger.incoming and len(r.pending) == 0
+    r.move_decode(colocated, failed, now=6.0)  # after it ended: nothing moves
+    assert colocated.decode is spare
