@@ -89,7 +89,7 @@ class Relay:
             return
 
         push = PushParams(transfer_id=request_id, dest=route.decode.kv_address, num_tokens=len(prompt),
-                          skip_blocks=route.decode_held_blocks)
+                          skip_blocks=skip_blocks(route, len(prompt), sampling.first_token_on_decode()))
         first_sampling = replace(sampling, max_tokens=1, min_tokens=min(sampling.min_tokens, 1),
                                  structured=None)  # with a grammar (and more), P's token is not used (below)
         # The pushed KV is settled once D answered its request (aborting that frees the KV there)
@@ -248,6 +248,20 @@ class Relay:
                 stats.decode_instance = worker.name
                 if route is not None:
                     self._on_moved(route, worker)
+
+
+def skip_blocks(route: Route, prompt_tokens: int, first_token_on_decode: bool) -> int:
+    """The prompt blocks P need not push: those D holds, as far as D's vLLM will find them cached.
+    vLLM leaves at least the last token of a request to compute, so a request of n tokens hits at
+    most (n - 1) // block_size blocks. D's request is the prompt plus P's token, except when D
+    samples the first token itself (a grammar, ...): then it is the prompt alone, and for a prompt
+    of whole blocks that D holds, skipping them all made every such pull fail (one block short)
+    and recompute."""
+    held = route.decode_held_blocks
+    block_size = route.decode.block_size
+    if not first_token_on_decode or held <= 0 or block_size <= 0:
+        return held
+    return min(held, (prompt_tokens - 1) // block_size)
 
 
 async def sample_zero(chunks: AsyncIterator[GenerateChunk]) -> AsyncIterator[tuple[int, GenerateChunk]]:

@@ -144,3 +144,24 @@ def test_a_sample_the_caller_stops_is_closed_at_its_next_chunk_and_the_others_go
     workers, counts = asyncio.run(main())
     assert workers.closed == ["r-d1"] and workers.sent["r-d1"] <= 4  # at most one chunk more
     assert workers.sent["r-s1-d1"] == 20 and counts[1] == 20
+
+
+def test_a_decode_that_samples_the_first_token_is_not_told_to_skip_the_block_its_vllm_must_compute():
+    """D's vLLM computes at least a request's last token. With a grammar D's request is the prompt
+    alone, so for a prompt of whole blocks that D holds, one block is not a hit there: skipping it
+    made every such pull fail and recompute."""
+    d = handle("d")
+    d.block_size = 128
+    grammar = Sampling(max_tokens=3, structured=("regex", "[0-9]+"))
+    cases = [(256, grammar, 2, 1), (300, grammar, 2, 2), (256, Sampling(max_tokens=3), 2, 2), (256, grammar, 0, 0)]
+    for prompt_tokens, sampling, held, skipped in cases:
+        workers = Workers()
+
+        async def main():
+            relay = Relay(workers, 5.0, lambda tried: None)
+            route = Route(handle("p"), d, decode_held_blocks=held)
+            return [c async for c in relay.run("r", [5] * prompt_tokens, sampling, route, RelayStats())]
+
+        asyncio.run(main())
+        prefill = workers.requests[0][1]
+        assert prefill.kv_transfer_params["mooncake_push"]["skip_blocks"] == skipped, (prompt_tokens, held)
