@@ -86,15 +86,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def parse_input_len(text: str) -> tuple[int, int]:
-    lo, _, hi = text.partition("-")
-    lo_n, hi_n = int(lo), int(hi or lo)
+    lo, dash, hi = text.partition("-")
+    lo_n, hi_n = int(lo), int(hi if dash else lo)  # "3-" is refused (int("") raises), not read as 3
     if not 1 <= lo_n <= hi_n <= MAX_TOKENS:
         raise ValueError
     return lo_n, hi_n
 
 
 def parse_rates(args: argparse.Namespace) -> list[float]:
-    return [float(r) for r in args.rates.split(",")] if args.rates else [args.rate]
+    return [float(r) for r in args.rates.split(",")] if args.rates is not None else [args.rate]
 
 
 def check(args: argparse.Namespace) -> list[str]:
@@ -115,7 +115,7 @@ def check(args: argparse.Namespace) -> list[str]:
         if not rates or any(not (r > 0 and math.isfinite(r)) for r in rates):
             raise ValueError
     except ValueError:
-        errors.append(f"rates must be positive numbers, got {args.rates or args.rate!r}")
+        errors.append(f"rates must be positive numbers, got {args.rate if args.rates is None else args.rates!r}")
     for name in ("num_requests", "max_input_len", "max_output_len"):
         v = getattr(args, name)
         if v is not None and v < 1:
@@ -140,6 +140,7 @@ def check(args: argparse.Namespace) -> list[str]:
     # Checked now, not after a sweep of many minutes whose records would then be lost.
     if args.out:
         problem = ("it is a directory" if os.path.isdir(args.out)
+                   else "the file is not writable" if os.path.exists(args.out) and not os.access(args.out, os.W_OK)
                    else unusable_directory(os.path.dirname(os.path.abspath(args.out)), create=False))
         if problem:
             errors.append(f"--out {args.out}: cannot write the results there: {problem}")
@@ -236,6 +237,11 @@ def main(argv: list[str] | None = None) -> int:
         if span > LONG_REPLAY_S:
             print(f"mooncake bench: warning: replaying the trace's timing takes {span / 3600:,.1f} hours per "
                   f"rate (--time-scale shrinks it; timestamps must be in ms)", file=sys.stderr)
+    else:
+        span = sum(max(workload.poisson_offsets(len(specs), rate, args.seed), default=0.0) for rate in parse_rates(args))
+        if span > LONG_REPLAY_S:
+            print(f"mooncake bench: warning: sending {len(specs)} requests at each rate takes {span / 3600:,.1f} "
+                  f"hours in all (fewer --num-requests, or higher rates, take less)", file=sys.stderr)
     results = SweepResults(model=args.model or "")
     interrupted = False
     try:
@@ -257,13 +263,26 @@ def main(argv: list[str] | None = None) -> int:
     print(report.table(summaries, capacity, args.attainment_target))
     for line in report.error_lines(runs):
         print(line)
+    # Checked before the sweep, but a disk can fill or a file change meanwhile: each output is
+    # tried on its own, so one that fails loses neither the other nor the printed table.
+    unwritten = False
     if args.out:
         config = {k: v for k, v in vars(args).items() if k != "api_key"} | {"model": model}
-        report.write_json(args.out, config, runs, warm, capacity)
+        try:
+            report.write_json(args.out, config, runs, warm, capacity)
+        except OSError as exc:
+            unwritten = True
+            print(f"mooncake bench: could not write --out {args.out}: {exc}", file=sys.stderr)
     if args.plot:
-        for path in report.write_plots(args.plot, runs, args.ttft_slo, args.attainment_target):
-            print(f"wrote {path}")
+        try:
+            for path in report.write_plots(args.plot, runs, args.ttft_slo, args.attainment_target):
+                print(f"wrote {path}")
+        except OSError as exc:
+            unwritten = True
+            print(f"mooncake bench: could not write --plot {args.plot}: {exc}", file=sys.stderr)
     if interrupted:
         return 130
+    if unwritten:
+        return 1
     # Refusals and slow answers are results; only a sweep in which every request failed is not.
     return 3 if all(s.errors == s.requests for s in summaries) else 0

@@ -39,7 +39,7 @@ class ClientOptions:
     ignore_eos: bool = True
     """Ask the server to ignore EOS (vLLM's extra field) so every output is max_tokens long."""
     retry_after: bool = False
-    """Honour a 429's Retry-After; otherwise a 429 is a refusal."""
+    """Honour the Retry-After of a 429 (or of a 503 that has one); otherwise such an answer is a refusal."""
     max_retry_wait_s: float = 30.0
     """The most time from a request's first send to a retry's send, 429 answers and waits alike
     (a Retry-After that would pass it is a refusal)."""
@@ -51,13 +51,20 @@ def make_client(opts: ClientOptions) -> AsyncOpenAI:
     return AsyncOpenAI(base_url=opts.base_url, api_key=opts.api_key, max_retries=0, timeout=opts.request_timeout_s)
 
 
+PREFLIGHT_TIMEOUT_S = 15.0  # a listing of models takes milliseconds; a frozen server must not take --request-timeout
+
+
 async def preflight(client: AsyncOpenAI, model: str | None) -> str:
     """GET /v1/models once: the endpoint answers, and serves `model` (None: its first model).
     Raises EndpointError with what to fix."""
+    timeout = min(PREFLIGHT_TIMEOUT_S, client.timeout if isinstance(client.timeout, (int, float)) else PREFLIGHT_TIMEOUT_S)
     try:
         # Read as raw JSON: the SDK's parser fails with an AttributeError on a body that is not a
         # model list (a web page at the wrong URL answers 200 too).
-        raw = await client.models.with_raw_response.list()
+        raw = await client.with_options(timeout=timeout).models.with_raw_response.list()
+    except openai.APITimeoutError:
+        raise EndpointError(f"{client.base_url}models gave no answer within {timeout:g} s; is the server "
+                            f"frozen or overloaded?") from None
     except openai.APIConnectionError as exc:
         raise EndpointError(f"cannot reach {client.base_url}: {exc.__cause__ or exc}; is the server running?") from None
     except openai.APIStatusError as exc:
@@ -170,8 +177,14 @@ async def send_one(client: AsyncOpenAI, opts: ClientOptions, prompt: str | list[
                                   f"ignore_eos was asked (--no-ignore-eos if the server does not honour it)")
             rec.status, rec.end_s = OK, now()
             return
-        except openai.RateLimitError as exc:
+        except openai.APIStatusError as exc:
             wait = retry_after_s(exc.response.headers)
+            # A 503 that says when to come back (our conductor's with no decode worker ready, a
+            # draining server) is a refusal before any work, as a 429 is; any other status is an error.
+            if exc.status_code != 429 and not (exc.status_code == 503 and wait is not None):
+                rec.status, rec.error, rec.end_s = ERROR, f"HTTP {exc.status_code}: {exc.message}", now()
+                rec.first_token_s = None
+                return
             # The whole time since the first send counts, answers included: a Retry-After of 0
             # sleeps for nothing, and --max-retry-wait must still end the retries.
             since_first_send = now() - rec.sent_s
@@ -187,12 +200,11 @@ async def send_one(client: AsyncOpenAI, opts: ClientOptions, prompt: str | list[
             else:
                 await asyncio.sleep(wait)
                 continue
-            rec.status, rec.error, rec.end_s = REFUSED, f"429: {exc.message}{why}", now()
+            rec.status, rec.error, rec.end_s = REFUSED, f"{exc.message}{why}", now()  # "Error code: 429 - ..."
+            rec.first_token_s = None
             return
         except AnswerError as exc:
             rec.status, rec.error = ERROR, str(exc)
-        except openai.APIStatusError as exc:
-            rec.status, rec.error = ERROR, f"HTTP {exc.status_code}: {exc.message}"
         except openai.APIConnectionError as exc:
             rec.status, rec.error = ERROR, connection_error_text(exc)
         except openai.APIError as exc:  # the SDK's reading of a {"error": {...}} event mid-stream

@@ -61,8 +61,9 @@ def prompt_of(spec: RequestSpec, *, block_size: int, vocab_size: int, seed: int,
     for h in spec.hash_ids:
         if len(out) >= spec.input_length:
             break
-        # hash ids may be any integer; the seed sequence wants non-negative ones
-        out += _tokens((seed, salt, 2, h & 0xFFFFFFFFFFFFFFFF), block_size, vocab_size)
+        # hash ids may be any integer; the seed sequence wants non-negative ones (mapped one to one,
+        # so two ids never name the same tokens: that would fake prefix sharing)
+        out += _tokens((seed, salt, 2, 2 * h if h >= 0 else -2 * h - 1), block_size, vocab_size)
     if len(out) < spec.input_length:
         out += _tokens((seed, salt, 3, spec.index), spec.input_length - len(out), vocab_size)
     return out[:spec.input_length]
@@ -124,6 +125,12 @@ def _prompt_line(text: str, line: int, path: str, index: int) -> RequestSpec:
         isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt)
     if not (isinstance(prompt, str) and prompt) and not is_ids:
         raise PromptsFileError(path, line, "'prompt' must be a non-empty string or list of token ids")
+    if isinstance(prompt, str):
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError as exc:  # a lone surrogate escaped in the JSON ("\\ud800")
+            raise PromptsFileError(path, line, f"'prompt' cannot be sent as UTF-8: {exc.reason} at "
+                                               f"character {exc.start}") from None
     mt = obj.get("max_tokens")
     if isinstance(mt, bool) or not isinstance(mt, int) or not 1 <= mt <= MAX_TOKENS:
         raise PromptsFileError(path, line, f"'max_tokens' must be an integer in [1, {MAX_TOKENS:,}], got {shown(mt)}")

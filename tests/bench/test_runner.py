@@ -34,6 +34,9 @@ def fake_app() -> FastAPI:
                                 headers={"Retry-After": str(RETRY_AFTER_S)})
         if body["prompt"] == "fail":
             return JSONResponse({"error": {"message": "boom"}}, status_code=500)
+        if body["prompt"] == "draining":  # a 503 that says when to come back: a refusal, as a 429
+            return JSONResponse({"error": {"message": "no decode worker ready"}}, status_code=503,
+                                headers={"Retry-After": "5"})
         mode = body["prompt"] if isinstance(body["prompt"], str) else "token ids"
         if "retry-after:" in mode:  # refused every time, with that Retry-After
             if mode.startswith("slow-"):
@@ -111,12 +114,16 @@ def test_timings_retry_after_and_errors_are_captured(server, tmp_path):
 
 def test_without_retry_after_a_429_is_a_refusal_and_a_miss(server, tmp_path, capsys):
     _, url = server
-    rc, doc = run(tmp_path, url, "--no-ignore-eos")
-    assert "errors at 100 req/s: 1 x HTTP 500" in capsys.readouterr().out  # why, on the console too
-    limited = by_index(doc)[1]
+    rc, doc = run(tmp_path, url, "--no-ignore-eos", prompts_sent=("ok", "limit", "fail", "draining"))
+    out = capsys.readouterr().out
+    assert "errors at 100 req/s: 1 x HTTP 500" in out  # why, on the console too
+    assert "refused at 100 req/s: 1 x Error code: 429 - busy" in out
+    assert "refused at 100 req/s: 1 x Error code: 503 - no decode worker ready" in out
+    limited, draining = by_index(doc)[1], by_index(doc)[3]
     assert rc == 0 and limited["status"] == "refused" and limited["attempts"] == 1 and limited["ttft_s"] is None
+    assert draining["status"] == "refused" and draining["error"] == "Error code: 503 - no decode worker ready"
     s = doc["runs"][0]["summary"]
-    assert (s["completed"], s["refused"], s["errors"]) == (1, 1, 1) and s["attainment"] == pytest.approx(1 / 3)
+    assert (s["completed"], s["refused"], s["errors"]) == (1, 2, 1) and s["attainment"] == pytest.approx(1 / 4)
 
 
 def test_generated_prompts_go_as_token_ids_and_a_sweep_reports_each_rate(server, tmp_path, capsys):
@@ -327,3 +334,54 @@ def test_a_models_url_answering_something_else_is_an_endpoint_error(answer, caps
     err = capsys.readouterr().err
     assert f"{base}/v1/models answered HTTP 200" in err and "not an OpenAI model list" in err
     assert "Traceback" not in err
+
+
+def test_a_server_that_takes_the_connection_but_never_answers_is_reported_in_seconds(capsys, monkeypatch):
+    """A frozen server accepts into its backlog and answers nothing: the preflight waited for
+    --request-timeout (600 s by default), then said "cannot reach ...: " with no reason."""
+    import socket
+
+    from mooncake.bench import runner
+
+    monkeypatch.setattr(runner, "PREFLIGHT_TIMEOUT_S", 0.5)
+    frozen = socket.socket()
+    frozen.bind(("127.0.0.1", 0))
+    frozen.listen(8)  # never accepts
+    try:
+        started = time.monotonic()
+        rc = main(["--url", f"http://127.0.0.1:{frozen.getsockname()[1]}/v1", "--num-requests", "1",
+                   "--input-len", "5"])
+        assert rc == 1 and time.monotonic() - started < 10
+        assert "gave no answer within 0.5 s" in capsys.readouterr().err
+    finally:
+        frozen.close()
+
+
+def test_an_output_file_that_cannot_be_written_is_refused_before_the_sweep(server, tmp_path):
+    import os
+
+    _, url = server
+    out = tmp_path / "r.json"
+    out.write_text("{}")
+    out.chmod(0o444)
+    if os.access(out, os.W_OK):  # root writes anyway: the check below could not fail there
+        pytest.skip("running as root: a read-only file is still writable")
+    with pytest.raises(SystemExit) as refused:
+        main(["--url", url, "--num-requests", "1", "--input-len", "5", "--out", str(out)])
+    assert refused.value.code == 2
+
+
+def test_an_output_that_fails_at_the_end_loses_neither_the_table_nor_the_plots(server, tmp_path, capsys,
+                                                                               monkeypatch):
+    from mooncake.bench import report
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(report, "write_json", full_disk)
+    _, url = server
+    rc = main(["--url", url, "--num-requests", "2", "--input-len", "5", "--output-len", str(TOKENS), "--rate", "100",
+               "--out", str(tmp_path / "r.json"), "--plot", str(tmp_path / "plots")])
+    captured = capsys.readouterr()
+    assert rc == 1 and "could not write --out" in captured.err and "No space left" in captured.err
+    assert "attain" in captured.out and (tmp_path / "plots" / "ttft_cdf.png").exists()

@@ -33,6 +33,14 @@ def test_trace_lines_sharing_a_hash_id_share_that_block_exactly(tmp_path):
     assert workload.prompt_of(spec, salt=1, **KW) != a
 
 
+def test_hash_ids_that_differ_never_name_the_same_block(tmp_path):
+    """Hash ids were masked to 64 bits: 0 and 2**64, or -1 and 2**64 - 1, gave the same tokens."""
+    lines = [f'{{"timestamp": {i}, "input_length": 4, "output_length": 1, "hash_ids": [{h}]}}'
+             for i, h in enumerate((0, 2 ** 64, -1, 2 ** 64 - 1, 1))]
+    prompts = [tuple(workload.prompt_of(s, salt=0, **KW)) for s in workload.trace_specs(load_trace(write(tmp_path, lines)))]
+    assert len(set(prompts)) == 5
+
+
 def test_trace_tokens_past_the_named_blocks_are_private_and_max_input_len_truncates(tmp_path):
     p = write(tmp_path, ['{"timestamp": 0, "input_length": 10, "output_length": 0, "hash_ids": [1]}',
                          '{"timestamp": 1, "input_length": 10, "output_length": 5, "hash_ids": [1]}'])
@@ -58,6 +66,7 @@ def test_generated_prompts_are_independent_unless_sharing_a_prefix():
     ('{"prompt": [1, "x"], "max_tokens": 3}', "'prompt'"),
     ('{"prompt": "hi", "max_tokens": 0}', "'max_tokens'"),
     ('{"prompt": "hi"}', "'max_tokens'"),
+    ('{"prompt": "a \\ud800", "max_tokens": 3}', "cannot be sent as UTF-8"),  # valid JSON, not UTF-8
 ])
 def test_malformed_prompts_file_line_is_reported_with_its_number(tmp_path, bad, msg):
     p = write(tmp_path, ['{"prompt": "hi", "max_tokens": 3}', "", bad], "p.jsonl")
@@ -128,7 +137,13 @@ def test_attainment_and_goodput_count_refusals_and_errors_as_misses():
     assert (s.requests, s.completed, s.refused, s.errors) == (6, 4, 1, 1)
     assert s.attainment == pytest.approx(2 / 6)
     assert s.duration_s == pytest.approx(9.1)  # first send 0.0, last end 9.1
-    assert s.goodput == pytest.approx(2 / 9.1)
+    # attaining requests per second of the offered rate: over duration_s a short run's goodput
+    # read above (or below) the rate offered, by the last answer's latency
+    assert s.goodput == pytest.approx(2 / 6 * 1.0)
+    one = summarize([rec(0, ttft=0.1, tokens=1, sent=0.0)], offered_rate=1.0, ttft_slo_s=1.0, tbt_slo_s=0.1)
+    assert one.goodput == pytest.approx(1.0)  # was 10 req/s: one request over its own 0.1 s
+    at_once = summarize(records, offered_rate=float("inf"), ttft_slo_s=1.0, tbt_slo_s=0.1)
+    assert at_once.goodput == pytest.approx(2 / 9.1)  # no rate offered: over the run's duration
     # latency percentiles over completed requests only: no zero from the refusal or the error
     assert s.ttft_s == pytest.approx(percentiles([0.5, 2.5, 0.5, 0.1], (50, 90, 99)))
     assert s.tbt_s["p50"] == pytest.approx(0.05)
@@ -218,6 +233,8 @@ def test_a_prompts_file_line_python_cannot_read_is_an_error_naming_the_line(tmp_
     (["--attainment-target", "nan"], "--attainment-target must be in (0, 1], got nan"),
     (["--temperature", "nan"], "--temperature must be a finite number >= 0, got nan"),
     (["--input-len", "100000000000"], "--input-len must be N or MIN-MAX with 1 <= MIN <= MAX <= 10,000,000"),
+    (["--input-len", "3-"], "--input-len must be N or MIN-MAX"),  # was taken as 3
+    (["--rates", ""], "rates must be positive numbers, got ''"),  # was a run at --rate 1
 ])
 def test_non_finite_or_absurd_options_are_refused_before_any_request(flags, needle, capsys):
     with pytest.raises(SystemExit) as info:
@@ -248,3 +265,18 @@ def test_the_predicted_ttft_header_is_read_in_seconds():
     assert predicted_ttft_s({"x-mooncake-predicted-ttft-ms": "2500"}) == pytest.approx(2.5)
     assert predicted_ttft_s({"x-mooncake-predicted-ttft-ms": "soon"}) is None
     assert predicted_ttft_s({}) is None and predicted_ttft_s(None) is None
+
+
+@pytest.mark.parametrize("fraction, shown", [(0.8996, "89.9%"), (0.9, "90.0%"), (0.9999, "99.9%"), (1.0, "100.0%"),
+                                             (0.0, "0.0%"), (1 / 3, "33.3%")])
+def test_attainment_is_shown_rounded_down_so_a_miss_never_reads_as_the_target(fraction, shown):
+    from mooncake.bench.report import percent
+
+    assert percent(fraction) == shown
+
+
+def test_a_poisson_sweep_of_hours_is_said_before_it_starts(capsys):
+    rc = main(["--url", "http://127.0.0.1:1/v1", "--num-requests", "100", "--input-len", "5", "--rate", "0.001"])
+    err = capsys.readouterr().err
+    assert rc == 1 and "cannot reach" in err  # nothing listens there: stopped at the endpoint check,
+    assert "warning: sending 100 requests at each rate takes 28.6 hours in all" in err  # after the warning
