@@ -51,7 +51,8 @@ class LoadPlanner:
     def __init__(self, block_size: int):
         self._block_size = block_size
         self._loads: list[LoadSpec] = []  # planned since the last step
-        self._attempted: set[str] = set()  # requests whose load was already planned
+        self._unclaimed: list[str] = []  # transfers pulled with nothing to load, since the last step
+        self._attempted: set[str] = set()  # requests whose load was already planned (or given up)
 
     def matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
         pull = pull_of(request)
@@ -61,7 +62,13 @@ class LoadPlanner:
             return 0, False
         available = min(pull.num_tokens, len(request.prompt_token_ids or ()))
         count = available - num_computed_tokens
-        return (count, True) if count > 0 else (0, False)
+        if count > 0:
+            return count, True
+        # This worker's own prefix cache holds all of it (the conductor's index lagged, and the
+        # prefill pushed it anyway): the staged KV is freed now, not held until the staging TTL.
+        self._unclaimed.append(pull.transfer_id)
+        self._attempted.add(request.request_id)
+        return 0, False
 
     def after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
         pull = pull_of(request)
@@ -82,6 +89,11 @@ class LoadPlanner:
     def take(self) -> list[LoadSpec]:
         loads, self._loads = self._loads, []
         return loads
+
+    def take_unclaimed(self) -> list[str]:
+        """Transfer ids whose staged KV nobody will land (matched_tokens found nothing to load)."""
+        unclaimed, self._unclaimed = self._unclaimed, []
+        return unclaimed
 
     def finished(self, request_id: str) -> None:
         self._attempted.discard(request_id)

@@ -119,7 +119,10 @@ class MooncakeServeConnector(KVConnectorBase_V1):
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         assert self._receiver is not None
-        self._receiver.start_load_kv(self._meta().loads)
+        meta = self._meta()
+        for transfer_id in meta.unclaimed:
+            self._receiver.drop(transfer_id)
+        self._receiver.start_load_kv(meta.loads)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         # Loads land whole before the request is scheduled (async loading), so no layer waits.
@@ -193,6 +196,7 @@ class MooncakeServeConnector(KVConnectorBase_V1):
         assert self._pushes is not None and self._loads is not None
         invalidated, self._invalidated = self._invalidated, []
         return ServeConnectorMetadata(saves=self._pushes.plan(scheduler_output), loads=self._loads.take(),
+                                      unclaimed=self._loads.take_unclaimed(),
                                       preempted=self._pushes.preempted(scheduler_output.preempted_req_ids),
                                       invalidated=invalidated)
 

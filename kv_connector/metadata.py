@@ -14,6 +14,7 @@ from prefill.push_planner import SaveSpec
 class ServeConnectorMetadata(KVConnectorMetadata):
     saves: list[SaveSpec] = field(default_factory=list)  # producer: push these after this step
     loads: list[LoadSpec] = field(default_factory=list)  # consumer: land these
+    unclaimed: list[str] = field(default_factory=list)  # consumer: free these transfers' staged KV (cached here)
     # producer: requests preempted this step whose earlier sends may still read their old blocks;
     # the worker waits for those sends before the forward may overwrite the blocks.
     preempted: set[str] = field(default_factory=set)

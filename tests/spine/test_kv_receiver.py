@@ -190,3 +190,33 @@ def test_a_push_whose_layers_keep_landing_outlives_the_ttl(clock):
     assert r.consumer.collect_loads(set()) == ({"d"}, set())
     for layer in range(LAYERS):
         assert np.array_equal(landed_bytes(r, layer, (5, 6, 7)), sent[layer])
+
+
+def test_a_pull_of_a_prompt_the_decode_worker_already_caches_frees_the_staged_kv_at_once(clock):
+    """The conductor's index lagged and the prefill pushed KV this worker's own prefix cache
+    holds: vLLM's local hit covers the pull, nothing is loaded, and the staged bytes were held
+    until the staging TTL. The scheduler half now names the transfer, and the worker frees it."""
+    from decode.load_planner import LoadPlanner
+    from kv_connector.connector import MooncakeServeConnector
+    from kv_connector.metadata import ServeConnectorMetadata
+    from mooncake.protocol import PullParams
+
+    r = receiver()
+    slot = reserve(r, "t-cached", 2)
+    for layer in range(LAYERS):
+        push_layer(r, "t-cached", slot, layer, 2)
+    assert r.consumer.stats()["staged_bytes"] > 0
+
+    planner = LoadPlanner(BLOCK)
+    pull = PullParams(transfer_id="t-cached", num_tokens=2 * BLOCK, wait_timeout_s=30.0)
+    request = SimpleNamespace(request_id="r", kv_transfer_params=pull.to_params(),
+                              prompt_token_ids=list(range(2 * BLOCK + 1)))
+    assert planner.matched_tokens(request, num_computed_tokens=2 * BLOCK) == (0, False)
+    assert planner.matched_tokens(request, num_computed_tokens=2 * BLOCK) == (0, False)  # asked again: told once
+    assert planner.take() == [] and planner.take_unclaimed() == ["t-cached"] and planner.take_unclaimed() == []
+
+    worker = object.__new__(MooncakeServeConnector)
+    worker._receiver = r.consumer
+    worker._get_connector_metadata = lambda: ServeConnectorMetadata(unclaimed=["t-cached"])
+    worker.start_load_kv(None)
+    assert r.consumer.stats()["staged_bytes"] == 0
