@@ -162,8 +162,18 @@ class KVSender:
                 if index == 0:
                     transfer.chunks += 1
                 self._saved_this_step.add(spec.request_id)
+                if transfer.error is None and transfer.peer is None:
+                    until, why = self._unreachable.get(spec.dest, (0.0, ""))
+                    if now < until:  # its reservation would fail at once: fail it before gathering
+                        self._fail(transfer, f"decode worker at {spec.dest} unreachable {why}")
+                failed = transfer.error is not None
             view = self._views[index]  # vLLM's kv_layer is the registered cache of this layer
-            if direct(view):
+            if failed:
+                # Nothing of it will be sent (its lane skips a failed transfer's work): no rows
+                # gathered, which on a GPU would pin host memory per layer and step for nothing
+                # while the decode worker stays unreachable.
+                work = _Work(transfer, spec, index, now, "", 0, True)
+            elif direct(view):
                 work = _Work(transfer, spec, index, now, f"kv-layer-{index}", 0, True)
             else:
                 work = self._gather(transfer, spec, index, now, view)

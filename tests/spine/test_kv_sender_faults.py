@@ -128,3 +128,26 @@ def test_a_push_invalidated_after_it_landed_is_reported_failed(blocks_first):
         assert producer.outcome("t-a", 0) == "computed over KV that failed to load"
     finally:
         c_engine.close()
+
+
+def test_a_push_to_a_decode_worker_known_unreachable_gathers_no_rows(monkeypatch):
+    """Gathered rows are pinned host memory on a GPU, allocated on vLLM's forward thread per
+    layer and step. For a transfer that has failed, or whose decode worker was just found
+    unreachable, they were gathered anyway, only to be released unsent."""
+    src = {f"model.layers.{i}.attn": torch.rand(2, BLOCKS, BLOCK, HEADS, DIM) for i in range(LAYERS)}
+    engine, producer = producer_of(src)
+    gathered = []
+    gather = KVSender._gather
+    monkeypatch.setattr(KVSender, "_gather", lambda self, *a: gathered.append(a[2]) or gather(self, *a))
+    try:
+        save(producer, src, [spec("first", "127.0.0.1:1", (1, 2, 3), 0, 4, final=True)])  # finds it unreachable
+        wait_freed(producer, "first")
+        assert len(gathered) == LAYERS
+        for n in range(3):  # within the back-off: failed at once, nothing gathered
+            save(producer, src, [spec(f"r{n}", "127.0.0.1:1", (1, 2, 3), 0, 4, final=True)])
+            wait_freed(producer, f"r{n}")
+            assert "unreachable" in producer.outcome(f"t-r{n}", 0)
+        assert len(gathered) == LAYERS and gathered_regions(engine) == []
+    finally:
+        producer.shutdown()
+        engine.close()
