@@ -34,6 +34,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
 )
 
+from kv_connector.model_identity import model_identity_of
 from kv_connector.pool_copier import PoolCopier
 from kv_connector.pool_planner import PoolLoad, PoolPlanner, PoolSave
 from mooncake.kv_layout import num_blocks_of
@@ -73,7 +74,8 @@ class MooncakePoolConnector(KVConnectorBase_V1):
             self._planner = PoolPlanner(PoolClient(endpoint, timeout_s), block_size)
         else:
             self._copier = PoolCopier(lambda t: PoolClient(endpoint, t), block_size, timeout_s,
-                                      load_timeout_s=float(extra.get("pool_load_timeout_s", 30.0)))
+                                      load_timeout_s=float(extra.get("pool_load_timeout_s", 30.0)),
+                                      model_id=model_identity_of(vllm_config.model_config))
 
     # -- worker side --------------------------------------------------------------------------
 

@@ -80,10 +80,12 @@ class ArenaLayout:
             offset += size
         return cls(tuple(names), tuple(offsets), tuple(sizes), offset)
 
-    def describe(self, kv_caches: dict[str, torch.Tensor], block_size: int) -> str:
+    def describe(self, kv_caches: dict[str, torch.Tensor], block_size: int, model_id: str = "") -> str:
         """What the pool records with its blocks (the SSD tier keeps it across restarts), so blocks
-        written by an engine of another model, dtype or block size are never read into this one."""
-        return json.dumps({"block_size": block_size, "layers": [
+        written by an engine of another model, dtype or block size are never read into this one.
+        model_id: the weights (kv_connector/model_identity.py); the shapes alone are the same for
+        a model and its fine-tune."""
+        return json.dumps({"model": model_id, "block_size": block_size, "layers": [
             [n, list(kv_caches[n].shape[1:]), str(kv_caches[n].dtype).removeprefix("torch.")] for n in self.names]})
 
 
@@ -110,13 +112,15 @@ class _StepLoads:
 
 class PoolCopier:
     def __init__(self, connect: Callable[[float], PoolClient], block_size: int, timeout_s: float = 2.0,
-                 load_timeout_s: float = 30.0):
+                 load_timeout_s: float = 30.0, model_id: str = ""):
+        """model_id: which weights the engine runs (model_identity.py), recorded with its blocks."""
         # One line to the pool per thread: pins belong to the line that read them, and a slow SSD
         # read on one must not hold up the step's synchronous loads or the saves' commits.
         self._client = connect(timeout_s)  # set-up and the save thread's commits
         self._sync_client = connect(timeout_s)  # this step's DRAM reads (on the critical path)
         self._async_client = connect(load_timeout_s)  # reads that go to SSD
         self._block_size = block_size
+        self._model_id = model_id
         self._load_timeout_s = load_timeout_s
         self._caches: dict[str, torch.Tensor] = {}
         self._layout: ArenaLayout | None = None
@@ -150,7 +154,7 @@ class PoolCopier:
         self._layer_of = {name: i for i, name in enumerate(self._layout.names)}
         try:
             info = self._client.configure(self._layout.block_bytes,
-                                          self._layout.describe(self._caches, self._block_size),
+                                          self._layout.describe(self._caches, self._block_size, self._model_id),
                                           timeout_s=self._load_timeout_s)
             self._mapping = Arena.attach(info)
         except (PoolUnavailable, OSError, ValueError) as exc:
