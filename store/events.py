@@ -42,6 +42,12 @@ class TierEventLog:
                 self._seq += 1
                 self._events.append((self._seq, kind, key, tier))
 
+    def forget_all(self) -> None:
+        """Every block held is gone (a pool whose start failed after restoring its SSD tier)."""
+        with self._lock:
+            gone = [("removed", key, tier) for tier in TIERS for key in sorted(self._held[tier])]
+        self.append(gone)
+
     def since(self, seq: int) -> TierEventsPage:
         with self._lock:
             oldest = self._events[0][0] if self._events else self._seq + 1

@@ -125,6 +125,7 @@ class PoolService:
                     self._taken_ssd.close()
                 self.pool = self.ssd = self._taken_ssd = self._writer = self.remote = self.layout = None
                 self.arena, self.config = None, before
+                self.events.forget_all()  # the SSD scan's "stored" events name blocks nobody serves now
                 arena.close()
                 raise
             log.info("KV pool: %d DRAM slots of %d B (%s)%s", config.dram_slots, block_bytes, arena.info.path,
@@ -449,6 +450,8 @@ class PoolService:
                 if pins[k] > 0:
                     pins[k] -= 1
                     held.append(k)
+                if not pins[k]:  # a Counter keeps zero counts: every key ever read, for the engine's life
+                    del pins[k]
             self.release(held)
             return {}
         if op == "discard":

@@ -29,6 +29,7 @@ import fcntl
 import logging
 import os
 import queue
+import re
 import struct
 import threading
 from stat import S_ISREG
@@ -46,6 +47,7 @@ VERSION = 1
 HEADER = struct.Struct(">8sHHI16sQQQ8x")
 assert HEADER.size == 64
 SUFFIX = ".blk"
+_BLOCK_NAME = re.compile(r"[0-9a-f]{32}" + re.escape(SUFFIX))
 
 
 @dataclass(frozen=True)
@@ -166,6 +168,8 @@ class SsdTier:
         for dirpath, _dirs, files in os.walk(self.root):
             for name in files:
                 path = os.path.join(dirpath, name)
+                if name.startswith("."):  # the tier's own .lock and .probe
+                    continue
                 if name.endswith(".tmp"):
                     _unlink(path)  # a write that never finished
                     continue
@@ -188,7 +192,11 @@ class SsdTier:
             log.warning("pool SSD tier: cannot read %s (%s); skipped", path, exc)
             return None
         parsed = self._parse(head) if len(head) == HEADER.size else None
-        ours = len(head) >= len(MAGIC) and head[:len(MAGIC)] == MAGIC
+        # Ours: our magic, or our name with less than a header (a write cut short by a power loss
+        # leaves an empty file; writes go to .tmp and are renamed, but the rename may reach the
+        # disk before the data).
+        ours = (len(head) >= len(MAGIC) and head[:len(MAGIC)] == MAGIC) or (
+            len(head) < len(MAGIC) and _BLOCK_NAME.fullmatch(name) is not None)
         if parsed is None or not name.endswith(SUFFIX) or format(parsed[0], "032x") != name[:-len(SUFFIX)]:
             if ours and len(head) < HEADER.size:
                 return self._truncated(path, stat.st_size)

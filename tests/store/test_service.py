@@ -320,3 +320,57 @@ def test_a_pool_whose_process_is_frozen_fails_the_connect_in_time(tmp_path):
     finally:
         client.close()
         frozen.close()
+
+
+def test_a_configure_that_fails_after_restoring_the_ssd_tier_takes_back_its_events(tmp_path, monkeypatch):
+    """The SSD scan's "stored" events stayed in the log after the rollback: the conductor (which
+    pulls them) routed prefix hits to a pool that held nothing."""
+    import store.remote
+
+    ssd = str(tmp_path / "ssd")
+    first = PoolService(PoolConfig(dram_bytes=1 * BB, ssd_dir=ssd, ssd_bytes=4 * BB), remote=False).start()
+    first.configure(BB, LAYOUT)
+    put(first, [1])
+    put(first, [2])  # one slot: 1 spills to disk
+    first.flush()
+    assert first.stats()["usage"]["ssd"]["blocks"] == 1
+    first.close()
+
+    def refuse(self, service, engine_config=None):
+        raise OSError(98, "Address already in use")
+
+    monkeypatch.setattr(store.remote.RemotePool, "__init__", refuse)
+    s = PoolService(PoolConfig(dram_bytes=4 * BB, ssd_dir=ssd, ssd_bytes=4 * BB), remote=True).start()
+    try:
+        with pytest.raises(OSError):
+            s.configure(BB, LAYOUT)
+        page = s.events_since(-1)
+        assert page.events == [] and s.events.held("ssd") == 0, page
+    finally:
+        s.close()
+
+
+def test_a_connection_forgets_the_keys_it_released(svc):
+    client = PoolClient(svc.endpoint)
+    try:
+        put(svc, list(range(1, 9)))
+        for key in range(1, 9):
+            client.read([key])
+            client.release([key])
+        client.lookup([1])
+        # The connection's own count of its pins (the service's thread holds it): nothing left.
+        counters = [frame.f_locals["pins"] for frame in _serve_frames()]
+        assert counters and all(not c for c in counters), counters
+    finally:
+        client.close()
+
+
+def _serve_frames():
+    import sys
+
+    for frame in sys._current_frames().values():
+        while frame is not None:
+            if frame.f_code.co_name == "_serve" and "pins" in frame.f_locals:
+                yield frame
+                break
+            frame = frame.f_back

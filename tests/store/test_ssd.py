@@ -97,3 +97,25 @@ def test_spill_writer_reports_each_write_and_drops_beyond_its_budget(tmp_path):
         assert not writer.submit(2, block(2) + b"x", 0)  # larger than the budget
     finally:
         writer.close()
+
+
+def test_the_tiers_own_files_are_not_foreign_and_an_empty_block_file_is_deleted(tmp_path, caplog):
+    """The scan counted the tier's own .lock as a foreign file on every start (the metric and the
+    warning were never clean), and called a block file cut to under 8 bytes foreign too, so it
+    stayed on disk and was warned about on every start."""
+    t = tier(tmp_path)
+    t.write(1, block(1), checksum(block(1)))
+    empty = t.path(2)
+    os.makedirs(os.path.dirname(empty), exist_ok=True)
+    open(empty, "wb").close()  # a power loss between the rename and the data
+    short = t.path(3)
+    os.makedirs(os.path.dirname(short), exist_ok=True)
+    with open(short, "wb") as f:
+        f.write(b"MO")
+    t.close()
+    fresh = tier(tmp_path)
+    with caplog.at_level(logging.WARNING):
+        found = fresh.scan()
+    assert [b.key for b in found] == [1]
+    assert fresh.skipped["foreign"] == 0 and fresh.skipped["truncated"] == 2 and "foreign" not in caplog.text
+    assert not os.path.exists(empty) and not os.path.exists(short)
