@@ -247,7 +247,17 @@ class ShmTransport:
         mine = [self.span(r, s.local_offset) for r, s in zip(job.local, job.slices)]
         if all(mine):
             return shm_wire.Move(mode="mapped", spans=[(m.name, m.offset) for m in mine], **common)
-        theirs = link.where([s.remote_region for s in job.slices])
+        regions = [s.remote_region for s in job.slices]
+        if write:
+            # This side writes into the owner's memory before the owner checks anything: where a
+            # region lies is asked afresh (one round trip), or a region the owner moved would take
+            # the bytes at its old place, which may hold another region by now.
+            link.forget_where(regions)
+        theirs = link.where(regions)
+        for (_, _, length), s in zip(theirs, job.slices):
+            if s.remote_offset + s.length > length:  # checked before any byte moves, as _pull does
+                raise TransferError(f"slice [{s.remote_offset}, {s.remote_offset + s.length}) is outside "
+                                    f"{link.peer!r}'s region {s.remote_region!r} of {length} B")
         spans = [None if t is None else SegmentSpan(t.name, t.offset + s.remote_offset)
                  for (t, _, _), s in zip(theirs, job.slices)]
         if not all(spans):

@@ -221,8 +221,12 @@ class Link:
                                 for r, s, base in zip(missing, reply.spans, reply.bases)})
         return [self._where[r] for r in regions]
 
-    def forget_where(self) -> None:
-        self._where.clear()
+    def forget_where(self, regions: list[str] | None = None) -> None:
+        """Ask the owner again next time, for `regions` (None: all)."""
+        if regions is None:
+            self._where.clear()
+        for region in regions or ():
+            self._where.pop(region, None)
 
     def _read_loop(self) -> None:
         sock = self._sock

@@ -193,6 +193,9 @@ class Link:
 
     def read(self, slices: list[Slice], batch: Batch) -> None:
         frames = plan_frames(slices, len(self.streams))
+        if not frames:  # nothing to ask for: no READ frame goes out, so no reply would ever end it
+            batch.complete(None)
+            return
         try:
             dests = [[self._local_view(lreg, loff, length) for lreg, loff, _, _, length in frame] for frame in frames]
         except TransferError as exc:

@@ -156,6 +156,9 @@ def test_read_copies_the_peers_bytes_here(pair):
     assert not landing[2 * MiB:3 * MiB].any()
     with pytest.raises(TransferError, match="no region 'missing'"):
         pair.sender.read("receiver", [Slice("landing", 0, "missing", 0, 10)]).wait(10)
+    started = time.monotonic()
+    pair.sender.read("receiver", []).wait(10)  # nothing to read: done at once (it waited for the timeout)
+    assert time.monotonic() - started < 1.0
 
 
 def test_32_concurrent_batches_on_32_threads_do_not_mix(pair):

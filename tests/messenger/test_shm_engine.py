@@ -209,3 +209,44 @@ def test_a_batch_that_timed_out_never_touches_memory_afterwards(monkeypatch, who
     finally:
         a.close()
         b.close()
+
+
+def test_without_cma_a_write_never_lands_outside_the_region_it_names():
+    """Without cross-memory attach, only the owner's region in a shared segment: this side copies
+    into the owner's memory itself, before the owner checks. A slice past the region's end (its
+    length as this side last heard it), or a region the owner moved since this side last asked
+    where it lies, wrote into whatever the owner kept there (found by an audit of the messenger)."""
+    from messenger.segments import SharedBuffer
+    from messenger.shm import ShmConfig
+
+    mib = 1 << 20
+    config = EngineConfig(transports=("shm",), timeout_s=5)
+    object.__setattr__(config, "shm", ShmConfig(use_cma=False))
+    owner, writer = TransferEngine("owner", config), TransferEngine("writer", config)
+    segment = SharedBuffer(2 * mib)
+    src = np.full(mib, 0xAB, np.uint8)
+    try:
+        writer.register("src", src)
+        owner.start()
+        writer.start()
+        owner.register("A", segment.array)
+        assert writer.add_peer(owner.info()) == "shm"  # it hears of A as 2 MiB long
+        owner.unregister("A")
+        owner.register("A", segment.array[:mib])
+        owner.register("B", segment.array[mib:])
+        with pytest.raises(TransferError, match="outside"):
+            writer.write("owner", [Slice("src", 0, "A", mib - 16, 4096)], b"past A").wait(10)
+        assert not segment.array[mib:].any()  # B untouched
+
+        writer.write("owner", [Slice("src", 0, "A", 0, 4096)], b"asks where A is").wait(10)
+        segment.array[:] = 0
+        owner.unregister("A")
+        owner.unregister("B")
+        owner.register("B", segment.array[:mib])  # A's old place is B's now
+        owner.register("A", segment.array[mib:])
+        writer.write("owner", [Slice("src", 0, "A", 0, 4096)], b"A moved").wait(10)
+        assert not segment.array[:mib].any() and (segment.array[mib:mib + 4096] == 0xAB).all()
+    finally:
+        writer.close()
+        owner.close()
+        segment.close()
