@@ -77,6 +77,8 @@ def create_app(config: ConductorConfig) -> FastAPI:
                  asyncio.create_task(poll_kv_events(pool, index, config.kv_events_interval_s,
                                                          token_headers(config.cluster_token))),
                  asyncio.create_task(follow_registry(registry, view, pool, index))]
+        for task in tasks:  # each runs for the conductor's life: one that ends is said at once, loudly
+            task.add_done_callback(_loop_ended)
         app.state.view = view
         try:
             yield
@@ -312,6 +314,16 @@ async def _unless_client_leaves(request: Request, work: Awaitable[Response]) -> 
         await task
     log.info("client left before the answer (or a stream's first token); its work was cancelled")
     return Response(status_code=499)  # nobody reads it
+
+
+def _loop_ended(task: asyncio.Task) -> None:
+    """A background loop (health polls, KV events, registry) ended before shutdown: its exception
+    would otherwise be read only at exit, while the cluster view silently went stale."""
+    if task.cancelled():
+        return
+    exc = task.exception()
+    log.critical("background loop %s ended%s; the conductor's view of its workers is no longer kept up to "
+                 "date: restart it", task.get_coro().__qualname__, f": {exc!r}" if exc else "")
 
 
 def _model_card(config: ConductorConfig, created: int) -> dict:

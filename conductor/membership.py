@@ -84,7 +84,11 @@ async def poll_health(pool: WorkerPool, client: WorkerClient, index: PrefixIndex
         polled = pool.polled()
         before = {h.http_url: h.ready for h in polled}
         names = {h.http_url: h.name for h in polled}
-        await asyncio.gather(*(client.check(h) for h in polled))
+        results = await asyncio.gather(*(client.check(h) for h in polled), return_exceptions=True)
+        for h, result in zip(polled, results):
+            if isinstance(result, Exception):  # one worker's poll must never end the loop for all
+                log.error("health poll of %s failed: %s: %s", h.name, type(result).__name__, result)
+                h.ready, h.status, h.last_error = False, "unreachable", f"{type(result).__name__}: {result}"
         for h in polled:
             renamed(h, names[h.http_url], index)
             if before.get(h.http_url) and not h.ready:

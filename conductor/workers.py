@@ -201,7 +201,7 @@ class WorkerClient:
                 handle.ready, handle.status = False, "unauthorized"
                 handle.last_error = (f"the worker refuses this conductor's cluster token: give both the same "
                                      f"--cluster-token-file or {TOKEN_ENV}")
-        except (httpx.HTTPError, ValueError) as exc:
+        except (httpx.HTTPError, httpx.InvalidURL, ValueError) as exc:
             if (isinstance(exc, httpx.TimeoutException)
                     and time.monotonic() - polled_at > self._health_timeout_s + LATE_TIMEOUT_SLACK_S):
                 # The timeout fired late: this conductor's own event loop was held up, so the

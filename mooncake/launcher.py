@@ -27,7 +27,7 @@ from mooncake import defaults
 from mooncake.auth import TOKEN_ENV, generate_token
 from mooncake.defaults import Dtype, WorkerRole, chunk_size_error, engine_option_errors
 from mooncake.logs import uvicorn_log_config
-from mooncake.net import http_server_config
+from mooncake.net import http_server_config, url_host
 from mooncake.supervisor import RestartPolicy, Supervisor, exit_reason, group_running, kill_group
 
 log = logging.getLogger(__name__)
@@ -173,7 +173,7 @@ class Cluster:
         # The conductor in this process hosts the embedded registry, where it listens: loopback
         # unless --host names one address (then only that one).
         registry_host = "127.0.0.1" if c.host in ("0.0.0.0", "::", "", "localhost") else c.host
-        registry = f"embedded+http://{f'[{registry_host}]' if ':' in registry_host else registry_host}:{c.port}"
+        registry = f"embedded+http://{url_host(registry_host)}:{c.port}"
         for i, (role, cores) in enumerate(zip(roles, binding)):
             port = c.first_worker_port + i
             # Decode workers prefill only beside a batch (unless no prefill worker exists).

@@ -8,6 +8,11 @@ from typing import Any
 from mooncake import defaults
 
 
+def url_host(host: str) -> str:
+    """`host` as it goes in a URL: an IPv6 address in brackets (http://[fd00::7]:8100)."""
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A port nobody listens on now (the OS picks it); whoever binds it next may still lose a race."""
     with socket.socket() as sock:

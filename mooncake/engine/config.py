@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from mooncake import defaults
 from mooncake.defaults import Dtype, WorkerRole, engine_option_errors
+from mooncake.net import url_host
 from mooncake.registry.config import EtcdCredentials
 
 
@@ -87,7 +88,7 @@ class WorkerConfig:
 
     @property
     def http_url(self) -> str:
-        return f"http://{self.public_host}:{self.port}"
+        return f"http://{url_host(self.public_host)}:{self.port}"
 
 
 def cpu_bind_error(spec: str, allowed: set[int] | None = None) -> str | None:

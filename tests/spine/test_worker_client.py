@@ -292,3 +292,41 @@ def test_a_finished_stream_closed_at_its_last_chunk_sends_no_abort():
         assert calls.count("/internal/abort") == 1
         await client.close()
     asyncio.run(main())
+
+
+def test_a_worker_registered_at_an_url_httpx_cannot_parse_never_stops_the_health_poll():
+    """A worker that advertised a bare IPv6 address registered http://fd00::7:8100: httpx's
+    InvalidURL escaped check(), ended poll_health's gather, and with it the health of every
+    worker (none joining later ever became ready). Workers now bracket IPv6 hosts."""
+    from conductor.core.index import PrefixIndex
+    from conductor.membership import poll_health
+    from mooncake.engine.config import WorkerConfig
+
+    def reply(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, json={"instance_id": "good", "role": "decode", "status": "ready"})
+
+    async def main():
+        client = WorkerClient(token_timeout_s=5.0)
+        await client._http.aclose()
+        client._http = httpx.AsyncClient(transport=httpx.MockTransport(reply))
+        pool = WorkerPool()
+        bad, good = pool.add("http://fd00::7:8100"), pool.add("http://good")
+        await client.check(bad)  # refused like any unreachable worker, not raised
+        assert not bad.ready and bad.status == "unreachable" and "InvalidURL" in bad.last_error
+
+        async def broken(handle):  # whatever else a poll might raise
+            if handle is bad:
+                raise RuntimeError("boom")
+            await WorkerClient.check(client, handle)
+
+        client.check = broken
+        task = asyncio.ensure_future(poll_health(pool, client, PrefixIndex(), 0.01))
+        await asyncio.sleep(0.1)
+        late = pool.add("http://late")  # joins after the failure
+        await asyncio.sleep(0.1)
+        assert not task.done() and good.ready and late.ready and not bad.ready and "boom" in bad.last_error
+        task.cancel()
+        await client.close()
+    asyncio.run(main())
+    v6 = WorkerConfig(role="decode", model="m", served_model_name="m", host="::", advertise_host="fd00::7", port=8100)
+    assert v6.http_url == "http://[fd00::7]:8100" and httpx.URL(v6.http_url).host == "fd00::7"
