@@ -54,6 +54,10 @@ class RestartPolicy:
                              f"stop_grace_s >= 0: {self}")
 
 
+KILLED_WAIT_S = 30.0
+"""How long a restart waits for a killed worker's processes to be gone."""
+
+
 class Supervisor:
     def __init__(self, workers: list[Supervised], spawn: Callable[[Supervised], subprocess.Popen],
                  policy: RestartPolicy, clock: Callable[[], float],
@@ -118,14 +122,19 @@ class Supervisor:
             kill_group(w.process, signal.SIGTERM)
 
     def _finish_stopping(self, url: str, now: float) -> None:
-        """The dead worker's group is gone, or its grace has passed and it is killed."""
+        """The dead worker's group is gone; its grace has passed and it is killed, then waited for
+        (a process in uninterruptible sleep, a GPU's teardown, outlives SIGKILL a while, and a new
+        engine beside it would find its memory taken) up to KILLED_WAIT_S."""
         if url not in self._stopping:
             return
         leader, kill_at = self._stopping[url]
         if now >= kill_at:
             kill_group(leader)
-        elif group_running(leader.pid):
-            return
+        if group_running(leader.pid):
+            if now < kill_at + KILLED_WAIT_S:
+                return
+            log.warning("the engine processes of worker %s outlived SIGKILL by %.0f s; restarting it anyway", url,
+                        now - kill_at)
         del self._stopping[url]
 
     def _restart(self, w: Supervised, now: float) -> None:
@@ -161,7 +170,11 @@ def group_running(pgid: int, proc: str = "/proc") -> bool:
 
 def kill_group(process: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
     """Signal the process group `process` leads (it was started with start_new_session), which
-    outlives its leader while any member lives."""
+    outlives its leader while any member lives. Not once the leader is reaped and the group is
+    empty: its id is free then, and may be another session's by now (a worker given up on hours
+    before is still signalled at shutdown). Linux hands out no id still in use as a group's."""
+    if process.returncode is not None and not group_running(process.pid):
+        return
     try:
         os.killpg(process.pid, sig)
     except (ProcessLookupError, PermissionError):

@@ -368,3 +368,71 @@ def test_exit_codes_are_said_the_way_an_operator_reads_them():
     assert exit_reason(defaults.ENGINE_DIED_EXIT_CODE).endswith("(its vLLM engine died)")
     assert "port taken" in exit_reason(3)  # uvicorn's startup failure: not our engine's code
     assert exit_reason(1) == "exited with code 1"
+
+
+def test_a_restart_waits_for_the_killed_group_to_be_gone_up_to_a_limit(monkeypatch):
+    """The restart came in the same poll as the SIGKILL: a process in uninterruptible sleep (a
+    GPU's teardown) outlives it a while, and the new engine found its memory taken."""
+    from mooncake import supervisor
+
+    dead = subprocess.Popen(["true"], start_new_session=True)
+    dead.wait(timeout=30)
+    lingering = {dead.pid}
+    signals = []
+    monkeypatch.setattr(supervisor, "group_running", lambda pgid: pgid in lingering)
+    monkeypatch.setattr(supervisor, "kill_group", lambda process, sig=signal.SIGKILL: signals.append(sig))
+    spawned = []
+
+    def spawn(worker):
+        spawned.append(subprocess.Popen(["sleep", "60"], start_new_session=True))
+        return spawned[-1]
+
+    worker = Worker("decode", "http://w9", dead, "")
+    now = [0.0]
+    keeper = Supervisor([worker], spawn, RestartPolicy(first_delay_s=0, stop_grace_s=5), lambda: now[0])
+    try:
+        keeper.check()
+        assert signals == [signal.SIGTERM] and not spawned
+        now[0] = 5.0
+        keeper.check()  # grace over: killed, but its group is still there
+        assert signals[-1] == signal.SIGKILL and not spawned
+        now[0] = 5.0 + supervisor.KILLED_WAIT_S - 1
+        keeper.check()
+        assert not spawned
+        lingering.clear()  # gone at last
+        keeper.check()
+        assert len(spawned) == 1 and worker.process is spawned[0]
+
+        worker.process.kill()  # dies again, and this time its group never goes
+        worker.process.wait(timeout=30)
+        lingering.add(worker.process.pid)
+        now[0] = 100.0
+        keeper.check()
+        now[0] = 105.0 + supervisor.KILLED_WAIT_S  # past the wait: restarted anyway, with a warning
+        keeper.check()
+        keeper.check()
+        assert len(spawned) == 2
+    finally:
+        for proc in spawned:
+            proc.kill()
+            proc.wait(timeout=30)
+
+
+def test_a_reaped_leader_whose_group_is_empty_is_never_signalled(monkeypatch):
+    """Its id is free: at shutdown, hours after a worker was given up on, it may be another
+    session's, and that whole group got SIGTERM and SIGKILL."""
+    from mooncake import supervisor
+
+    sent = []
+    monkeypatch.setattr(supervisor.os, "killpg", lambda pgid, sig: sent.append((pgid, sig)))
+    gone = subprocess.Popen(["true"], start_new_session=True)
+    gone.wait(timeout=30)
+    kill_group(gone, signal.SIGTERM)
+    assert sent == []
+    alive = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    try:
+        kill_group(alive, signal.SIGTERM)
+        assert sent == [(alive.pid, signal.SIGTERM)]
+    finally:
+        alive.kill()
+        alive.wait(timeout=30)
