@@ -30,6 +30,50 @@ log = logging.getLogger(__name__)
 
 Handler = Callable[[dict[str, Any]], dict[str, Any]]
 
+LISTEN_BACKLOG = 64
+HANDSHAKE_TIMEOUT_S = 5.0
+
+
+def listen(endpoint: "ControlEndpoint") -> Listener:
+    """A local listener whose accept() authenticates nothing: each connection's own thread runs
+    the HMAC handshake (`handshake`). multiprocessing's Listener ran it inside accept(), one at a
+    time on the accept thread, with a backlog of 1: a caller that gave up mid-handshake (a
+    timeout) made accept() raise BrokenPipeError, which the loops took for a closed listener, and
+    they ended; no connection was taken after."""
+    return Listener(endpoint.path, family="AF_UNIX", backlog=LISTEN_BACKLOG)
+
+
+def handshake(conn: Connection, endpoint: "ControlEndpoint", timeout_s: float = HANDSHAKE_TIMEOUT_S) -> bool:
+    """The server's half of multiprocessing's HMAC handshake on `conn`, bounded by `timeout_s`;
+    False (logged) if the caller failed it, left, or said nothing in time."""
+    sock = socket.socket(fileno=os.dup(conn.fileno()))  # the same socket: its options are conn's
+    try:
+        _io_limit(sock, timeout_s)
+        deliver_challenge(conn, endpoint.authkey)
+        answer_challenge(conn, endpoint.authkey)
+        _io_limit(sock, None)  # then calls wait as long as they need
+        return True
+    except (OSError, EOFError, AuthenticationError) as exc:
+        log.warning("refused a connection on %s: %s: %s", endpoint.path, type(exc).__name__, exc)
+        return False
+    finally:
+        sock.close()
+
+
+def accept_forever(listener: Listener, closed: threading.Event, serve: Callable[[Connection], None],
+                   name: str) -> None:
+    """Accept connections until `closed`, each served (handshake first) on a daemon thread."""
+    while not closed.is_set():
+        try:
+            conn = listener.accept()
+        except OSError as exc:
+            if closed.is_set():
+                return
+            log.warning("accepting on %s failed: %s; going on", listener.address, exc)  # EMFILE, say
+            closed.wait(0.1)
+            continue
+        threading.Thread(target=serve, args=(conn,), name=name, daemon=True).start()
+
 
 class ControlError(ConnectionError):
     """The connector did not answer: not started yet, gone, or too slow."""
@@ -64,8 +108,11 @@ class ControlServer:
     def start(self) -> "ControlServer":
         if os.path.exists(self.endpoint.path):  # left by an engine that died
             os.unlink(self.endpoint.path)
-        self._listener = Listener(self.endpoint.path, family="AF_UNIX", authkey=self.endpoint.authkey)
-        threading.Thread(target=self._accept_loop, name="kv-control", daemon=True).start()
+        self._listener = listen(self.endpoint)
+        # One thread per call: a push_outcome call waits for acknowledgements, and must not hold
+        # up the stats scrapes or the other requests' calls behind it.
+        threading.Thread(target=accept_forever, args=(self._listener, self._closed, self._answer_and_close,
+                                                      "kv-control-call"), name="kv-control", daemon=True).start()
         return self
 
     def close(self) -> None:
@@ -76,23 +123,10 @@ class ControlServer:
             except OSError:
                 pass
 
-    def _accept_loop(self) -> None:
-        assert self._listener is not None
-        while not self._closed.is_set():
-            try:
-                conn = self._listener.accept()
-            except OSError:
-                return  # closed
-            except Exception as exc:  # noqa: BLE001 - a caller with the wrong key; keep serving
-                log.warning("refused a control connection: %s", exc)
-                continue
-            # One thread per call: a push_outcome call waits for acknowledgements, and must not
-            # hold up the stats scrapes or the other requests' calls behind it.
-            threading.Thread(target=self._answer_and_close, args=(conn,), name="kv-control-call", daemon=True).start()
-
     def _answer_and_close(self, conn: Connection) -> None:
         with conn:
-            self._answer(conn)
+            if handshake(conn, self.endpoint):
+                self._answer(conn)
 
     def _answer(self, conn: Connection) -> None:
         try:
@@ -142,9 +176,9 @@ def connect(endpoint: ControlEndpoint, timeout_s: float) -> Connection:
     return conn
 
 
-def _io_limit(sock: socket.socket, seconds: float) -> None:
-    """Kernel send and receive timeouts of a blocking socket."""
-    seconds = max(seconds, 0.001)  # 0 would mean none
+def _io_limit(sock: socket.socket, seconds: float | None) -> None:
+    """Kernel send and receive timeouts of a blocking socket (None: none)."""
+    seconds = 0.0 if seconds is None else max(seconds, 0.001)  # 0 means none
     whole = int(seconds)
     value = struct.pack("ll", whole, int((seconds - whole) * 1e6))
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, value)

@@ -30,7 +30,7 @@ from dataclasses import replace
 from multiprocessing.connection import Connection, Listener
 from typing import Any
 
-from mooncake.control import ControlEndpoint
+from mooncake.control import ControlEndpoint, accept_forever, handshake, listen
 from store import channel
 from store.arena import Arena, ArenaInfo
 from store.config import PoolConfig
@@ -85,8 +85,9 @@ class PoolService:
         """Listen on the local channel (a daemon thread per connection)."""
         if os.path.exists(self.endpoint.path):
             os.unlink(self.endpoint.path)
-        self._listener = Listener(self.endpoint.path, family="AF_UNIX", authkey=self.endpoint.authkey)
-        threading.Thread(target=self._accept_loop, name="pool-channel", daemon=True).start()
+        self._listener = listen(self.endpoint)
+        threading.Thread(target=accept_forever, args=(self._listener, self._closed, self._serve, "pool-conn"),
+                         name="pool-channel", daemon=True).start()
         if self.config.block_bytes:
             self.configure(self.config.block_bytes, self.layout or "")
         return self
@@ -384,19 +385,11 @@ class PoolService:
                     self.events.append(events)
 
     # --- the local channel ----------------------------------------------------------------
-    def _accept_loop(self) -> None:
-        while not self._closed.is_set():
-            try:
-                conn = self._listener.accept()
-            except OSError:
-                return
-            except Exception as exc:  # noqa: BLE001 - a caller with the wrong key; keep serving
-                log.warning("refused a pool connection: %s", exc)
-                continue
-            threading.Thread(target=self._serve, args=(conn,), name="pool-conn", daemon=True).start()
-
     def _serve(self, conn: Connection) -> None:
         pins: Counter[int] = Counter()  # what this connection holds pinned
+        if not handshake(conn, self.endpoint):
+            conn.close()
+            return
         try:
             while not self._closed.is_set():
                 try:

@@ -137,9 +137,11 @@ def test_attainment_and_goodput_count_refusals_and_errors_as_misses():
     assert (s.requests, s.completed, s.refused, s.errors) == (6, 4, 1, 1)
     assert s.attainment == pytest.approx(2 / 6)
     assert s.duration_s == pytest.approx(9.1)  # first send 0.0, last end 9.1
-    # attaining requests per second of the offered rate: over duration_s a short run's goodput
-    # read above (or below) the rate offered, by the last answer's latency
-    assert s.goodput == pytest.approx(2 / 6 * 1.0)
+    # the smaller of attainment x offered rate and attaining requests over the duration: neither
+    # more than was offered nor more than was served
+    assert s.goodput == pytest.approx(min(2 / 6 * 1.0, 2 / 9.1))
+    fast = summarize(records, offered_rate=0.1, ttft_slo_s=1.0, tbt_slo_s=0.1)
+    assert fast.goodput == pytest.approx(2 / 6 * 0.1)
     one = summarize([rec(0, ttft=0.1, tokens=1, sent=0.0)], offered_rate=1.0, ttft_slo_s=1.0, tbt_slo_s=0.1)
     assert one.goodput == pytest.approx(1.0)  # was 10 req/s: one request over its own 0.1 s
     at_once = summarize(records, offered_rate=float("inf"), ttft_slo_s=1.0, tbt_slo_s=0.1)

@@ -24,7 +24,7 @@ def test_bench_measures_the_spine_cluster(spine_cluster, tmp_path):
         assert 0 < r["ttft_s"] < 30 and 0 < r["mean_tbt_s"] < 2 and r["e2e_s"] > r["ttft_s"]
         assert len(r["chunk_s"]) >= 2
     assert 0 <= s["attainment"] <= 1 and s["duration_s"] > 0
-    assert s["goodput"] == pytest.approx(s["attainment"] * 4 / s["duration_s"])
+    assert s["goodput"] == pytest.approx(min(s["attainment"] * 20, s["attainment"] * 4 / s["duration_s"]))
     assert doc["slo_capacity"] in (None, 20)
     # Our conductor says what it predicted; bench reports how measured TTFT compares with it.
     assert all(r["predicted_ttft_s"] > 0 for r in reqs)

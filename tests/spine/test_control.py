@@ -103,3 +103,23 @@ def test_the_shell_marks_a_prefill_whose_push_did_not_land():
         assert [a[:2] for a in asked] == [("push_outcome", "good"), ("push_outcome", "bad")] and asked[0][2] > 0
     finally:
         server.close()
+
+
+def test_callers_that_leave_mid_handshake_never_stop_the_control_channel(tmp_path):
+    import socket
+
+    server = ControlServer(ControlEndpoint.new(), lambda request: {"ok": True, "echo": request["op"]}).start()
+    try:
+        for leave_after in (0, 1):
+            for _ in range(5):
+                s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                s.connect(server.endpoint.path)
+                if leave_after:
+                    s.recv(64)
+                s.close()
+        time.sleep(0.2)
+        assert control_call(server.endpoint, {"op": "stats"})["echo"] == "stats"
+        with pytest.raises(ControlError):  # and the key is still checked
+            control_call(ControlEndpoint(server.endpoint.path, "00" * 16), {"op": "stats"}, timeout_s=1.0)
+    finally:
+        server.close()

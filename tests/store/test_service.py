@@ -374,3 +374,25 @@ def _serve_frames():
                 yield frame
                 break
             frame = frame.f_back
+
+
+def test_callers_that_give_up_mid_handshake_never_stop_the_pool_taking_connections(svc):
+    """multiprocessing's Listener ran the handshake inside accept(): a caller that had left (a
+    connector whose handshake timed out while the worker was frozen) made it raise
+    BrokenPipeError, which the accept loop took for a closed listener. It ended, and no
+    connector could connect again (CI: the decode worker's pool after test_worker_frozen)."""
+    import socket
+
+    for leave_after in (0, 1):
+        for _ in range(5):
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.connect(svc.endpoint.path)
+            if leave_after:
+                s.recv(64)  # the challenge, then gone without answering
+            s.close()
+    time.sleep(0.2)
+    client = PoolClient(svc.endpoint, timeout_s=2.0)
+    try:
+        assert client.lookup([1]) == []
+    finally:
+        client.close()
