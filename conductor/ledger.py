@@ -59,13 +59,18 @@ class Ledger:
         """Record a decision: prefill work on `prefill` (may be self), a sequence coming here.
         tbt_slo_s: the request's own TBT SLO, which later requests joining this batch must keep.
         max_tokens: the most it will generate (the forecast's cap on how long it stays)."""
-        prefill._advance(arrival_s)
-        if not prefill.prefill_jobs:
-            prefill.head_spent_s = 0.0  # it starts now, on an idle instance
-        ahead = prefill.backlog_s  # in order: its prefill ends after the queue ahead of it
-        prefill.prefill_jobs[request_id] = predicted_prefill_s
+        ahead = prefill._queue_job(request_id, predicted_prefill_s, arrival_s)
         self.incoming[request_id] = DecodeSeq(arrival_s + ahead + predicted_prefill_s, kv_tokens,
                                               tbt_slo_s=tbt_slo_s, max_tokens=max_tokens)
+
+    def _queue_job(self, request_id: str, predicted_prefill_s: float, now: float) -> float:
+        """Queue a prefill job here at `now`; returns the predicted seconds queued ahead of it."""
+        self._advance(now)
+        if not self.prefill_jobs:
+            self.head_spent_s = 0.0  # it starts now, on an idle instance
+        ahead = self.backlog_s  # in order: its prefill ends after the queue ahead of it
+        self.prefill_jobs[request_id] = predicted_prefill_s
+        return ahead
 
     def prefill_done(self, request_id: str, prefill: "Ledger", now: float) -> None:
         prefill._advance(now)
@@ -95,10 +100,7 @@ class Ledger:
             seconds = self.prefill_jobs[request_id]
             self._advance(now)
             self._drop_job(request_id)
-            to._advance(now)
-            if not to.prefill_jobs:
-                to.head_spent_s = 0.0
-            to.prefill_jobs[request_id] = seconds
+            to._queue_job(request_id, seconds, now)
 
     def running_load(self) -> tuple[int, int]:
         """(sequences, KV tokens) decoding here now, as the scheduler prices a decode step."""

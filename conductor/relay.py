@@ -84,7 +84,7 @@ class Relay:
         stats.prompt_tokens = len(prompt)
         fetch = route.fetch.to_params() if route.fetch else {}
         if route.colocated:
-            async for chunk in self._whole(route.decode, request_id, prompt, sampling, stats, None, fetch, route):
+            async for chunk in self._whole(route.decode, request_id, prompt, sampling, stats, None, fetch, route=route):
                 yield chunk
             return
 

@@ -147,8 +147,9 @@ def connect(endpoint: ControlEndpoint, timeout_s: float) -> Connection:
     listener whose process is frozen still completes connect() into its backlog, and Client then
     waits for the challenge for ever, on the calling thread: vLLM's scheduler, for the pool.
 
-    For long-lived connections (the pool's). control_call keeps Client: its listener runs the
-    handshakes one at a time, so a burst of calls can wait their turn past any one call's timeout."""
+    Used for the pool's long-lived connections. control_call keeps Client: bounding it was taken
+    back (stop 35) while the listener still ran handshakes one at a time, and has not been tried
+    since the listener runs each on its connection's thread (`listen`)."""
     # Blocking, under the kernel's limits (a call past one fails with EAGAIN): Connection reads
     # the descriptor itself, and a unix connect() waits for room in a full backlog (a socket
     # timeout would make it fail at once instead).

@@ -163,9 +163,9 @@ class KVSender:
                     transfer.chunks += 1
                 self._saved_this_step.add(spec.request_id)
                 if transfer.error is None and transfer.peer is None:
-                    until, why = self._unreachable.get(spec.dest, (0.0, ""))
-                    if now < until:  # its reservation would fail at once: fail it before gathering
-                        self._fail(transfer, f"decode worker at {spec.dest} unreachable {why}")
+                    unreachable = self._unreachable_now(spec.dest, now)
+                    if unreachable:  # its reservation would fail at once: fail it before gathering
+                        self._fail(transfer, unreachable)
                 failed = transfer.error is not None
             view = self._views[index]  # vLLM's kv_layer is the registered cache of this layer
             if failed:
@@ -399,13 +399,19 @@ class KVSender:
             self._stats.push_seconds += now - self._busy_since
             self._busy_since = None
 
+    def _unreachable_now(self, dest: str, now: float) -> str | None:
+        """Why `dest` is not tried now (under the lock; see UNREACHABLE_BACKOFF_S), or None."""
+        until, why = self._unreachable.get(dest, (0.0, ""))
+        if now >= until:
+            return None
+        return f"decode worker at {dest} unreachable {why} (retried after {UNREACHABLE_BACKOFF_S:g} s)"
+
     def _reserve(self, transfer: _Transfer) -> None:
         spec = transfer.spec
         with self._lock:
-            until, why = self._unreachable.get(spec.dest, (0.0, ""))
-        if time.monotonic() < until:
-            raise TransferError(f"decode worker at {spec.dest} unreachable {why} (retried after "
-                                f"{UNREACHABLE_BACKOFF_S:g} s)")
+            unreachable = self._unreachable_now(spec.dest, time.monotonic())
+        if unreachable:
+            raise TransferError(unreachable)
         request = KVReserve(spec.transfer_id, spec.skip_blocks, spec.total_blocks - spec.skip_blocks,
                             self._block_bytes[0], self._layout)
         with self._lock:

@@ -6,6 +6,7 @@ directory loaded the other model's KV with valid checksums)."""
 import json
 import shutil
 
+import numpy as np
 import torch
 
 from kv_connector.model_identity import SAMPLE_BYTES, model_identity, weights_fingerprint
@@ -16,8 +17,7 @@ from store.ssd import SsdTier
 def checkpoint(folder, seed: int, size: int = 3 * SAMPLE_BYTES + 123):
     folder.mkdir(parents=True)
     (folder / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
-    (folder / "model.safetensors").write_bytes(torch.manual_seed(seed) and bytes(torch.randint(0, 256, (size,),
-                                                                                              dtype=torch.uint8)))
+    (folder / "model.safetensors").write_bytes(np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8).tobytes())
     return folder
 
 

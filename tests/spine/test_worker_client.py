@@ -17,6 +17,14 @@ from mooncake.protocol import ENCODER, GenerateChunk, GenerateRequest, Sampling
 from tests.http_server import served
 
 
+async def mocked_client(handler, **options) -> WorkerClient:
+    """A WorkerClient whose HTTP calls `handler` answers (httpx.MockTransport)."""
+    client = WorkerClient(**{"token_timeout_s": 5.0, **options})
+    await client._http.aclose()
+    client._http = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+    return client
+
+
 def test_a_slow_health_answer_keeps_a_worker_routed_until_it_stays_slow_and_a_refusal_does_not():
     answers: list = []
 
@@ -27,9 +35,7 @@ def test_a_slow_health_answer_keeps_a_worker_routed_until_it_stays_slow_and_a_re
         return httpx.Response(answer, json={"instance_id": "w", "role": "decode", "status": "ready"})
 
     async def main():
-        client = WorkerClient(token_timeout_s=5.0, health_timeouts_tolerated=2)
-        await client._http.aclose()
-        client._http = httpx.AsyncClient(transport=httpx.MockTransport(reply))
+        client = await mocked_client(reply, health_timeouts_tolerated=2)
         handle = WorkerHandle(http_url="http://w")
         slow = httpx.ReadTimeout("no answer in 2 s")
 
@@ -60,9 +66,7 @@ def test_health_names_a_static_worker_but_never_renames_a_registered_one():
         return httpx.Response(503, json={"instance_id": "w-new", "role": "decode", "status": "starting"})
 
     async def main():
-        client = WorkerClient(token_timeout_s=5.0)
-        await client._http.aclose()
-        client._http = httpx.AsyncClient(transport=httpx.MockTransport(reply))
+        client = await mocked_client(reply)
         registered, static = WorkerHandle(http_url="http://r", instance_id="w-old"), WorkerHandle(http_url="http://s")
         static.static = True
         for handle in (registered, static):
@@ -78,9 +82,7 @@ def test_a_health_timeout_that_fired_late_is_the_conductors_delay_and_is_not_cou
         raise httpx.ReadTimeout("no answer")
 
     async def main():
-        client = WorkerClient(token_timeout_s=5.0, health_timeouts_tolerated=0, health_timeout_s=0.2)
-        await client._http.aclose()
-        client._http = httpx.AsyncClient(transport=httpx.MockTransport(reply))
+        client = await mocked_client(reply, health_timeouts_tolerated=0, health_timeout_s=0.2)
         handle = WorkerHandle(http_url="http://w", ready=True, status="ready")
         await client.check(handle)
         assert handle.ready and handle.slow_health == 0  # tolerating none, it would be out
@@ -278,10 +280,8 @@ def test_a_finished_stream_closed_at_its_last_chunk_sends_no_abort():
     /internal/abort to the worker for every completed request."""
     async def main():
         calls: list[str] = []
-        client = WorkerClient(token_timeout_s=5.0)
-        await client._http.aclose()
-        client._http = httpx.AsyncClient(transport=httpx.MockTransport(_scripted_worker(
-            [GenerateChunk([7]), GenerateChunk([8], finish_reason="length")], calls)))
+        client = await mocked_client(_scripted_worker([GenerateChunk([7]), GenerateChunk([8], finish_reason="length")],
+                                                      calls))
         handle = WorkerHandle(http_url="http://w")
         for stop_after in (2, 1):  # at the finish chunk; then one early (a stop string matched)
             stream = client.generate(handle, GenerateRequest(f"r{stop_after}", [1, 2], Sampling(max_tokens=2), {}))
@@ -306,9 +306,7 @@ def test_a_worker_registered_at_an_url_httpx_cannot_parse_never_stops_the_health
         return httpx.Response(200, json={"instance_id": "good", "role": "decode", "status": "ready"})
 
     async def main():
-        client = WorkerClient(token_timeout_s=5.0)
-        await client._http.aclose()
-        client._http = httpx.AsyncClient(transport=httpx.MockTransport(reply))
+        client = await mocked_client(reply)
         pool = WorkerPool()
         bad, good = pool.add("http://fd00::7:8100"), pool.add("http://good")
         await client.check(bad)  # refused like any unreachable worker, not raised
