@@ -246,6 +246,8 @@ def cluster_scales(estimators_doc: dict[str, Any]) -> tuple[float, float]:
                     scales.append(float(fit["scale"]))
             except (KeyError, TypeError, ValueError) as exc:
                 raise ValueError(f"instance {name!r}: no {kind} scale and samples ({exc})") from exc
+            if scales and not 0 < scales[-1] < math.inf:
+                raise ValueError(f"instance {name!r}: {kind} scale {scales[-1]} is not a positive number")
         return _geometric_mean(scales) or 1.0
 
     return mean("prefill") * mean("ttft_residual", optional=True), mean("decode_step")
@@ -257,6 +259,10 @@ def fitted_profile(table: ProfileTable, prefill_scale: float, decode_scale: floa
     seconds, so estimators fitted from it are the calibrated ones (the simulator's input)."""
     if not (0 < prefill_scale < math.inf and 0 < decode_scale < math.inf):
         raise ValueError(f"scales must be positive, got {prefill_scale}, {decode_scale}")
+    longest = max(max(r.seconds for r in table.prefill) * prefill_scale,
+                  max(r.step_seconds for r in table.decode) * decode_scale)
+    if longest > 1e9:  # 30 years: a fit gone wrong, and the estimators' least squares overflow
+        raise ValueError(f"scales {prefill_scale:g}, {decode_scale:g} make a profile time of {longest:g} s")
     return replace(
         table, name=f"{table.name}-fitted",
         prefill=tuple(replace(r, seconds=r.seconds * prefill_scale) for r in table.prefill),

@@ -69,6 +69,11 @@ class ProfileTable:
             if r.batch_size <= 0 or r.kv_tokens < 0 or r.step_seconds <= 0:
                 raise ValueError(f"profile {self.name}: bad decode row {r}")
 
+    def prefill_cache_blocks_of(self, block_size: int) -> int:
+        """The prefill cache's room in blocks of block_size tokens (prefill_cache_blocks counts
+        blocks of this table's block_size; a trace's may differ)."""
+        return max(1, self.prefill_cache_blocks * self.block_size // block_size)
+
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
         d["prefill"] = [asdict(r) for r in self.prefill]

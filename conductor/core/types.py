@@ -79,6 +79,31 @@ class DecodeSeq:
 
 
 @dataclass(frozen=True, slots=True)
+class SeqTotals:
+    """What InstanceState derives from a set of sequences (see its fields of the same names)."""
+
+    kv_tokens: int = 0
+    lengths_known: bool = True
+    tightest_tbt_slo_s: float = math.inf
+    any_config_tbt_slo: bool = False
+    any_max_tokens: bool = False
+
+    @classmethod
+    def of(cls, seqs: tuple[DecodeSeq, ...]) -> "SeqTotals":
+        return cls(kv_tokens=sum(s.kv_tokens for s in seqs),
+                   lengths_known=all(s.remaining_tokens is not None for s in seqs),  # stops at the first unknown
+                   tightest_tbt_slo_s=min((s.tbt_slo_s for s in seqs if s.tbt_slo_s is not None), default=math.inf),
+                   any_config_tbt_slo=any(s.tbt_slo_s is None for s in seqs),  # stops at the first
+                   any_max_tokens=any(s.max_tokens is not None for s in seqs))  # stops at the first
+
+    def plus(self, other: "SeqTotals") -> "SeqTotals":
+        return SeqTotals(self.kv_tokens + other.kv_tokens, self.lengths_known and other.lengths_known,
+                         min(self.tightest_tbt_slo_s, other.tightest_tbt_slo_s),
+                         self.any_config_tbt_slo or other.any_config_tbt_slo,
+                         self.any_max_tokens or other.any_max_tokens)
+
+
+@dataclass(frozen=True, slots=True)
 class InstanceState:
     """Load report of one instance at the time of the snapshot.
 
@@ -111,6 +136,9 @@ class InstanceState:
     decode_scale: float = 1.0
     chunk_tokens: int = 0
     serves_fetches: bool = True
+    incoming_totals: SeqTotals | None = field(default=None, repr=False, compare=False)
+    """SeqTotals.of(incoming) when the shell keeps it as sequences come and go (the simulator,
+    with thousands on their way in an overloaded run); None: summed here."""
     kv_tokens: int = field(init=False)
     """KV tokens of the running sequences (derived; summed once here, read per decision)."""
     incoming_kv_tokens: int = field(init=False)
@@ -126,18 +154,15 @@ class InstanceState:
     so the forecast skips its cap there)."""
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "kv_tokens", sum(s.kv_tokens for s in self.running))
-        object.__setattr__(self, "incoming_kv_tokens", sum(s.kv_tokens for s in self.incoming))
-        object.__setattr__(self, "lengths_known",  # short-circuits at the first unknown (the live case)
-                           all(s.remaining_tokens is not None for s in self.running)
-                           and all(s.remaining_tokens is not None for s in self.incoming))
-        seqs = (*self.running, *self.incoming)
-        object.__setattr__(self, "tightest_tbt_slo_s",
-                           min((s.tbt_slo_s for s in seqs if s.tbt_slo_s is not None), default=math.inf))
-        object.__setattr__(self, "any_config_tbt_slo",  # short-circuits at the first (the simulator's case)
-                           any(s.tbt_slo_s is None for s in seqs))
-        object.__setattr__(self, "any_max_tokens",  # short-circuits at the first (the live case)
-                           any(s.max_tokens is not None for s in seqs))
+        running = SeqTotals.of(self.running)
+        incoming = self.incoming_totals if self.incoming_totals is not None else SeqTotals.of(self.incoming)
+        both = running.plus(incoming)
+        object.__setattr__(self, "kv_tokens", running.kv_tokens)
+        object.__setattr__(self, "incoming_kv_tokens", incoming.kv_tokens)
+        object.__setattr__(self, "lengths_known", both.lengths_known)
+        object.__setattr__(self, "tightest_tbt_slo_s", both.tightest_tbt_slo_s)
+        object.__setattr__(self, "any_config_tbt_slo", both.any_config_tbt_slo)
+        object.__setattr__(self, "any_max_tokens", both.any_max_tokens)
 
     @property
     def batch_size(self) -> int:

@@ -29,7 +29,7 @@ def simulate(trace: list[TraceRecord], sched: SchedulerConfig, profile: ProfileT
     """Build scheduler, cost model and simulation from one profile table, and run it."""
     est = Estimators.from_profile(profile)
     sim_kwargs = dict(n_prefill=n_prefill, n_decode=n_decode, speedup=speedup,
-                      prefill_cache_blocks=profile.prefill_cache_blocks,
+                      prefill_cache_blocks=profile.prefill_cache_blocks_of(sched.block_size),
                       decode_kv_capacity_tokens=profile.decode_kv_capacity_tokens,
                       bandwidth_Bps=profile.bandwidth_Bps, block_size=sched.block_size, progress=progress)
     sim_kwargs.update(sim_overrides)
@@ -120,7 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--block-size", type=int, default=PAPER_BLOCK_SIZE, metavar="B",
                     help="tokens per trace hash_id block")
     ap.add_argument("--prefill-cache-blocks", type=int, default=None, metavar="K",
-                    help="KVCache pool per prefill instance, in blocks (default: from the profile)")
+                    help="KVCache pool per prefill instance, in blocks of --block-size tokens (default: the "
+                         "profile's room, converted from its own block size)")
     ap.add_argument("--decode-cache-blocks", type=int, default=None, metavar="K",
                     help="prefix blocks a decode instance keeps from prompts it prefilled itself (default: its whole "
                          "KV capacity in blocks)")

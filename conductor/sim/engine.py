@@ -139,6 +139,9 @@ class Simulation:
 
     def run(self) -> SimResult:
         t0 = min(rec.timestamp_ms for rec in self.trace)  # traces need not be sorted
+        span_s = (max(rec.timestamp_ms for rec in self.trace) - t0) / 1000.0 / self.config.speedup
+        if not math.isfinite(span_s):
+            raise ValueError(f"speedup {self.config.speedup:g} spreads the trace over {span_s} s: too small")
         for rid, rec in enumerate(self.trace):
             self._push((rec.timestamp_ms - t0) / 1000.0 / self.config.speedup, ARRIVE, rid)
         self._push(0.0, SAMPLE, None)
@@ -194,7 +197,7 @@ class Simulation:
         job = Job(rid, now, rec.input_length, rec.output_length, blocks, res.decode_instance,
                   res.predicted_prefill_s, now + res.predicted_ttft_s)
         d = self.decodes[res.decode_instance]
-        d.incoming[rid] = job
+        d.expect(job)
         if self.pending is not None:
             self.pending.add(res.prefill_instance, blocks)
         if res.colocated:
@@ -238,13 +241,17 @@ class Simulation:
             self.pending.discard(p.id, job.hash_ids)
         p.current = None
         job.first_token_s = now
-        self._push(now + self.cost.config.kv_handoff_s, KV_ARRIVE, job)
+        if job.output <= 1:  # the first token ends it: the answer leaves with it, D drops the staged KV
+            self.decodes[job.decode_id].arrived(job.rid)
+            self._complete(job, now)
+        else:
+            self._push(now + self.cost.config.kv_handoff_s, KV_ARRIVE, job)
         if p.queue:
             self._start_prefill(p, now)
 
     def _kv_arrive(self, now: float, job: Job) -> None:
         d = self.decodes[job.decode_id]
-        del d.incoming[job.rid]
+        d.arrived(job.rid)
         if self.scheduler.config.admission is not Admission.NONE:
             hold = self.scheduler.config.decode_hold_s
             if hold > 0 and (d.held or self._decode_refuses(d, job, now)):
@@ -346,7 +353,7 @@ class Simulation:
             d.cache.store(job.hash_ids)
             if self.pending is not None:
                 self.pending.discard(d.id, job.hash_ids)
-            del d.incoming[job.rid]
+            d.arrived(job.rid)
             self._enter_decode(d, job, now)
         self._start_step(d, now)
 

@@ -8,11 +8,12 @@ scheduler.
 from __future__ import annotations
 
 import heapq
-from collections import OrderedDict, deque
+import math
+from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
 
 from conductor.core.index import PrefixIndex
-from conductor.core.types import DecodeSeq, InstanceState, Role
+from conductor.core.types import DecodeSeq, InstanceState, Role, SeqTotals
 
 
 @dataclass(slots=True)
@@ -101,6 +102,33 @@ class _Finish:
     job: Job = field(compare=False)
 
 
+class _SeqTally:
+    """SeqTotals of a set of sequences that come and go, kept at O(1) a change (the minimum
+    over the distinct TBT SLOs, of which there are a few)."""
+
+    def __init__(self) -> None:
+        self.kv_tokens = 0
+        self.unknown_lengths = 0
+        self.config_slos = 0
+        self.capped = 0
+        self.slos: Counter[float] = Counter()
+
+    def change(self, seq: DecodeSeq, sign: int) -> None:
+        self.kv_tokens += sign * seq.kv_tokens
+        self.unknown_lengths += sign * (seq.remaining_tokens is None)
+        self.capped += sign * (seq.max_tokens is not None)
+        if seq.tbt_slo_s is None:
+            self.config_slos += sign
+        else:
+            self.slos[seq.tbt_slo_s] += sign
+            if not self.slos[seq.tbt_slo_s]:
+                del self.slos[seq.tbt_slo_s]
+
+    def totals(self) -> SeqTotals:
+        return SeqTotals(self.kv_tokens, self.unknown_lengths == 0, min(self.slos, default=math.inf),
+                         self.config_slos > 0, self.capped > 0)
+
+
 class DecodeNode:
     def __init__(self, instance_id: str, kv_capacity: int, bandwidth_Bps: float, cache: BlockPool,
                  oracle_lengths: bool = False) -> None:
@@ -112,7 +140,11 @@ class DecodeNode:
         self.oracle_lengths = oracle_lengths  # snapshots carry each sequence's remaining length
         self.running: dict[int, Job] = {}
         self.finishing: list[_Finish] = []  # heap by the step at which each sequence ends
-        self.incoming: dict[int, Job] = {}
+        self.incoming: dict[int, Job] = {}  # through expect() and arrived() only
+        # Their snapshot sequences, made once each: a snapshot per arrival rebuilding one per
+        # request on its way made an overloaded run (thousands on their way) quadratic.
+        self._incoming_seqs: dict[int, DecodeSeq] = {}
+        self._incoming_tally = _SeqTally()
         self.waiting: deque[Job] = deque()  # admitted but no KV room yet (admission "none")
         self.held: deque[Job] = deque()  # refused on arrival, held until room or hold_until_s
         self.coloc_queue: deque[Job] = deque()
@@ -123,6 +155,18 @@ class DecodeNode:
         self._version = 0  # bumped whenever the running set changes
         self._snap_key: tuple[int, int] | None = None
         self._snap_running: tuple[DecodeSeq, ...] = ()
+
+    def expect(self, job: Job) -> None:
+        """The job is routed here: its KV (or its colocated prefill) is on its way."""
+        self.incoming[job.rid] = job
+        # The first token comes from prefill, so output - 1 remain for decode.
+        seq = DecodeSeq(job.predicted_arrival_s, job.prompt, job.output - 1 if self.oracle_lengths else None)
+        self._incoming_seqs[job.rid] = seq
+        self._incoming_tally.change(seq, +1)
+
+    def arrived(self, rid: int) -> Job:
+        self._incoming_tally.change(self._incoming_seqs.pop(rid), -1)
+        return self.incoming.pop(rid)
 
     def kv_of(self, job: Job) -> int:
         return job.prompt + (self.step - job.join_step)
@@ -153,12 +197,11 @@ class DecodeNode:
                 DecodeSeq(j.join_s, self.kv_of(j), j.join_step + j.output - 1 - self.step if oracle else None)
                 for j in self.running.values())
             self._snap_key = key
-        # The first token comes from prefill, so output - 1 remain for decode.
-        incoming = tuple(DecodeSeq(j.predicted_arrival_s, j.prompt, j.output - 1 if oracle else None)
-                         for j in self.incoming.values())
+        incoming, totals = tuple(self._incoming_seqs.values()), self._incoming_tally.totals()
         if self.waiting or self.held:  # arrived, not yet in the batch (no KV room yet)
-            incoming += tuple(DecodeSeq(now, j.prompt, j.output - 1 if oracle else None)
-                              for j in (*self.waiting, *self.held))
+            arrived = tuple(DecodeSeq(now, j.prompt, j.output - 1 if oracle else None)
+                            for j in (*self.waiting, *self.held))
+            incoming, totals = incoming + arrived, totals.plus(SeqTotals.of(arrived))
         return InstanceState(self.id, Role.DECODE, queued_prefill_s=self.coloc_pred_s, running=self._snap_running,
-                             incoming=incoming, kv_capacity_tokens=self.kv_capacity, bandwidth_Bps=self.bandwidth_Bps,
+                             incoming=incoming, incoming_totals=totals, kv_capacity_tokens=self.kv_capacity, bandwidth_Bps=self.bandwidth_Bps,
                              pending_send_bytes=max(self.link_free_s - now, 0.0) * self.bandwidth_Bps)

@@ -187,7 +187,7 @@ def test_oracle_lengths_reach_the_scheduler_only_when_asked():
         d = DecodeNode("d0", kv_capacity=100_000, bandwidth_Bps=1e9, cache=decode_pool(), oracle_lengths=oracle)
         d.join(Job(0, 0.0, 1000, 100, (), "d0", 1.0, 1.0), 0.0)
         d.step = 3  # three decode steps done
-        d.incoming[1] = Job(1, 0.0, 2000, 50, (), "d0", 1.0, 5.0)
+        d.expect(Job(1, 0.0, 2000, 50, (), "d0", 1.0, 5.0))
         snap = d.snapshot(4.0)
         assert [snap.running[0].remaining_tokens, snap.incoming[0].remaining_tokens] == want
         assert snap.lengths_known is oracle
