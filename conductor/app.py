@@ -194,6 +194,8 @@ async def _json_body(request: Request):
         return await request.json()
     except ValueError:
         raise APIError(400, "request body is not valid JSON", code="invalid_json") from None
+    except RecursionError:  # json's parser recurses per level of nesting
+        raise APIError(400, "request body is nested too deeply", code="invalid_json") from None
 
 
 async def drain_conductor(app: FastAPI) -> None:

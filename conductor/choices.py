@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import msgspec
+
 from conductor.logprobs import CompletionLogprobs, TokenText, chat_content
 from conductor.textstream import IncrementalDetokenizer, StopStringMatcher
 from mooncake.protocol import GenerateChunk, PositionLogprobs
@@ -69,6 +71,38 @@ class Choice:
         prompt's logprobs as far as known (needed for an echo with logprobs)."""
         if self.done:
             return None
+        if len(chunk.token_ids) > 1 and self._stopper.watching and not (self.echo is not None and self.echo.only):
+            # A stop string may complete at any token of the chunk (vLLM's outputs merge several
+            # steps' tokens when the reader lags): the tokens, usage and logprobs after it are not
+            # the answer's, as vLLM, which checks after every step, never generates them.
+            return self._push_each(chunk, prompt_positions)
+        return self._push(chunk, prompt_positions)
+
+    def _push_each(self, chunk: GenerateChunk, prompt_positions: list[PositionLogprobs | None]) -> ChoiceEvent | None:
+        events, last = [], len(chunk.token_ids) - 1
+        for i, token in enumerate(chunk.token_ids):
+            one = msgspec.structs.replace(
+                chunk, token_ids=[token], logprobs=None if chunk.logprobs is None else chunk.logprobs[i:i + 1],
+                finish_reason=chunk.finish_reason if i == last else None,
+                stop_reason=chunk.stop_reason if i == last else None)
+            event = self._push(one, prompt_positions)
+            if event is not None:
+                events.append(event)
+            if self.done:
+                break
+        if not events:
+            return None
+        piece = None
+        for event in events:
+            if event.logprobs is not None:
+                if piece is None:
+                    piece = {key: [] for key in event.logprobs}
+                for key, values in event.logprobs.items():
+                    piece[key].extend(values)
+        end = events[-1]
+        return ChoiceEvent(self.index, "".join(e.text for e in events), end.finish, piece, end.stop_reason)
+
+    def _push(self, chunk: GenerateChunk, prompt_positions: list[PositionLogprobs | None]) -> ChoiceEvent | None:
         if self.echo is not None and self.echo.only:
             first, self._echoed = not self._echoed, True
             positions = list(prompt_positions or [None] * len(self.echo.token_ids)) if first else []

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -14,6 +15,8 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mooncake.http_errors import error_body
+
+log = logging.getLogger(__name__)
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, *, param: str | None = None,
@@ -62,3 +65,10 @@ def install_error_handlers(app: FastAPI) -> None:
         if exc.status_code == 404:
             message = f"no route {request.method} {request.url.path}"
         return JSONResponse(error_body(exc.status_code, message), status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception):
+        # A bug of ours still answers in the API's shape (Starlette's own is a plain-text 500).
+        log.exception("%s %s failed", request.method, request.url.path)
+        return JSONResponse(error_body(500, f"internal error: {type(exc).__name__}", code="internal_error"),
+                            status_code=500)

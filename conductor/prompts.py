@@ -17,7 +17,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from conductor.errors import APIError, invalid_value
-from conductor.schemas import UNTRUSTED_TEMPLATE, ChatMessage, ChatTemplateFields, DetokenizeRequest, \
+from conductor.schemas import UNTRUSTED_TEMPLATE, lone_surrogate_at, ChatMessage, ChatTemplateFields, DetokenizeRequest, \
     TokenizeChatRequest, TokenizeCompletionRequest
 
 # apply_chat_template's own arguments, which the template's variables must not replace.
@@ -65,6 +65,10 @@ def tokenize_request(data: Any) -> TokenizeChatRequest | TokenizeCompletionReque
         raise APIError(400, "the body must be a JSON object with a prompt or messages", code="invalid_value")
     if "messages" in data and "prompt" in data:  # unknown fields are ignored, but not this ambiguity
         raise APIError(400, "give either prompt or messages, not both", param="prompt", code="invalid_value")
+    where = lone_surrogate_at(data)  # the tokenizer would fail on it (a 500), as completions check too
+    if where is not None:
+        raise APIError(400, f"{where or 'the body'} holds a lone UTF-16 surrogate (\\ud800-\\udfff), which is "
+                            f"not valid Unicode text", param=where or None, code="invalid_value")
     model = TokenizeChatRequest if "messages" in data else TokenizeCompletionRequest
     try:
         return model.model_validate(data)

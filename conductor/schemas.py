@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal, get_args
 
 import msgspec
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic.fields import FieldInfo
 
 from mooncake.defaults import MAX_LOGPROBS, MAX_SAMPLES
 
@@ -41,6 +42,11 @@ def lone_surrogate_at(value: Any, path: str = "") -> str | None:
         if found is not None:
             return found
     return None
+
+
+def _allows_none(field: FieldInfo) -> bool:
+    annotation = field.annotation
+    return annotation is Any or annotation is type(None) or type(None) in get_args(annotation)
 
 
 class StreamOptions(BaseModel):
@@ -122,6 +128,16 @@ class _SamplingFields(BaseModel):
     watermarking: Any = None
     truncation_side: Any = None
     return_token_ids: bool | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls_mean_defaults(cls, data: Any) -> Any:
+        # OpenAI's spec types stream, n, the penalties, echo... as "X or null", and clients send
+        # null for "not set": the default, not a 400 for a field that holds no None.
+        if isinstance(data, dict) and None in data.values():
+            strict = {name for name, f in cls.model_fields.items() if not f.is_required() and not _allows_none(f)}
+            data = {k: v for k, v in data.items() if v is not None or k not in strict}
+        return data
 
     @model_validator(mode="before")
     @classmethod
@@ -285,6 +301,33 @@ class CompletionRequest(_SamplingFields):
 TEMPLATE_MESSAGE_FIELDS = ("name", "tool_calls", "tool_call_id", "reasoning_content")
 """A chat message's fields besides role and content that reach the chat template, as in vLLM."""
 
+TEXT_PART_KEYS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal",
+                  "thinking": "thinking"}
+"""Content part types that are text, and the key that holds it (vLLM's TEXT_PART_TYPES)."""
+
+
+def template_tool_calls(tool_calls: Any) -> Any:
+    """An assistant message's tool calls as chat templates expect them (vLLM's
+    _postprocess_messages): each call's JSON `arguments` string parsed into an object; none,
+    empty, not JSON or not an object becomes {} (it is history: refusing it would refuse every
+    later turn of the conversation). None for an empty list: the template's plain path."""
+    if not isinstance(tool_calls, list):
+        return tool_calls
+    calls = []
+    for item in tool_calls:
+        function = item.get("function") if isinstance(item, dict) else None
+        if not isinstance(function, dict) or item.get("type", "function") != "function":
+            raise ValueError("an assistant message's tool_calls must be objects of type 'function' with a "
+                             "'function' object")
+        arguments = function.get("arguments")
+        if isinstance(arguments, str) and arguments:
+            try:
+                arguments = json.loads(arguments)
+            except ValueError:
+                arguments = None
+        calls.append({**item, "function": {**function, "arguments": arguments if isinstance(arguments, dict) else {}}})
+    return calls or None
+
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
@@ -297,9 +340,11 @@ class ChatMessage(BaseModel):
             return self.content or ""
         parts = []
         for part in self.content:
-            if part.get("type") != "text":
-                raise ValueError(f"content part of type {part.get('type')!r} is not supported (text only)")
-            parts.append(str(part.get("text", "")))
+            key = TEXT_PART_KEYS.get(part.get("type"))
+            if key is None:
+                raise ValueError(f"content part of type {part.get('type')!r} is not supported (text only: "
+                                 f"{', '.join(TEXT_PART_KEYS)})")
+            parts.append(str(part.get(key) or ""))
         return "\n".join(parts)  # as vLLM renders several text parts of one message
 
     def for_template(self) -> dict[str, Any]:
@@ -311,6 +356,10 @@ class ChatMessage(BaseModel):
         for name in TEMPLATE_MESSAGE_FIELDS:
             if extra.get(name) is not None:
                 rendered[name] = extra[name]
+        if self.role == "assistant" and "tool_calls" in rendered:
+            calls = template_tool_calls(rendered.pop("tool_calls"))
+            if calls is not None:
+                rendered["tool_calls"] = calls
         return rendered
 
 

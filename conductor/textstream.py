@@ -76,6 +76,11 @@ class StopStringMatcher:
         self._protected = 0  # how many leading characters of _pending no match may end within
         self._stopped = False
 
+    @property
+    def watching(self) -> bool:
+        """Some stop string may still end the text."""
+        return bool(self._stops) and not self._stopped
+
     def push(self, text: str, protected: bool = False) -> StopResult:
         if self._stopped:
             return StopResult("", True)

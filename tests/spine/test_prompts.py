@@ -86,7 +86,9 @@ def test_tool_calls_ids_and_names_in_the_history_reach_the_template():
         {"role": "tool", "content": "42", "tool_call_id": "c1"}])
     chat_prompt_ids(Capturing(), body.messages, None, body)
     assert seen == [{"role": "user", "content": "q", "name": "alice"},
-                    {"role": "assistant", "content": "", "tool_calls": [call]},
+                    # The arguments parsed, as vLLM hands them to templates (their `| tojson`).
+                    {"role": "assistant", "content": "",
+                     "tool_calls": [{**call, "function": {"name": "add", "arguments": {"a": 1}}}]},
                     {"role": "tool", "content": "42", "tool_call_id": "c1"}]
 
 
