@@ -7,14 +7,16 @@ connector counter and a messenger snapshot (what a worker whose connector answer
 tests/e2e/test_metrics_counts.py checks the same against a real cluster's scrapes."""
 
 import json
+import re
 
 import pytest
 
 from conductor.metrics import ConductorMetrics, LiveState
 from messenger.stats import TransportStats
 from mooncake.engine.metrics import _KV_COUNTERS, WorkerMetrics
-from tests.deploy.promql import (DASHBOARD, PROMETHEUS_OWN, dashboard_queries, exported_names, metric_names,
-                                 recording_rule_names, rules)
+from tests.deploy.promql import (DASHBOARD, PROMETHEUS_OWN, dashboard_queries, exported_labels, exported_names,
+                                 label_problems, legend_labels, metric_names, recording_rule_names, result_labels,
+                                 rules)
 
 
 def conductor_text() -> str:
@@ -31,6 +33,23 @@ def worker_text() -> str:
     pool = {"usage": {"dram": {"capacity_bytes": 1 << 30, "used_bytes": 0, "blocks": 0}}, "counters": {"spills": 0}}
     return WorkerMetrics().render({"running_requests": 0, "queued_prefill_tokens": 0}, kv,
                                   {"tcp": TransportStats().snapshot()}, pool).decode()
+
+
+def known_labels() -> dict[str, frozenset[str]]:
+    """Each exported series' label names (a conductor with one calibrated instance, so that the
+    per-instance families have a child)."""
+    from conductor.core import Estimators, load_profile
+    from conductor.core.calibration import CalibrationConfig, InstanceCalibration
+
+    calibration = InstanceCalibration(Estimators.from_profile(load_profile("smollm2-135m-cpu")), CalibrationConfig())
+    conductor = ConductorMetrics()
+    conductor.watch(lambda: LiveState(in_flight=1, ready_workers={"prefill": 1}, push_bandwidth_Bps={"p": 1e9},
+                                      retry_backlog_s={"prefill": 3.0}, estimators={"p": calibration.describe()}))
+    worker = WorkerMetrics()
+    pool = {"usage": {"dram": {"capacity_bytes": 1 << 30, "used_bytes": 0, "blocks": 0}}, "counters": {"spills": 0}}
+    worker_text = worker.render({"running_requests": 0, "queued_prefill_tokens": 0}, {key: 1 for key in _KV_COUNTERS},
+                                {"tcp": TransportStats().snapshot()}, pool).decode()
+    return {**exported_labels(conductor.render().decode(), [conductor]), **exported_labels(worker_text, [worker])}
 
 
 def known_names() -> set[str]:
@@ -62,6 +81,40 @@ def test_every_dashboard_query_names_an_exported_metric(title, expr):
 def test_every_rule_names_an_exported_metric(rule):
     names = metric_names(rule["expr"])
     assert names and names <= known_names(), sorted(names - known_names())
+
+
+def dashboard_targets() -> list[tuple[str, str, str | None]]:
+    dashboard = json.loads(DASHBOARD.read_text())
+    return [(p["title"], t["expr"], t.get("legendFormat")) for p in dashboard["panels"] for t in p.get("targets", [])]
+
+
+@pytest.mark.parametrize("title,expr,legend", dashboard_targets())
+def test_every_dashboard_query_reads_labels_its_series_carry(title, expr, legend):
+    labels = known_labels()
+    assert label_problems(expr, labels) == [], title
+    carried = result_labels(expr, labels)
+    assert carried is None or legend_labels(legend) <= carried, f"{title}: legend {legend!r} over {sorted(carried)}"
+
+
+@pytest.mark.parametrize("rule", rules(), ids=lambda r: r.get("record") or r.get("alert"))
+def test_every_rule_reads_labels_its_series_carry(rule):
+    labels = known_labels()
+    assert label_problems(rule["expr"], labels) == []
+    carried = result_labels(rule["expr"], labels)
+    texts = " ".join(str(v) for v in (rule.get("annotations") or {}).values())
+    named = set(re.findall(r"\$labels\.([A-Za-z_][A-Za-z0-9_]*)", texts))
+    assert carried is None or named <= carried, f"annotations name {sorted(named - carried)}"
+
+
+@pytest.mark.parametrize("expr", [
+    "sum by (tier) (rate(mooncake_store_events_total[5m]))",  # events are by kind
+    "rate(mooncake_worker_engine_running_requests[5m])",  # a gauge
+    "histogram_quantile(0.9, rate(mooncake_schedule_seconds_sum[5m]))",  # no buckets
+    "histogram_quantile(0.9, sum by (slo_class) (rate(mooncake_time_to_first_token_seconds_bucket[5m])))",  # le lost
+    'mooncake_worker_streams_given_up_total{worker="x"}',  # no such label
+])
+def test_the_label_checker_catches_what_a_name_check_lets_through(expr):
+    assert label_problems(expr, known_labels())
 
 
 def test_the_checker_catches_a_misspelled_metric():
