@@ -17,6 +17,7 @@ import dataclasses
 import math
 import os
 import sys
+from collections.abc import Sequence
 
 from mooncake import defaults
 from mooncake.bench import report, workload
@@ -122,6 +123,8 @@ def check(args: argparse.Namespace) -> list[str]:
             errors.append(f"--{name.replace('_', '-')} must be >= 1, got {v}")
     if args.output_len < 1 or args.trace_block_size < 1 or args.warmup < 0 or args.shared_prefix < 0:
         errors.append("--output-len and --trace-block-size must be >= 1, --warmup and --shared-prefix >= 0")
+    if args.seed < 0:
+        errors.append(f"--seed must be >= 0, got {args.seed}")
     if args.vocab_size <= workload.LOW_TOKEN_ID:
         errors.append(f"--vocab-size must exceed {workload.LOW_TOKEN_ID}")
     # Written as "not (in range)": nan fails every comparison, so it is refused with the rest.
@@ -171,13 +174,42 @@ def build_specs(args: argparse.Namespace) -> list[workload.RequestSpec]:
     return specs[:args.num_requests] if args.num_requests else specs
 
 
-def _prompts(args, specs, salt: int) -> list:
-    return [workload.prompt_of(s, block_size=args.trace_block_size, vocab_size=args.vocab_size,
-                               seed=args.seed, salt=salt) for s in specs]
+class _Prompts(Sequence):
+    """A run's prompts, each built when its request is due: a long trace's token-id prompts built
+    all at once held gigabytes (about 40 bytes a token as Python ints)."""
+
+    def __init__(self, args, specs, salt: int):
+        self._args, self._specs, self._salt = args, specs, salt
+
+    def __len__(self) -> int:
+        return len(self._specs)
+
+    def __getitem__(self, i):
+        a = self._args
+        return workload.prompt_of(self._specs[i], block_size=a.trace_block_size, vocab_size=a.vocab_size,
+                                  seed=a.seed, salt=self._salt)
+
+
+def _prompts(args, specs, salt: int) -> Sequence:
+    return _Prompts(args, specs, salt)
 
 
 def _records(specs, offsets, warmup: bool = False) -> list[RequestRecord]:
     return [RequestRecord(s.index, s.input_length, s.max_tokens, off, warmup=warmup) for s, off in zip(specs, offsets)]
+
+
+def context_warning(specs: list[workload.RequestSpec], context: int | None) -> str | None:
+    """Said before sending: requests longer than the model's context, which the server refuses (400)
+    and the figures count as errors."""
+    if context is None:
+        return None
+    over = [s for s in specs if s.input_length + s.max_tokens > context]
+    if not over:
+        return None
+    longest = max(s.input_length + s.max_tokens for s in over)
+    return (f"{len(over)} of {len(specs)} requests need more than the model's context of {context:,} tokens "
+            f"(prompt + output up to {longest:,}): the server will refuse them, and they count as errors; "
+            f"--max-input-len and --max-output-len cap the lengths")
 
 
 LONG_REPLAY_S = 3600.0  # a trace replay longer than this is said before it starts
@@ -198,7 +230,11 @@ async def sweep(args: argparse.Namespace, specs: list[workload.RequestSpec], res
                          args.retry_after, args.max_retry_wait, args.request_timeout)
     client = make_client(opts)
     try:
-        model = results.model = await preflight(client, args.model)
+        model, context = await preflight(client, args.model)
+        results.model = model
+        warning = context_warning(specs, context)
+        if warning:
+            print(f"mooncake bench: warning: {warning}", file=sys.stderr)
         opts = dataclasses.replace(opts, model=model)
         rates = parse_rates(args)
         if args.warmup:

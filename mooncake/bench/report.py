@@ -121,15 +121,18 @@ def write_plots(out_dir: str | pathlib.Path, runs: list[tuple[RateSummary, list[
     fig.savefig(cdf)
     plt.close(fig)
 
-    rates = [s.offered_rate for s, _ in runs]
+    # In rate order, whatever order --rates swept them in; a rate that is not finite (a trace whose
+    # arrivals share one instant) has no place on the axis.
+    points = sorted((s for s, _ in runs if math.isfinite(s.offered_rate)), key=lambda s: s.offered_rate)
+    rates = [s.offered_rate for s in points]
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(9, 3.6), dpi=90)
-    a1.plot(rates, [s.attainment for s, _ in runs], "o-")
+    a1.plot(rates, [s.attainment for s in points], "o-")
     a1.axhline(target, color="grey", ls=":", lw=1, label=f"target {percent(target)}")
     a1.set_ylim(0, 1.05)
     a1.set_xlabel("offered rate (req/s)")
     a1.set_ylabel("SLO attainment")
     a1.legend(fontsize=7)
-    a2.plot(rates, [s.goodput for s, _ in runs], "o-")
+    a2.plot(rates, [s.goodput for s in points], "o-")
     a2.set_xlabel("offered rate (req/s)")
     a2.set_ylabel("goodput (attaining req/s)")
     for a in (a1, a2):

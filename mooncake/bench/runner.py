@@ -11,8 +11,10 @@ import asyncio
 import email.utils
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+import httpx
 import openai
 from openai import AsyncOpenAI
 from tqdm import tqdm
@@ -48,15 +50,20 @@ class ClientOptions:
 
 def make_client(opts: ClientOptions) -> AsyncOpenAI:
     # max_retries=0: the library's own retries would hide refusals and errors from the figures.
-    return AsyncOpenAI(base_url=opts.base_url, api_key=opts.api_key, max_retries=0, timeout=opts.request_timeout_s)
+    # No connection limit: the SDK's pool holds 1,000, and a request past that (an overload sweep)
+    # waited here for a connection, after its send time, and the wait counted as the server's TTFT.
+    http = openai.DefaultAsyncHttpxClient(limits=httpx.Limits(max_connections=None, max_keepalive_connections=100))
+    return AsyncOpenAI(base_url=opts.base_url, api_key=opts.api_key, max_retries=0, timeout=opts.request_timeout_s,
+                       http_client=http)
 
 
 PREFLIGHT_TIMEOUT_S = 15.0  # a listing of models takes milliseconds; a frozen server must not take --request-timeout
 
 
-async def preflight(client: AsyncOpenAI, model: str | None) -> str:
+async def preflight(client: AsyncOpenAI, model: str | None) -> tuple[str, int | None]:
     """GET /v1/models once: the endpoint answers, and serves `model` (None: its first model).
-    Raises EndpointError with what to fix."""
+    Returns the model and its context length when the listing says (vLLM's and our conductor's
+    max_model_len). Raises EndpointError with what to fix."""
     timeout = min(PREFLIGHT_TIMEOUT_S, client.timeout if isinstance(client.timeout, (int, float)) else PREFLIGHT_TIMEOUT_S)
     try:
         # Read as raw JSON: the SDK's parser fails with an AttributeError on a body that is not a
@@ -70,6 +77,7 @@ async def preflight(client: AsyncOpenAI, model: str | None) -> str:
     except openai.APIStatusError as exc:
         raise EndpointError(f"{client.base_url}models answered HTTP {exc.status_code}: {exc.message}") from None
     models = model_ids(raw.http_response)
+    contexts = model_contexts(raw.http_response)
     if models is None:
         content_type = raw.http_response.headers.get("content-type", "no content type")
         raise EndpointError(f"{client.base_url}models answered HTTP {raw.http_response.status_code} ({content_type}) "
@@ -77,10 +85,10 @@ async def preflight(client: AsyncOpenAI, model: str | None) -> str:
     if not models:
         raise EndpointError(f"{client.base_url}models lists no model")
     if model is None:
-        return models[0]
+        return models[0], contexts.get(models[0])
     if model not in models:
         raise EndpointError(f"the endpoint does not serve model {model!r}; it serves {', '.join(models)}")
-    return model
+    return model, contexts.get(model)
 
 
 def model_ids(response) -> list[str] | None:
@@ -93,6 +101,16 @@ def model_ids(response) -> list[str] | None:
     if not isinstance(data, list) or not all(isinstance(m, dict) and isinstance(m.get("id"), str) for m in data):
         return None
     return [m["id"] for m in data]
+
+
+def model_contexts(response) -> dict[str, int]:
+    """Model id -> max_model_len, for the models of a /models answer that say it."""
+    try:
+        data = response.json().get("data")
+        return {m["id"]: m["max_model_len"] for m in data
+                if type(m.get("max_model_len")) is int and m["max_model_len"] > 0 and isinstance(m.get("id"), str)}
+    except (ValueError, RecursionError, AttributeError, TypeError):
+        return {}
 
 
 def retry_after_s(headers) -> float | None:
@@ -147,7 +165,7 @@ async def send_one(client: AsyncOpenAI, opts: ClientOptions, prompt: str | list[
                     extra_body=extra or None)
                 rec.predicted_ttft_s = predicted_ttft_s(raw.headers)
                 stream = raw.parse()
-                text_chunks, usage_tokens, stream_error = 0, None, None
+                text_chunks, usage_tokens, stream_error, finished = 0, None, None, False
                 async for chunk in stream:
                     # vLLM's error shape (the SDK raises only for {"error": {...}}). Read on to the
                     # end, which follows at once: raising here would leave the SDK's generators
@@ -156,6 +174,8 @@ async def send_one(client: AsyncOpenAI, opts: ClientOptions, prompt: str | list[
                         stream_error = stream_error or getattr(chunk, "message", None) or "no message"
                     if stream_error is not None:
                         continue
+                    if chunk.choices and chunk.choices[0].finish_reason:
+                        finished = True
                     if chunk.choices and chunk.choices[0].text:
                         t = now()
                         if rec.first_token_s is None:
@@ -170,6 +190,8 @@ async def send_one(client: AsyncOpenAI, opts: ClientOptions, prompt: str | list[
             rec.tokens = usage_tokens if usage_tokens is not None else text_chunks
             if rec.first_token_s is None:
                 raise AnswerError("the stream ended without any text")
+            if not finished:  # closed, or [DONE] sent, before the answer's end: its latency is no answer's
+                raise AnswerError("the stream ended before the answer did (no finish_reason)")
             # With ignore_eos only a cut answer is short; its TBT and e2e would flatter the server.
             # Without a usage count the chunks are no measure of tokens, so nothing is claimed then.
             if opts.ignore_eos and usage_tokens is not None and usage_tokens < rec.max_tokens:
@@ -218,21 +240,22 @@ async def send_one(client: AsyncOpenAI, opts: ClientOptions, prompt: str | list[
         return
 
 
-async def run_schedule(client: AsyncOpenAI, opts: ClientOptions, prompts: list[str | list[int]],
+async def run_schedule(client: AsyncOpenAI, opts: ClientOptions, prompts: Sequence[str | list[int]],
                        records: list[RequestRecord], desc: str) -> None:
-    """Send prompts[i] at records[i].scheduled_s (seconds from now); returns when all are done."""
+    """Send prompts[i] at records[i].scheduled_s (seconds from now); returns when all are done.
+    prompts[i] is read when its request is due (a lazy sequence builds each prompt then)."""
     t0 = time.perf_counter()
     bar = tqdm(total=len(records), desc=desc, unit="req", leave=True)
 
-    async def one(prompt, rec):
+    async def one(i, rec):
         delay = rec.scheduled_s - (time.perf_counter() - t0)
         if delay > 0:
             await asyncio.sleep(delay)
-        await send_one(client, opts, prompt, rec, t0)
+        await send_one(client, opts, prompts[i], rec, t0)
         bar.update(1)
 
     try:
-        await asyncio.gather(*(one(p, r) for p, r in zip(prompts, records)))
+        await asyncio.gather(*(one(i, r) for i, r in enumerate(records)))
     finally:
         bar.close()
 

@@ -13,7 +13,7 @@ from mooncake.bench.cli import main
 from tests.http_server import served
 from tests.processes import free_port
 
-FIRST_TOKEN_S, GAP_S, TOKENS, RETRY_AFTER_S = 0.3, 0.1, 4, 1
+FIRST_TOKEN_S, GAP_S, TOKENS, RETRY_AFTER_S, CONTEXT = 0.3, 0.1, 4, 1, 4096
 
 
 def fake_app() -> FastAPI:
@@ -22,7 +22,8 @@ def fake_app() -> FastAPI:
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": "fake", "object": "model", "created": 0, "owned_by": "t"}]}
+        return {"object": "list", "data": [{"id": "fake", "object": "model", "created": 0, "owned_by": "t",
+                                            "max_model_len": CONTEXT}]}
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -44,8 +45,10 @@ def fake_app() -> FastAPI:
             return JSONResponse({"error": {"message": "busy"}}, status_code=429,
                                 headers={"Retry-After": mode.partition("retry-after:")[2]})
         # "short": stops early by its usage count; "no-usage": sends none; "vllm-error": vLLM's
-        # mid-stream error shape after one token
-        texts = {"short": 2, "vllm-error": 1}.get(mode, TOKENS)
+        # mid-stream error shape after one token; "cut": the connection ends after two tokens;
+        # "done-early": [DONE] after two tokens, with no finish_reason
+        texts = {"short": 2, "vllm-error": 1, "cut": 2, "done-early": 2}.get(mode, TOKENS)
+        unfinished = mode in ("vllm-error", "cut", "done-early")
 
         async def stream():
             def event(obj):
@@ -55,7 +58,13 @@ def fake_app() -> FastAPI:
             for k in range(texts):
                 if k:
                     await asyncio.sleep(GAP_S)
-                yield event(base | {"choices": [{"index": 0, "text": "x", "finish_reason": None, "logprobs": None}]})
+                finish = None if unfinished or k < texts - 1 else "stop" if mode == "short" else "length"
+                yield event(base | {"choices": [{"index": 0, "text": "x", "finish_reason": finish, "logprobs": None}]})
+            if mode == "cut":
+                raise RuntimeError("the server went away mid-answer")
+            if mode == "done-early":
+                yield "data: [DONE]\n\n"
+                return
             if mode == "vllm-error":
                 yield event({"object": "error", "message": "engine died", "type": "InternalServerError", "code": 500})
             elif mode != "no-usage":
@@ -311,6 +320,30 @@ def test_an_answer_cut_short_under_ignore_eos_is_an_error(server, tmp_path, caps
     # without ignore_eos a short answer is a result (EOS), noted as short
     rc, doc = run(tmp_path, url, "--no-ignore-eos", prompts_sent=("short",))
     assert by_index(doc)[0]["status"] == "ok" and doc["runs"][0]["summary"]["short_outputs"] == 1
+
+
+def test_an_answer_that_ends_without_a_finish_reason_is_an_error_not_a_short_success(server, tmp_path):
+    _, url = server
+    for flags in ((), ("--no-ignore-eos",)):
+        rc, doc = run(tmp_path, url, *flags, prompts_sent=("ok", "cut", "done-early"))
+        ok, cut, early = (by_index(doc)[i] for i in range(3))
+        assert ok["status"] == "ok"
+        for rec in (cut, early):
+            assert rec["status"] == "error" and rec["ttft_s"] is None, rec
+        assert "no finish_reason" in early["error"]
+        assert doc["runs"][0]["summary"]["attainment"] == pytest.approx(1 / 3)
+
+
+def test_requests_longer_than_the_model_s_context_are_said_before_the_run(server, tmp_path, capsys):
+    _, url = server
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("".join(json.dumps({"timestamp": i, "input_length": n, "output_length": 8, "hash_ids": []}) + "\n"
+                             for i, n in enumerate((100, CONTEXT - 8, CONTEXT, 9000))))
+    rc = main(["--url", url, "--trace", str(trace), "--rate", "100", "--trace-block-size", "16"])
+    err = capsys.readouterr().err
+    assert "2 of 4 requests need more than the model's context of 4,096 tokens (prompt + output up to 9,008)" in err
+    main(["--url", url, "--trace", str(trace), "--rate", "100", "--trace-block-size", "16", "--max-input-len", "4000"])
+    assert "context" not in capsys.readouterr().err
 
 
 def test_an_answer_without_usage_is_counted_per_chunk_and_said_so(server, tmp_path, capsys):

@@ -1,5 +1,6 @@
 """The pure parts of `mooncake bench`: prompts from hash ids, arrival schedules, statistics."""
 
+import argparse
 import math
 
 import pytest
@@ -237,12 +238,42 @@ def test_a_prompts_file_line_python_cannot_read_is_an_error_naming_the_line(tmp_
     (["--input-len", "100000000000"], "--input-len must be N or MIN-MAX with 1 <= MIN <= MAX <= 10,000,000"),
     (["--input-len", "3-"], "--input-len must be N or MIN-MAX"),  # was taken as 3
     (["--rates", ""], "rates must be positive numbers, got ''"),  # was a run at --rate 1
+    (["--seed", "-1"], "--seed must be >= 0, got -1"),  # was numpy's traceback
 ])
 def test_non_finite_or_absurd_options_are_refused_before_any_request(flags, needle, capsys):
     with pytest.raises(SystemExit) as info:
         main(["--url", "http://127.0.0.1:1/v1", *flags])  # never reached: the check comes first
     err = capsys.readouterr().err
     assert info.value.code == 2 and needle in err and "Traceback" not in err
+
+
+def test_the_attainment_plot_draws_rates_in_order_whatever_the_sweep_order(tmp_path, monkeypatch):
+    import matplotlib.axes
+
+    from mooncake.bench.report import write_plots
+
+    drawn = []
+    plot = matplotlib.axes.Axes.plot
+    monkeypatch.setattr(matplotlib.axes.Axes, "plot", lambda self, x, *a, **k: (drawn.append(list(x)), plot(self, x, *a, **k))[1])
+    runs = [(summarize([RequestRecord(0, 10, 4, 0.0)], rate, 1.0, 1.0), []) for rate in (4.0, 1.0, 2.0, math.inf)]
+    write_plots(tmp_path, runs, 1.0, 0.9)
+    assert drawn == [[1.0, 2.0, 4.0], [1.0, 2.0, 4.0]]
+
+
+def test_a_run_s_prompts_are_built_when_their_requests_are_due(monkeypatch):
+    from mooncake.bench import cli
+
+    built = []
+    real = workload.prompt_of
+    monkeypatch.setattr(workload, "prompt_of", lambda spec, **kw: (built.append(spec.index), real(spec, **kw))[1])
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    args = parser.parse_args(["--url", "http://x/v1"])
+    specs = workload.generated_specs(1000, (2000, 2000), 4, 0, 0)
+    prompts = cli._prompts(args, specs, 0)
+    assert len(prompts) == 1000 and built == []  # a long trace's prompts are not all held at once
+    assert len(prompts[7]) == 2000 and built == [7]
+    assert prompts[7] == real(specs[7], block_size=args.trace_block_size, vocab_size=args.vocab_size, seed=0, salt=0)
 
 
 def test_trace_error_is_the_base_class_the_simulator_uses():
