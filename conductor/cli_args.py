@@ -47,7 +47,8 @@ def add_scheduler_arguments(parser: argparse.ArgumentParser) -> None:
                         f"default: the bundled one measured in the workers' --dtype ({DEFAULT_PROFILE} for "
                         f"float32)")
     g.add_argument("--block-size", type=int, default=defaults.KV_BLOCK_SIZE,
-                   help="KV block size in tokens; must equal the workers'")
+                   help="KV block size in tokens (`serve` starts its workers with it; a conductor alone "
+                        "routes only to workers of the same size)")
     g = parser.add_argument_group(
         "priority and SLO classes",
         "A request names a class with the header X-Mooncake-SLO-Class (else `default`: --ttft-slo, --tbt-slo, "

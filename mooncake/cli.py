@@ -29,6 +29,17 @@ def _resolve_model(path: str | None) -> str:
     return path or str(ensure_model())
 
 
+def _unfit_model(command: str, model: str, args: argparse.Namespace, kv_cache: bool = True) -> bool:
+    """Say so (and True) when the options cannot run this model (mooncake/model_fit.py)."""
+    from mooncake.model_fit import cpu_engine, model_fit_errors
+
+    kv_cache_gib = args.kv_cache_gib if kv_cache and cpu_engine() else None
+    errors = model_fit_errors(model, args.max_model_len, kv_cache_gib, args.dtype)
+    for error in errors:
+        print(f"mooncake {command}: error: {error}", file=sys.stderr)
+    return bool(errors)
+
+
 def _missing_model(command: str, path: str | None) -> bool:
     """Say so (and True) when --model names no model folder. Checked when starting, not in the
     option check: the path is this machine's (a deployment's command lines are checked elsewhere)."""
@@ -51,6 +62,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         print(f"mooncake serve: error: {busy}", file=sys.stderr)
         return 2
     model = _resolve_model(args.model)
+    if _unfit_model("serve", model, args):
+        return 2
     return serve(ClusterConfig(
         model_path=model, served_model_name=args.served_model_name or Path(model).name, host=args.host,
         port=args.port, num_prefill=args.prefill, num_decode=args.decode, first_worker_port=args.worker_port,
@@ -109,8 +122,10 @@ def _busy_ports(args: argparse.Namespace) -> str | None:
     """Why serve cannot start now (ports another process holds), told before any engine loads;
     None when they are free. Run when starting, not in the option check: it depends on the
     machine at that moment, not on the options."""
-    from mooncake.net import port_in_use
+    from mooncake.net import host_error, port_in_use
 
+    if problem := host_error(args.host):  # every port of it would look taken
+        return f"--host {problem}"
     busy = [f"{port} ({'conductor' if port == args.port else 'worker'})"
             for host, port in [(args.host, args.port), *(("127.0.0.1", p) for p in _worker_ports(args))]
             if port_in_use(host, port)]
@@ -173,6 +188,8 @@ def _cmd_conductor(args: argparse.Namespace) -> int:
     if _missing_model("conductor", args.model):
         return 2
     model = _resolve_model(args.model)
+    if _unfit_model("conductor", model, args, kv_cache=False):
+        return 2
     config = ConductorConfig(
         model_path=model, served_model_name=args.served_model_name or Path(model).name, host=args.host,
         port=args.port, prefill_urls=tuple(args.prefill_url), decode_urls=tuple(args.decode_url),
@@ -191,9 +208,13 @@ def _cmd_conductor(args: argparse.Namespace) -> int:
 
 def _cmd_worker(module):
     def run(args: argparse.Namespace) -> int:
-        if _missing_model(args.subparser.prog.split()[-1], args.model):
+        command = args.subparser.prog.split()[-1]
+        if _missing_model(command, args.model):
             return 2
-        return module.run(args, _resolve_model(args.model), _start_pool)
+        model = _resolve_model(args.model)
+        if _unfit_model(command, model, args):
+            return 2
+        return module.run(args, model, _start_pool)
     return run
 
 
@@ -339,7 +360,14 @@ def main(argv: list[str] | None = None) -> int:
     errors = args.check(args) if hasattr(args, "check") else []
     if errors:
         args.subparser.error("; ".join(errors))
-    return args.func(args)
+    from mooncake.model import ModelUnavailable
+
+    try:
+        return args.func(args)
+    except ModelUnavailable as exc:
+        prog = args.subparser.prog if hasattr(args, "subparser") else f"mooncake {args.command}"
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

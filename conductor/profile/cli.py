@@ -38,7 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="table name (default: model folder name + '-cpu' + the dtype's suffix, e.g. -bf16)")
     ap.add_argument("--dtype", default=str(defaults.DTYPE), choices=[str(d) for d in Dtype],
                     help="weights and KV dtype of the engine; measure in the dtype the cluster will run "
-                         "(`mooncake serve --dtype`), whose conductor picks the table of that name")
+                         "(`mooncake serve --dtype`) and give the table to the conductor with --profile PATH "
+                         "(by itself it picks only the bundled tables measured in its --dtype)")
     ap.add_argument("--prompt-lengths", type=_list_of(int), default="256,512,1024,2048",
                     help="comma-separated prompt lengths")
     ap.add_argument("--cached-shares", type=_list_of(float), default="0,0.5,0.75",

@@ -234,8 +234,10 @@ def create_app(config: WorkerConfig, kv_port: int, events_port: int, control: Co
         except msgspec.DecodeError as exc:
             return error_response(400, f"bad kv_drop request: {exc}", "invalid_value")
         state: WorkerState = request.app.state.worker
-        await asyncio.to_thread(_connector_call, state.control, {"op": "drop", "transfer_id": body.transfer_id})
-        return {"ok": True}
+        answer = await asyncio.to_thread(_connector_call, state.control,
+                                         {"op": "drop", "transfer_id": body.transfer_id})
+        # Said as it went: staged KV that the connector did not hear of is freed at its own timeout.
+        return {"ok": bool(answer.get("ok"))} | ({"error": answer["error"]} if answer.get("error") else {})
 
     @app.post("/internal/reset_prefix_cache")
     async def reset_prefix_cache(request: Request):
@@ -255,6 +257,10 @@ def create_app(config: WorkerConfig, kv_port: int, events_port: int, control: Co
             gen = REQUEST_DECODER.decode(await request.body())
         except msgspec.DecodeError as exc:  # ValidationError too; its text names the field
             return error_response(400, f"bad generate request: {exc}", "invalid_value")
+        if gen.request_id in state.in_flight:
+            # vLLM takes a second request of one id, but this shell's books (its load, the drain's
+            # wait, the prefill overlap record) are by id: the first to end would erase the other.
+            return error_response(409, f"request {gen.request_id} is already running here", "duplicate_request")
         return StreamingResponse(_stream(state, gen), media_type="application/x-ndjson")
 
     return app

@@ -62,7 +62,8 @@ def add_pool_arguments(parser: argparse.ArgumentParser) -> None:
     """The node's KVCache pool (on by default); `mooncake serve` passes them to every worker."""
     parser.add_argument("--pool-dram-gib", type=float, default=_pool_dram_default(),
                         help=f"DRAM tier of the KVCache pool (GiB of shared memory, taken as blocks fill it; "
-                             f"env {POOL_DRAM_ENV} sets the default, else %(default)s)")
+                             f"env {POOL_DRAM_ENV} sets the default, else {defaults.POOL_DRAM_BYTES / 2**30:g}; "
+                             f"0 runs no pool, as --no-pool)")
     parser.add_argument("--pool-ssd-dir", default=defaults.POOL_SSD_DIR,
                         help="directory of the pool's SSD tier (kept across restarts; default: DRAM only)")
     parser.add_argument("--pool-ssd-gib", type=float, default=defaults.POOL_SSD_BYTES / 2**30,
@@ -88,13 +89,18 @@ def _pool_dram_default() -> float:
 
 
 def pool_errors(args: argparse.Namespace) -> list[str]:
+    if args.no_pool:  # nothing of the pool runs: its options would be ignored without a word
+        return [f"--no-pool runs no KVCache pool: drop --pool-ssd-dir {args.pool_ssd_dir}"] if args.pool_ssd_dir else []
     errors = []
+    if args.pool_ssd_dir and args.pool_dram_gib == 0:
+        errors.append(f"--pool-ssd-dir {args.pool_ssd_dir} with --pool-dram-gib 0: a DRAM tier of 0 runs no pool, "
+                      f"so no SSD tier either (blocks reach the SSD through DRAM)")
     if not all(math.isfinite(gib) and gib >= 0 for gib in (args.pool_dram_gib, args.pool_ssd_gib)):
         errors.append(f"--pool-dram-gib and --pool-ssd-gib must be finite and >= 0 (GiB), got "
                       f"{args.pool_dram_gib:g} and {args.pool_ssd_gib:g} (env {POOL_DRAM_ENV}: "
                       f"{os.environ.get(POOL_DRAM_ENV, 'unset')})")
     directory = args.pool_ssd_dir
-    if directory and not args.no_pool:
+    if directory:
         problem = unusable_directory(directory)
         if problem:
             errors.append(f"--pool-ssd-dir {directory}: {problem}")
@@ -114,6 +120,10 @@ def check_worker_args(args: argparse.Namespace) -> list[str]:
                       f"and {args.kv_port}")
     if args.cpu_bind is not None and (error := cpu_bind_error(args.cpu_bind)):
         errors.append(error)
+    for flag, host in (("--host", args.host), ("--advertise-host", args.advertise_host)):
+        if host and ":" in host:  # (free_port and the messenger's listeners are AF_INET)
+            errors.append(f"{flag} {host}: workers listen on and publish IPv4 addresses only; give an IPv4 address "
+                          f"or a host name (--host 0.0.0.0: every interface)")
     if args.instance_id is not None and (not args.instance_id or "/" in args.instance_id):
         errors.append(f"--instance-id must be non-empty without '/', got {args.instance_id!r}")
     return errors + pool_errors(args) + token_errors(args) + registry_errors(args)
@@ -159,6 +169,13 @@ def registry_errors(args: argparse.Namespace) -> list[str]:
     from mooncake.registry.config import RegistryConfig
 
     etcd = getattr(args, "etcd", None) or ""
+    given = getattr(args, "registry", None)
+    if etcd and given:  # one would be ignored without a word
+        return [f"give --etcd or --registry, not both (got {etcd} and {given})"]
+    if (given or "").lower().startswith("memory://"):
+        return [f"--registry {given}: memory:// is a registry inside one process, which no other process shares; "
+                f"the conductor hosts the embedded one when given none (workers: --registry "
+                f"embedded+http://CONDUCTOR:PORT), or give etcd://HOST:PORT"]
     if etcd.lower().startswith("https://"):
         # TLS to etcd is not wired (docs/SECURITY.md): stripping the scheme would speak plain
         # gRPC to a TLS port and retry for ever.

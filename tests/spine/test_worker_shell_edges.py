@@ -1,0 +1,51 @@
+"""The worker shell at its edges (no engine): a taken port said before anything is built, a
+request id that is already running, and a KV drop the connector did not hear of."""
+
+from __future__ import annotations
+
+import socket
+
+import msgspec
+from fastapi.testclient import TestClient
+
+import mooncake.engine.runner as runner
+from mooncake.control import ControlEndpoint
+from mooncake.engine.app import InFlight, create_app
+from mooncake.engine.config import WorkerConfig
+from mooncake.protocol import GenerateRequest, Sampling
+
+
+def test_a_worker_whose_port_is_taken_says_so_before_building_anything(monkeypatch, caplog):
+    # uvicorn binds after the start-up, which builds the engine (a minute on CPU), for nothing.
+    built = []
+    monkeypatch.setattr(runner, "create_app", lambda *args, **kwargs: built.append(args))
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        config = WorkerConfig(role="prefill", model="/nonexistent", served_model_name="m", port=port)
+        assert runner.run_worker(config) == 3  # the supervisor reads 3 as "its port taken?"
+    assert built == []
+    assert f"cannot listen on 127.0.0.1:{port}" in caplog.text
+
+
+def _app(endpoint: ControlEndpoint | None = None):
+    config = WorkerConfig(role="decode", model="/nonexistent", served_model_name="m")
+    return create_app(config, kv_port=0, events_port=0, control=endpoint or ControlEndpoint.new())
+
+
+def test_a_request_id_already_running_is_refused_not_run_twice():
+    app = _app()
+    state = app.state.worker
+    state.engine = object()  # ready (the request is refused before it would reach the engine)
+    state.in_flight["r1"] = InFlight(prompt_tokens=3, started_at=0.0)
+    body = msgspec.json.encode(GenerateRequest("r1", [1, 2, 3], Sampling(max_tokens=2)))
+    response = TestClient(app).post("/internal/generate", content=body)
+    assert response.status_code == 409 and response.json()["error"]["code"] == "duplicate_request"
+    assert list(state.in_flight) == ["r1"]  # the running one's books are untouched
+
+
+def test_a_kv_drop_the_connector_did_not_take_says_so():
+    response = TestClient(_app()).post("/internal/kv_drop", content=b'{"transfer_id": "t1"}')  # nobody listens
+    assert response.status_code == 200
+    assert response.json()["ok"] is False and response.json()["error"]
