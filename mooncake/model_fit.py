@@ -27,7 +27,10 @@ def cpu_engine() -> bool:
         return False
 
 
-def model_fit_errors(model_path: str, max_model_len: int, kv_cache_gib: float | None, dtype: str) -> list[str]:
+def model_fit_errors(model_path: str, max_model_len: int, kv_cache_gib: float | None, dtype: str,
+                     length_is: str = "--max-model-len") -> list[str]:
+    """Why these options cannot run the model at model_path ([] when they can, or when its
+    config.json cannot say). `length_is` names where max_model_len came from, for the message."""
     try:
         config = json.loads((Path(model_path) / "config.json").read_text())
     except (OSError, ValueError):
@@ -37,15 +40,15 @@ def model_fit_errors(model_path: str, max_model_len: int, kv_cache_gib: float | 
     stretched = any(isinstance(config.get(k), dict) and "factor" in config[k] for k in ("rope_scaling", "rope_parameters"))
     longest = config.get("max_position_embeddings")
     if type(longest) is int and not stretched and max_model_len > longest:
-        errors.append(f"--max-model-len {max_model_len:,} is longer than the model's context ({longest:,} tokens, "
+        errors.append(f"{length_is} {max_model_len:,} is longer than the model's context ({longest:,} tokens, "
                       f"max_position_embeddings in {model_path}/config.json)")
     if kv_cache_gib is not None and not any(config.get(k) for k in _NOT_PLAIN_KV):
         per_token = kv_bytes_per_token(config, Dtype(dtype))
         need = per_token * max_model_len if per_token else 0
         if need > kv_cache_gib * 2**30:
             errors.append(f"--kv-cache-gib {kv_cache_gib:g} holds {int(kv_cache_gib * 2**30 // per_token):,} tokens of "
-                          f"this model's KV in {dtype}, less than one sequence of --max-model-len {max_model_len:,} "
-                          f"({need / 2**30:.2f} GiB): give more, or a shorter --max-model-len")
+                          f"this model's KV in {dtype}, less than one sequence of {length_is} {max_model_len:,} "
+                          f"({need / 2**30:.2f} GiB): give more, or ask for shorter sequences")
     return errors
 
 

@@ -24,9 +24,9 @@ from conductor.core.profile_table import DecodeRow, PrefillRow, ProfileTable, sa
 from mooncake import defaults
 from mooncake.cli_help import DefaultsHelpFormatter
 from mooncake.defaults import Dtype
+from mooncake.model_fit import kv_bytes_per_token, model_fit_errors
 from mooncake.paths import unusable_directory
 
-DTYPE_BYTES = {Dtype.FLOAT32: 4, Dtype.BFLOAT16: 2, Dtype.FLOAT16: 2}  # of one KV element
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -110,10 +110,14 @@ def main(argv: list[str] | None = None) -> int:
         cfg = json.loads((args.model / "config.json").read_text())
     except (OSError, ValueError) as exc:
         ap.error(f"--model must be a Hugging Face model folder with a config.json: {exc}")
-    heads = cfg["num_attention_heads"]
-    head_dim = cfg.get("head_dim", cfg["hidden_size"] // heads)
     dtype = Dtype(args.dtype)
-    kv_bpt = 2 * cfg["num_hidden_layers"] * cfg.get("num_key_value_heads", heads) * head_dim * DTYPE_BYTES[dtype]
+    kv_bpt = kv_bytes_per_token(cfg, dtype)
+    if kv_bpt is None:
+        ap.error(f"--model {args.model}: its config.json does not say its layers, KV heads and head size")
+    max_len = max(max(args.prompt_lengths), max(args.contexts) + args.decode_tokens) + args.block_size
+    length_is = "the longest sequence asked for (--prompt-lengths, or --contexts + --decode-tokens, plus a block)"
+    if errors := model_fit_errors(str(args.model), max_len, args.kv_cache_gib, str(dtype), length_is):
+        ap.error("; ".join(errors))
     # The table's KV capacity is computed from --kv-cache-gib, so the engine gets exactly that
     # (before vllm is imported), whatever the environment said.
     space = os.environ.get("VLLM_CPU_KVCACHE_SPACE")
@@ -123,7 +127,6 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(args.kv_cache_gib)
     from vllm import LLM, SamplingParams
 
-    max_len = max(max(args.prompt_lengths), max(args.contexts) + args.decode_tokens) + args.block_size
     llm = LLM(model=str(args.model), enforce_eager=True, dtype=str(dtype), enable_prefix_caching=True,
               max_model_len=max_len, block_size=args.block_size, max_num_seqs=max(args.batch_sizes))
     rng = random.Random(0)

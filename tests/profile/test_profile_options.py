@@ -39,3 +39,12 @@ def test_an_out_path_that_cannot_be_written_is_refused_first(tmp_path, capsys):
     with pytest.raises(SystemExit) as info:
         main(["--model", str(tmp_path / "nothing-here"), "--out", str(missing)])
     assert info.value.code == 2 and "--out" in capsys.readouterr().err
+
+
+def test_lengths_beyond_the_model_s_context_are_refused_before_vllm_loads(model_path, capsys):
+    from conductor.profile.cli import main as profile_main
+
+    with pytest.raises(SystemExit) as info:
+        profile_main(["--model", model_path, "--prompt-lengths", "256,512,1024,9000"])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and "9,128 is longer than the model's context (8,192 tokens" in err

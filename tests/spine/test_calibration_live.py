@@ -233,7 +233,8 @@ def test_the_profile_follows_the_dtype_when_a_table_is_bundled(monkeypatch):
 def test_profile_command_measures_in_a_dtype_and_names_the_table_for_it():
     from pathlib import Path
 
-    from conductor.profile.cli import DTYPE_BYTES, build_parser, table_name
+    from conductor.profile.cli import build_parser, table_name
+    from mooncake.model_fit import DTYPE_BYTES
 
     args = build_parser().parse_args(["--model", "/m/SmolLM2-135M", "--dtype", "bfloat16"])
     assert args.dtype == "bfloat16" and DTYPE_BYTES[Dtype(args.dtype)] == 2
