@@ -10,7 +10,7 @@ comma     := ,
 EXTRAS    := $(ENGINE_EXTRA),model$(if $(DEV_TOOLS),$(comma)dev)
 # One stamp per engine build: GPU=1 over a CPU venv (or the reverse) is refused, not half-installed.
 STAMP     := $(VENV)/.mooncake-installed-$(ENGINE_EXTRA)$(if $(DEV_TOOLS),,-nodev)
-OTHER_STAMPS := $(wildcard $(VENV)/.mooncake-installed-$(if $(GPU),cpu,gpu)*)
+OTHER_STAMPS := $(VENV)/.mooncake-installed-$(if $(GPU),cpu,gpu)*
 # Debian packages (etcd, go, promtool, pyverbs) need root: sudo when not already root.
 SUDO      := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 APT       := $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get
@@ -32,7 +32,8 @@ setup: $(STAMP) model
 install: $(STAMP)
 
 $(STAMP): pyproject.toml
-	@if [ -n "$(OTHER_STAMPS)" ]; then echo "$(VENV) was set up for the $(if $(GPU),CPU,GPU) engine: run 'make clean' first" >&2; exit 1; fi
+	@# Looked for when the recipe runs, so that `make clean setup GPU=1` cleans first.
+	@if ls $(OTHER_STAMPS) >/dev/null 2>&1; then echo "$(VENV) was set up for the $(if $(GPU),CPU,GPU) engine: run 'make clean' first" >&2; exit 1; fi
 	@# A venv without pip (python3 -m venv without Debian's python3-venv) is made again, not reused.
 	@$(PY) -m pip --version >/dev/null 2>&1 || { rm -rf $(VENV); python3 -m venv $(VENV) || { rm -rf $(VENV); echo "python3 -m venv failed: install python3-venv (Debian/Ubuntu: apt-get install python3-venv)" >&2; exit 1; }; }
 	$(PIP) install -q --upgrade pip

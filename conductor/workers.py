@@ -293,10 +293,11 @@ class WorkerClient:
                     if not line:
                         continue
                     chunk = CHUNK_DECODER.decode(line)
-                    if chunk.error and chunk.refused and not started:
+                    if chunk.error is not None and chunk.refused and not started:
                         raise RequestRefused(chunk.error)
-                    if chunk.error:
-                        raise WorkerError(f"{handle.name}: {chunk.error}", started=started, worker=handle.name)
+                    if chunk.error is not None:
+                        raise WorkerError(f"{handle.name}: {chunk.error or 'failed'}", started=started,
+                                          worker=handle.name)
                     started = started or bool(chunk.token_ids)
                     if chunk.finish_reason == "error":
                         raise EngineFailed(f"{handle.name}: its engine ended the request with an error (see its log)",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import os
 from pathlib import Path
 
 from mooncake.defaults import Dtype
@@ -35,11 +36,16 @@ def model_fit_errors(model_path: str, max_model_len: int, kv_cache_gib: float | 
         config = json.loads((Path(model_path) / "config.json").read_text())
     except (OSError, ValueError):
         return []  # not ours to judge: the engine says what is wrong with the folder
-    config = config.get("text_config", config) if isinstance(config, dict) else {}
+    if not isinstance(config, dict):
+        return []
+    text = config.get("text_config")
+    config = text if isinstance(text, dict) else config
     errors = []
-    stretched = any(isinstance(config.get(k), dict) and "factor" in config[k] for k in ("rope_scaling", "rope_parameters"))
-    longest = config.get("max_position_embeddings")
-    if type(longest) is int and not stretched and max_model_len > longest:
+    # vLLM takes a longer length when told to, or up to the tokenizer's model_max_length.
+    allowed = os.environ.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "").strip().lower() in ("1", "true")
+    lengths = [v for v in (config.get("max_position_embeddings"), config.get("model_max_length")) if type(v) is int]
+    longest = max(lengths) if lengths else None
+    if longest is not None and not allowed and not _stretched(config) and max_model_len > longest:
         errors.append(f"{length_is} {max_model_len:,} is longer than the model's context ({longest:,} tokens, "
                       f"max_position_embeddings in {model_path}/config.json)")
     if kv_cache_gib is not None and not any(config.get(k) for k in _NOT_PLAIN_KV):
@@ -50,6 +56,14 @@ def model_fit_errors(model_path: str, max_model_len: int, kv_cache_gib: float | 
                           f"this model's KV in {dtype}, less than one sequence of {length_is} {max_model_len:,} "
                           f"({need / 2**30:.2f} GiB): give more, or ask for shorter sequences")
     return errors
+
+
+def _stretched(config: dict) -> bool:
+    """Rope scaling stretches the context past max_position_embeddings (a factor, at any depth:
+    transformers v5 nests rope_parameters per layer type)."""
+    def has_factor(value) -> bool:
+        return isinstance(value, dict) and ("factor" in value or any(has_factor(v) for v in value.values()))
+    return has_factor(config.get("rope_scaling")) or has_factor(config.get("rope_parameters"))
 
 
 def kv_bytes_per_token(config: dict, dtype: Dtype) -> int | None:

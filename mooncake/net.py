@@ -50,11 +50,11 @@ def host_error(host: str) -> str | None:
     except socket.gaierror as exc:
         return f"{host} does not resolve ({exc.strerror})"
     family, _, _, _, address = infos[0]
-    with socket.socket(family, socket.SOCK_STREAM) as sock:
-        try:
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
             sock.bind(address)
-        except OSError as exc:
-            return f"{host} cannot be listened on here ({exc.strerror}): is it an address of this machine?"
+    except OSError as exc:
+        return f"{host} cannot be listened on here ({exc.strerror}): is it an address of this machine?"
     return None
 
 

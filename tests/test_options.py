@@ -244,7 +244,11 @@ def test_no_pool_does_not_read_the_pool_s_environment(monkeypatch):
     (["decode", "--kv-cache-gib", "0.25"], "less than one sequence of --max-model-len 8,192"),
     (["conductor", "--max-model-len", "9000"], "longer than the model's context"),
 ])
-def test_options_the_model_cannot_run_are_refused_before_an_engine_loads(argv, needle, capsys, model_path):
+def test_options_the_model_cannot_run_are_refused_before_an_engine_loads(argv, needle, capsys, model_path,
+                                                                         monkeypatch):
+    import mooncake.model_fit
+
+    monkeypatch.setattr(mooncake.model_fit, "cpu_engine", lambda: True)  # --kv-cache-gib is vLLM-CPU's KV room
     assert main([*argv, "--model", model_path, "--insecure-no-cluster-token"]) == 2
     err = capsys.readouterr().err
     assert needle in err and "Traceback" not in err
@@ -276,3 +280,22 @@ def test_a_serve_host_that_is_not_this_machine_s_is_said_so_not_a_busy_port(caps
     assert main(["serve", "--host", "192.0.2.7"]) == 2  # TEST-NET-1: no machine's address
     err = capsys.readouterr().err
     assert "--host 192.0.2.7 cannot be listened on here" in err and "already in use" not in err
+
+
+def test_the_context_check_follows_what_vllm_allows(tmp_path, monkeypatch):
+    import json
+
+    from mooncake.model_fit import model_fit_errors
+
+    def errors(config: dict, length: int = 9000) -> list[str]:
+        (tmp_path / "config.json").write_text(json.dumps(config))
+        return model_fit_errors(str(tmp_path), length, None, "float32")
+
+    base = {"max_position_embeddings": 8192}
+    assert errors(base) and not errors(base, 8192)
+    assert not errors({**base, "model_max_length": 16384})  # vLLM takes up to the larger
+    assert not errors({**base, "rope_parameters": {"full_attention": {"rope_type": "yarn", "factor": 4.0}}})
+    assert errors({"text_config": None, **base}) and errors({"text_config": base})
+    assert errors([1, 2]) == [] and errors({}) == []
+    monkeypatch.setenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
+    assert not errors(base)

@@ -306,6 +306,14 @@ def test_an_engine_that_ends_a_request_with_an_error_is_an_error_not_a_finish():
                     got.append(chunk)
             assert [c.token_ids for c in got] == [[7]] * started and info.value.started is started
             await client.close()
+        # A worker's own failure carries an error, even one whose text is empty (vLLM's
+        # EngineGenerateError has none): a worker failure, retried elsewhere, not the engine's finish.
+        client = await mocked_client(_scripted_worker([GenerateChunk([], finish_reason="error", error="")], []))
+        with pytest.raises(WorkerError) as info:
+            async for _ in client.generate(handle, GenerateRequest("r", [1, 2], Sampling(max_tokens=4), {})):
+                pass
+        assert not isinstance(info.value, EngineFailed)
+        await client.close()
     asyncio.run(main())
 
 
