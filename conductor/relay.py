@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from msgspec.structs import replace  # Sampling is a msgspec Struct
 
 from conductor.routing import Route
-from conductor.workers import RequestRefused, WorkerClient, WorkerError, WorkerHandle
+from conductor.workers import EngineFailed, RequestRefused, WorkerClient, WorkerError, WorkerHandle
 from mooncake.protocol import GenerateChunk, GenerateRequest, PullParams, PushParams, Sampling
 
 log = logging.getLogger(__name__)
@@ -230,7 +230,7 @@ class Relay:
                         stats.prefill_measured(chunk)
                     yield chunk
                 return
-            except RequestRefused:  # any other worker would refuse it too
+            except (RequestRefused, EngineFailed):  # any other worker would refuse or fail it too
                 if pull is not None:  # the prompt's KV pushed here will not be claimed
                     await self._client.drop_transfer(worker, pull.transfer_id)
                 raise

@@ -28,7 +28,7 @@ from conductor.routing import Router
 from conductor.schemas import COMPLETION_DEFAULT_MAX_TOKENS, ChatCompletionRequest, CompletionRequest
 from conductor.logprobs import TokenText, prompt_logprobs_body
 from conductor.slo import RequestSLO, SLOError, SLOPolicy
-from conductor.workers import RequestRefused, WorkerError
+from conductor.workers import EngineFailed, RequestRefused, WorkerError
 from mooncake.protocol import GenerateChunk, Sampling
 
 log = logging.getLogger(__name__)
@@ -82,6 +82,10 @@ class ServerClosing(Exception):
 def shutdown_error() -> APIError:
     return APIError(503, "the server is shutting down before this answer was finished; send the request again",
                     code="server_shutting_down")
+
+
+def engine_failed(exc: EngineFailed) -> APIError:
+    return APIError(500, f"the engine failed the request: {exc}", code="engine_error")
 
 
 class CompletionService:
@@ -290,6 +294,8 @@ class CompletionService:
             try:
                 async for _ in started.events:
                     pass
+            except EngineFailed as exc:
+                raise engine_failed(exc) from exc
             except WorkerError as exc:
                 raise APIError(502, f"a worker failed mid-request: {exc}") from exc
             except ServerClosing:
@@ -335,6 +341,10 @@ class CompletionService:
                 chunks, life.chunks = life.chunks, None
                 await chunks.aclose()
                 raise APIError(400, f"the engine refused the request: {exc}", code="invalid_value") from exc
+            except EngineFailed as exc:
+                chunks, life.chunks = life.chunks, None
+                await chunks.aclose()
+                raise engine_failed(exc) from exc
             except WorkerError as exc:
                 chunks, life.chunks = life.chunks, None
                 await chunks.aclose()
@@ -410,6 +420,9 @@ class CompletionService:
                     so_far = _usage(parts) if req.continuous_usage else None
                     yield responses.chunk(req.meta, event.text, finish_reason=event.finish, index=k * n + event.index,
                                           logprobs=event.logprobs, usage_body=so_far, stop_reason=event.stop_reason)
+        except EngineFailed as exc:
+            status = "500"
+            yield sse_error(engine_failed(exc))
         except WorkerError as exc:
             status = "502"
             yield sse_error(APIError(502, f"a worker failed mid-stream: {exc}", code="worker_failed"))

@@ -62,6 +62,13 @@ class RequestRefused(WorkerError):
     a client error, the same on every worker, so it is answered with a 400 and never retried."""
 
 
+class EngineFailed(WorkerError):
+    """The engine ended the request with an error of its own (vLLM's finish_reason "error": its
+    grammar rejected a token, a structured-output grammar failed to compile): a server error, as
+    vLLM's server answers it (500), never an answer that merely ends with finish_reason "error".
+    Not retried: another engine of the same model would end it the same way."""
+
+
 @dataclass
 class WorkerHandle:
     http_url: str
@@ -286,11 +293,15 @@ class WorkerClient:
                     if not line:
                         continue
                     chunk = CHUNK_DECODER.decode(line)
-                    if chunk.error and chunk.refused and not started:
+                    if chunk.error is not None and chunk.refused and not started:
                         raise RequestRefused(chunk.error)
-                    if chunk.error:
-                        raise WorkerError(f"{handle.name}: {chunk.error}", started=started, worker=handle.name)
+                    if chunk.error is not None:
+                        raise WorkerError(f"{handle.name}: {chunk.error or 'failed'}", started=started,
+                                          worker=handle.name)
                     started = started or bool(chunk.token_ids)
+                    if chunk.finish_reason == "error":
+                        raise EngineFailed(f"{handle.name}: its engine ended the request with an error (see its log)",
+                                           started=started, worker=handle.name)
                     finished = chunk.finish_reason is not None  # (closed at this yield: nothing to abort)
                     yield chunk
                     if finished:

@@ -295,7 +295,9 @@ async def _stream(state: WorkerState, gen: GenerateRequest):
             yield encode_chunk_line(GenerateChunk([], finish_reason="error", error=refused, refused=True))
             return
         log.exception("request %s failed", gen.request_id)
-        yield encode_chunk_line(GenerateChunk([], finish_reason="error", error=str(exc)))
+        # Never an empty error: vLLM's EngineGenerateError has no message, and the conductor tells
+        # a worker's failure (retried elsewhere) from the engine's own finish "error" by this field.
+        yield encode_chunk_line(GenerateChunk([], finish_reason="error", error=str(exc) or type(exc).__name__))
     finally:
         state.in_flight.pop(gen.request_id, None)
         state.metrics.prompt_tokens.inc(entry.prompt_tokens)

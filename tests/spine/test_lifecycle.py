@@ -15,7 +15,7 @@ from conductor.errors import APIError
 from conductor.lifecycle import LifeStreamingResponse
 from conductor.schemas import CompletionRequest
 from conductor.serving import RETRY_SLO_S, CompletionService
-from conductor.workers import WorkerError
+from conductor.workers import EngineFailed, WorkerError
 from mooncake.protocol import GenerateChunk
 from tests.spine.test_routing import pool_of, router
 
@@ -37,8 +37,9 @@ class ScriptedRelay:
     else yields `tokens` one per chunk (the last with a finish reason), optionally failing after
     `error_after` chunks. Records whether each stream was closed before it finished."""
 
-    def __init__(self, tokens, fail_on=(), error_after=None, pause_s=0.0):
+    def __init__(self, tokens, fail_on=(), error_after=None, pause_s=0.0, error=WorkerError):
         self.tokens = tokens
+        self.error = error  # WorkerError: a worker died; EngineFailed: its engine ended the request with an error
         self.fail_on = set(fail_on)
         self.error_after = error_after
         self.pause_s = pause_s
@@ -51,7 +52,7 @@ class ScriptedRelay:
         self.prefills.append(route.prefill.name)
         self.request_ids.append(request_id)
         if route.prefill.name in self.fail_on:
-            raise WorkerError(f"{route.prefill.name} is down")
+            raise self.error(f"{route.prefill.name} is down")
         chunks = self.stream(self.tokens, self.error_after)
         try:
             async for chunk in chunks:
@@ -65,7 +66,7 @@ class ScriptedRelay:
         try:
             for i, token in enumerate(tokens):
                 if error_after is not None and i == error_after:
-                    raise WorkerError("decode worker died", started=True)
+                    raise self.error("decode worker died", started=True)
                 last = i == len(tokens) - 1
                 done = last  # the consumer stops pulling at the finish reason, as with a worker
                 yield GenerateChunk([token], finish_reason="length" if last else None)
@@ -386,6 +387,41 @@ def test_worker_failure_mid_request_releases_with_502(stream):
                 await service.serve(req, "completions")
             assert info.value.status == 502
         assert_all_released(service, "502")
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_engine_error_mid_request_is_a_500_not_an_answer_that_ends_in_error(stream):
+    # vLLM's finish_reason "error" (its grammar rejected a token...): its server answers 500.
+    async def main():
+        relay = ScriptedRelay(list(range(20)), error_after=3, error=EngineFailed)
+        service = make_service(relay)
+        req = await prepared(service, max_tokens=20, stream=stream)
+        if stream:
+            response = await service.serve(req, "completions")
+            client = Client()
+            await drive(response, client)
+            assert "engine_error" in client.text() and '"finish_reason": "error"' not in client.text()
+        else:
+            with pytest.raises(APIError) as info:
+                await service.serve(req, "completions")
+            assert info.value.status == 500 and info.value.code == "engine_error"
+        assert_all_released(service, "500")
+
+    asyncio.run(main())
+
+
+def test_an_engine_error_before_the_first_token_is_not_retried_on_other_workers():
+    async def main():
+        relay = ScriptedRelay(list(range(4)), fail_on={"p1", "p2", "d1"}, error=EngineFailed)
+        service = make_service(relay)
+        req = await prepared(service, max_tokens=4)
+        with pytest.raises(APIError) as info:
+            await service.serve(req, "completions")
+        assert info.value.status == 500
+        assert len(relay.prefills) == 1  # the same request would fail the same way elsewhere
+        assert_all_released(service, "500", first_token=False)
 
     asyncio.run(main())
 

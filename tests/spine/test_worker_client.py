@@ -12,7 +12,7 @@ import pytest
 from fastapi import FastAPI
 from fastapi.responses import StreamingResponse
 
-from conductor.workers import StreamWatch, WorkerClient, WorkerError, WorkerHandle, WorkerPool
+from conductor.workers import EngineFailed, StreamWatch, WorkerClient, WorkerError, WorkerHandle, WorkerPool
 from mooncake.protocol import ENCODER, GenerateChunk, GenerateRequest, Sampling
 from tests.http_server import served
 
@@ -290,6 +290,29 @@ def test_a_finished_stream_closed_at_its_last_chunk_sends_no_abort():
             await stream.aclose()
             await asyncio.sleep(0.05)  # the abort is sent from a task of its own
         assert calls.count("/internal/abort") == 1
+        await client.close()
+    asyncio.run(main())
+
+
+def test_an_engine_that_ends_a_request_with_an_error_is_an_error_not_a_finish():
+    async def main():
+        handle = WorkerHandle(http_url="http://w")
+        for lines, started in (([GenerateChunk([7]), GenerateChunk([], finish_reason="error")], True),
+                               ([GenerateChunk([], finish_reason="error")], False)):
+            client = await mocked_client(_scripted_worker(lines, []))
+            got = []
+            with pytest.raises(EngineFailed, match="ended the request with an error") as info:
+                async for chunk in client.generate(handle, GenerateRequest("r", [1, 2], Sampling(max_tokens=4), {})):
+                    got.append(chunk)
+            assert [c.token_ids for c in got] == [[7]] * started and info.value.started is started
+            await client.close()
+        # A worker's own failure carries an error, even one whose text is empty (vLLM's
+        # EngineGenerateError has none): a worker failure, retried elsewhere, not the engine's finish.
+        client = await mocked_client(_scripted_worker([GenerateChunk([], finish_reason="error", error="")], []))
+        with pytest.raises(WorkerError) as info:
+            async for _ in client.generate(handle, GenerateRequest("r", [1, 2], Sampling(max_tokens=4), {})):
+                pass
+        assert not isinstance(info.value, EngineFailed)
         await client.close()
     asyncio.run(main())
 

@@ -50,3 +50,25 @@ def test_a_kv_drop_the_connector_did_not_take_says_so():
     assert response.status_code == 200
     assert response.json()["ok"] is False and response.json()["error"]
 
+
+def test_a_failure_without_a_message_is_still_reported_as_an_error(monkeypatch):
+    # vLLM's EngineGenerateError has no text: the line must still carry an error, or the
+    # conductor takes it for the engine's own finish "error" (a 500, never retried elsewhere).
+    import asyncio
+
+    import mooncake.engine.app as worker_app
+    from mooncake.engine.app import WorkerState, _stream
+    from mooncake.protocol import CHUNK_DECODER
+
+    async def failing(engine, gen, overlap=None):
+        yield worker_app.GenerateChunk([5])
+        raise RuntimeError()
+
+    monkeypatch.setattr(worker_app, "run_request", failing)
+    state = WorkerState(config=None, kv_port=0, events_port=0, control=None, engine=object())
+
+    async def lines():
+        return [line async for line in _stream(state, GenerateRequest("r1", [1, 2], Sampling(max_tokens=3)))]
+
+    last = CHUNK_DECODER.decode(asyncio.run(lines())[-1])
+    assert last.finish_reason == "error" and last.error == "RuntimeError"
