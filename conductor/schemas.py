@@ -62,6 +62,10 @@ class MooncakeSLO(BaseModel):
     tbt_ms: float | None = Field(None, gt=0.0, allow_inf_nan=False)
 
 
+FLOAT32_ROUNDS_TO_ZERO = 2.0**-150
+"""Half the smallest positive float32 (2**-149): a positive value at or below it rounds to 0."""
+
+
 class _SamplingFields(BaseModel):
     # Unknown fields are kept aside and ignored (logged by the server), as vLLM's server does, so
     # that clients sending newer or vendor-specific fields keep working. Known fields that would
@@ -83,7 +87,7 @@ class _SamplingFields(BaseModel):
     user: str | None = None
     # vLLM extensions that operators rely on.
     # The engine's own limits (vLLM SamplingParams): refused here with a 400, not by a worker.
-    top_k: int | None = Field(None, ge=-1)
+    top_k: int | None = Field(None, ge=-1, le=2**63 - 1)  # past int64 the engine fails the request
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     min_tokens: int = Field(0, ge=0)
     repetition_penalty: float | None = Field(None, gt=0.0)
@@ -167,6 +171,16 @@ class _SamplingFields(BaseModel):
         if len(stops) > 4:
             raise ValueError("at most 4 stop sequences are allowed")
         return stops
+
+    @field_validator("repetition_penalty")
+    @classmethod
+    def _penalty_not_zero_in_float32(cls, value: float | None) -> float | None:
+        # The engine applies the penalty in float32, where a value this small is 0: masked logits
+        # (-inf, a structured output's) times 0 are NaN, and vLLM samples a token its own grammar
+        # then rejects (a 500). For the engine this is the 0 that its own check refuses.
+        if value is not None and value <= FLOAT32_ROUNDS_TO_ZERO:
+            raise ValueError(f"must be greater than 0 in float32, the engine's precision; {value!r} is 0 there")
+        return value
 
     @field_validator("logit_bias")
     @classmethod

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 import uuid
@@ -136,6 +137,12 @@ class CompletionService:
         except ValueError as exc:
             field_name = str(exc).split(":", 1)[0]
             raise APIError(400, str(exc), param=field_name, code="invalid_value") from exc
+        if structured is not None and structured[0] == "choice":
+            unwritable = next((c for c in json.loads(structured[1]) if not self._writable(c)), None)
+            if unwritable is not None:  # the grammar could not be met: vLLM's engine fails it (a 500)
+                raise APIError(400, f"the choice {unwritable!r} cannot be written with this model's tokens",
+                               param="guided_choice" if body.guided_choice else "structured_outputs",
+                               code="invalid_value")
         prompt = await asyncio.to_thread(self._tokenize, body)
         if not prompt:
             raise APIError(400, "the prompt is empty", param="prompt")
@@ -200,6 +207,11 @@ class CompletionService:
                                   and body.stream_options.continuous_usage_stats),
             n=body.n, logprobs=wanted, echo=echo, prompt_logprobs=body.prompt_logprobs is not None,
         )
+
+    def _writable(self, text: str) -> bool:
+        """Whether the tokenizer can write `text` exactly: a byte-level vocabulary may lack bytes that
+        no text it learned had (those of unassigned Unicode planes), and writes U+FFFD instead."""
+        return self.tokenizer.decode(self.tokenizer.encode(text, add_special_tokens=False)) == text
 
     def _tokenize(self, body: CompletionRequest | ChatCompletionRequest) -> list[int]:
         if isinstance(body, ChatCompletionRequest):
@@ -326,6 +338,7 @@ class CompletionService:
         tried: set[str] = set()
         while True:
             route = life.route
+            planned = {route.prefill.name, route.decode.name}  # the relay may move the route on
             # Each attempt has its own id, which names its KV transfer and its workers' requests:
             # the failed attempt's prefill may still reserve on the decode worker, and its drop
             # is sent after the retry started; under one id either would take the retry's KV.
@@ -352,8 +365,16 @@ class CompletionService:
                 # first token with no other to take it (a grammar's request starts on D).
                 failed = exc.worker if exc.worker in (route.prefill.name, route.decode.name) else route.prefill.name
                 stage = "decode" if failed != route.prefill.name else "prefill"
-                tried.add(failed)
+                # The relay moves a decode that fails before its first token to another worker,
+                # which may be one tried before: then the whole attempt failed, and its workers
+                # are all left out, or two workers that both fail the request (an engine that
+                # cannot take its parameters) would hand it back and forth for ever.
+                excluded = len(tried)
+                tried |= {failed} if failed not in tried else planned
                 life.leave_route()
+                if len(tried) == excluded:
+                    raise APIError(502, f"the request failed on every worker that could take it; the last, "
+                                        f"{failed}: {exc}", code="worker_failed") from exc
                 try:
                     # Admitted already: its SLOs priced it once and do not refuse it now (a worker
                     # that is busy decoding takes it late rather than the request being lost).

@@ -55,6 +55,13 @@ def test_unknown_model_is_404(spine_cluster):
     ('{"model": "%s", "prompt": "a", "max_tokens": 0}' % MODEL_NAME, "max_tokens"),
     ('{"model": "%s", "prompt": "a", "stream_options": {"include_usage": true}}' % MODEL_NAME, "stream_options"),
     ('[1, 2]', None),
+    # 0 in the engine's float32 (vLLM's grammar then rejects its own sample: a 500 from stock vLLM)
+    ('{"model": "%s", "messages": [{"role": "user", "content": "hi"}], "repetition_penalty": 5e-324, '
+     '"structured_outputs": {"choice": ["0"]}}' % MODEL_NAME, "repetition_penalty"),
+    # past int64 vLLM fails it on every worker (retried between them for ever, once)
+    ('{"model": "%s", "prompt": "a", "top_k": 18446744073709551616}' % MODEL_NAME, "top_k"),
+    # a choice SmolLM2's byte-level vocabulary cannot write (U+40000): vLLM's grammar cannot be met
+    ('{"model": "%s", "prompt": "a", "guided_choice": ["\\ud8c0\\udc00"]}' % MODEL_NAME, "guided_choice"),
 ])
 def test_malformed_requests_are_400(spine_cluster, body, param):
     path = "/chat/completions" if "messages" in body else "/completions"

@@ -412,6 +412,37 @@ def test_an_engine_error_mid_request_is_a_500_not_an_answer_that_ends_in_error(s
     asyncio.run(main())
 
 
+def test_a_request_that_fails_on_every_worker_ends_instead_of_bouncing_between_them():
+    """Found live: top_k past int64 made vLLM fail the request on every worker. The relay moved a
+    failed decode to the other worker, which failed too, and each retry excluded only a worker
+    already excluded: two workers handed the request back and forth for ever (a hung request)."""
+    class FailsEverywhere(ScriptedRelay):
+        router = p1 = None
+
+        async def run(self, request_id, prompt, sampling, route, stats):
+            self.prefills.append(route.prefill.name)
+            self.request_ids.append(request_id)
+            assert len(self.prefills) <= 10, f"still retried after {self.prefills}"  # (no await: a hang)
+            self.p1 = self.p1 or next(w for w in (route.prefill, route.decode) if w.name == "p1")
+            if route.decode is not self.p1:  # as the relay: D failed, p1 took it over (on_moved), and failed
+                self.router.move_decode(route, self.p1, 0.0)
+            raise WorkerError("p1: EngineGenerateError", worker="p1")
+            yield  # an async generator, as the relay's
+
+    async def main():
+        relay = FailsEverywhere([1])
+        service = make_service(relay, (("p1", "prefill"), ("d1", "decode")))
+        relay.router = service.router
+        req = await prepared(service, max_tokens=4)
+        with pytest.raises(APIError) as info:
+            await asyncio.wait_for(service.serve(req, "completions"), 5)
+        assert info.value.status in (502, 503), info.value
+        assert len(relay.prefills) <= 2 and len(set(relay.request_ids)) == len(relay.request_ids)
+        assert_all_released(service, str(info.value.status), first_token=False)
+
+    asyncio.run(main())
+
+
 def test_an_engine_error_before_the_first_token_is_not_retried_on_other_workers():
     async def main():
         relay = ScriptedRelay(list(range(4)), fail_on={"p1", "p2", "d1"}, error=EngineFailed)
@@ -503,5 +534,33 @@ def test_min_tokens_above_max_tokens_is_refused_as_vllm_does():
         assert info.value.status == 400 and info.value.param == "min_tokens"
         assert "min_tokens must be less than or equal to max_tokens=5, got 10" in info.value.message
         assert (await prepared(service, max_tokens=5, min_tokens=5)).sampling.min_tokens == 5
+
+    asyncio.run(main())
+
+
+class LowercaseTokenizer(LetterTokenizer):
+    """Writes a-z only: anything else becomes U+FFFD, as a byte-level vocabulary that lacks bytes."""
+
+    def encode(self, text, add_special_tokens=True):
+        return [ord(c) - 97 if "a" <= c <= "z" else 9999 for c in text]
+
+    def decode(self, ids, skip_special_tokens=True) -> str:
+        return "".join(chr(97 + i) if i < 26 else "\ufffd" for i in ids)
+
+
+@pytest.mark.parametrize("fields", [{"guided_choice": ["yes", "n\U00040000"]},
+                                    {"structured_outputs": {"choice": ["n\U00040000"]}}])
+def test_a_choice_the_tokenizer_cannot_write_is_a_400_not_an_engine_error(fields):
+    # The grammar cannot be met (found live: SmolLM2 lacks the bytes of Unicode planes 4-13), and
+    # vLLM's engine then samples a token its grammar rejects: a 500 from stock vLLM.
+    async def main():
+        relay = ScriptedRelay([1])
+        service = make_service(relay)
+        service.tokenizer = LowercaseTokenizer()
+        with pytest.raises(APIError) as info:
+            await prepared(service, max_tokens=2, **fields)
+        assert info.value.status == 400 and info.value.param == next(iter(fields))
+        assert repr("n\U00040000") in info.value.message and relay.prefills == []
+        assert (await prepared(service, max_tokens=2, guided_choice=["yes", "no"])).sampling.structured
 
     asyncio.run(main())
