@@ -68,6 +68,8 @@ def parse(*argv: str):
     # Options that contradict each other: one of them would be ignored without a word.
     (["serve", "--no-pool", "--pool-ssd-dir", "/tmp"], "--no-pool runs no KVCache pool"),
     (["prefill", "--pool-dram-gib", "0", "--pool-ssd-dir", "/tmp"], "a DRAM tier of 0 runs no pool"),
+    (["serve", "--pool-ssd-gib", "64"], "runs only with --pool-ssd-dir"),  # was ignored: DRAM only
+    (["decode", "--pool-ssd-gib", "8"], "runs only with --pool-ssd-dir"),
     (["decode", "--etcd", "h:2379", "--registry", "etcd://h:2379"], "give --etcd or --registry, not both"),
     (["conductor", "--registry", "memory://"], "memory:// is a registry inside one process"),
     (["prefill", "--registry", "memory://"], "memory:// is a registry inside one process"),

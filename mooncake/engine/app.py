@@ -267,6 +267,13 @@ def create_app(config: WorkerConfig, kv_port: int, events_port: int, control: Co
 
 
 async def _stream(state: WorkerState, gen: GenerateRequest):
+    if gen.request_id in state.in_flight:
+        # The same id again, arrived while the first's stream had not started (generate's 409
+        # check ran for both before either got here): checked again with no await before the entry
+        # is taken. An error line, not a 409: the status line has gone already.
+        yield encode_chunk_line(GenerateChunk([], finish_reason="error",
+                                              error=f"request {gen.request_id} is already running here"))
+        return
     entry = InFlight(prompt_tokens=len(gen.prompt_token_ids), started_at=time.monotonic())
     state.in_flight[gen.request_id] = entry
     outcome = "error"

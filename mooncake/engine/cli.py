@@ -66,8 +66,9 @@ def add_pool_arguments(parser: argparse.ArgumentParser) -> None:
                              f"0 runs no pool, as --no-pool)")
     parser.add_argument("--pool-ssd-dir", default=defaults.POOL_SSD_DIR,
                         help="directory of the pool's SSD tier (kept across restarts; default: DRAM only)")
-    parser.add_argument("--pool-ssd-gib", type=float, default=defaults.POOL_SSD_BYTES / 2**30,
-                        help="most GiB of blocks the SSD tier keeps")
+    parser.add_argument("--pool-ssd-gib", type=float, default=None,
+                        help=f"most GiB of blocks the SSD tier keeps (with --pool-ssd-dir; default "
+                             f"{defaults.POOL_SSD_BYTES / 2**30:g})")
     parser.add_argument("--pool-policy", default=defaults.POOL_POLICY, choices=defaults.POOL_POLICIES,
                         help="eviction policy of both tiers")
     parser.add_argument("--pool-map-peers", action=argparse.BooleanOptionalAction, default=True,
@@ -88,16 +89,25 @@ def _pool_dram_default() -> float:
         return math.nan
 
 
+def pool_ssd_gib(args: argparse.Namespace) -> float:
+    """--pool-ssd-gib, or its default (None when not given: so that a size without a directory
+    can be told and refused)."""
+    return defaults.POOL_SSD_BYTES / 2**30 if args.pool_ssd_gib is None else args.pool_ssd_gib
+
+
 def pool_errors(args: argparse.Namespace) -> list[str]:
     if args.no_pool:  # nothing of the pool runs: its options would be ignored without a word
         return [f"--no-pool runs no KVCache pool: drop --pool-ssd-dir {args.pool_ssd_dir}"] if args.pool_ssd_dir else []
     errors = []
+    if args.pool_ssd_gib is not None and not args.pool_ssd_dir:
+        errors.append(f"--pool-ssd-gib {args.pool_ssd_gib:g} sizes an SSD tier, which runs only with --pool-ssd-dir "
+                      f"(its directory); without one the pool keeps blocks in DRAM only")
     if args.pool_ssd_dir and args.pool_dram_gib == 0:
         errors.append(f"--pool-ssd-dir {args.pool_ssd_dir} with --pool-dram-gib 0: a DRAM tier of 0 runs no pool, "
                       f"so no SSD tier either (blocks reach the SSD through DRAM)")
-    if not all(math.isfinite(gib) and gib >= 0 for gib in (args.pool_dram_gib, args.pool_ssd_gib)):
+    if not all(math.isfinite(gib) and gib >= 0 for gib in (args.pool_dram_gib, pool_ssd_gib(args))):
         errors.append(f"--pool-dram-gib and --pool-ssd-gib must be finite and >= 0 (GiB), got "
-                      f"{args.pool_dram_gib:g} and {args.pool_ssd_gib:g} (env {POOL_DRAM_ENV}: "
+                      f"{args.pool_dram_gib:g} and {pool_ssd_gib(args):g} (env {POOL_DRAM_ENV}: "
                       f"{os.environ.get(POOL_DRAM_ENV, 'unset')})")
     directory = args.pool_ssd_dir
     if directory:
@@ -148,7 +158,7 @@ def worker_config(args: argparse.Namespace, role: WorkerRole, model_path: str) -
 def pool_settings(args: argparse.Namespace) -> dict:
     """WorkerConfig's pool fields from the options (--no-pool: a DRAM tier of 0, no pool)."""
     return dict(pool_dram_bytes=0 if args.no_pool else int(args.pool_dram_gib * 2**30),
-                pool_ssd_dir=args.pool_ssd_dir, pool_ssd_bytes=int(args.pool_ssd_gib * 2**30),
+                pool_ssd_dir=args.pool_ssd_dir, pool_ssd_bytes=int(pool_ssd_gib(args) * 2**30),
                 pool_policy=args.pool_policy, pool_map_peers=args.pool_map_peers)
 
 
@@ -157,9 +167,10 @@ def pool_arguments(args: argparse.Namespace) -> tuple[str, ...]:
     the launcher gives each its own SSD subdirectory)."""
     if args.no_pool:
         return ("--no-pool",)
-    out = ("--pool-dram-gib", repr(float(args.pool_dram_gib)), "--pool-ssd-gib", repr(float(args.pool_ssd_gib)),
-           "--pool-policy", args.pool_policy, "--pool-map-peers" if args.pool_map_peers else "--no-pool-map-peers")
-    return out + (("--pool-ssd-dir", args.pool_ssd_dir) if args.pool_ssd_dir else ())
+    out = ("--pool-dram-gib", repr(float(args.pool_dram_gib)), "--pool-policy", args.pool_policy,
+           "--pool-map-peers" if args.pool_map_peers else "--no-pool-map-peers")
+    ssd = ("--pool-ssd-dir", args.pool_ssd_dir, "--pool-ssd-gib", repr(float(pool_ssd_gib(args))))
+    return out + (ssd if args.pool_ssd_dir else ())
 
 
 def registry_errors(args: argparse.Namespace) -> list[str]:

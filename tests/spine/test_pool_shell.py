@@ -47,6 +47,9 @@ def test_serve_gives_each_worker_its_own_ssd_directory():
     assert b[b.index("--pool-ssd-dir") + 1] == "/data/pool/decode-1"
     assert worker_pool_args(pool_arguments(parse("--no-pool")), "prefill-0") == ["--no-pool"]
     assert parse(*worker_pool_args(args, "p")).pool_dram_gib == 1.0  # the worker parses what serve passes
+    # The SSD size goes with the directory, and only then (a worker refuses a size without one).
+    assert parse(*worker_pool_args(pool_arguments(parse("--pool-ssd-dir", "/d", "--pool-ssd-gib", "3")), "p")).pool_ssd_gib == 3
+    assert "--pool-ssd-gib" not in pool_arguments(parse("--pool-dram-gib", "1"))
     off = pool_arguments(parse("--no-pool-map-peers"))
     assert not parse(*worker_pool_args(off, "p")).pool_map_peers and parse(*worker_pool_args(args, "p")).pool_map_peers
 

@@ -1,5 +1,5 @@
 """The worker shell at its edges (no engine): a taken port said before anything is built, a
-request id that is already running, and a KV drop the connector did not hear of."""
+request id that is already running (also two at once), and a KV drop the connector did not hear of."""
 
 from __future__ import annotations
 
@@ -72,3 +72,35 @@ def test_a_failure_without_a_message_is_still_reported_as_an_error(monkeypatch):
 
     last = CHUNK_DECODER.decode(asyncio.run(lines())[-1])
     assert last.finish_reason == "error" and last.error == "RuntimeError"
+
+
+def test_two_requests_of_one_id_at_the_same_instant_do_not_share_the_books(monkeypatch):
+    # Both pass generate's 409 check before either stream starts: the second stream must not take
+    # over the first's entry (the first to end would erase the other's load and drain wait).
+    import asyncio
+
+    import mooncake.engine.app as worker_app
+    from mooncake.engine.app import WorkerState, _stream
+    from mooncake.protocol import CHUNK_DECODER
+
+    async def slow(engine, gen, overlap=None):
+        for token in (5, 6):
+            await asyncio.sleep(0.01)
+            yield worker_app.GenerateChunk([token], finish_reason="length" if token == 6 else None)
+
+    monkeypatch.setattr(worker_app, "run_request", slow)
+    state = WorkerState(config=None, kv_port=0, events_port=0, control=None, engine=object())
+
+    async def main():
+        first, second = (_stream(state, GenerateRequest("r1", [1, 2], Sampling(max_tokens=2))) for _ in range(2))
+        got_first = [await first.__anext__()]
+        entry = state.in_flight["r1"]
+        got_second = [line async for line in second]
+        assert state.in_flight.get("r1") is entry  # the running one's books are untouched
+        got_first += [line async for line in first]
+        return [CHUNK_DECODER.decode(x) for x in got_first], [CHUNK_DECODER.decode(x) for x in got_second]
+
+    first, second = asyncio.run(main())
+    assert [c.token_ids for c in first] == [[5], [6]] and first[-1].finish_reason == "length"
+    assert len(second) == 1 and second[0].finish_reason == "error" and "already running" in second[0].error
+    assert state.in_flight == {}
