@@ -64,7 +64,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a.add_argument("--rates", default=None, help="a sweep, e.g. 0.25,0.5,1.0 (each rate on the same workload)")
     a.add_argument("--time-scale", type=float, default=1.0,
                    help="with --arrival trace: multiply trace times by this (0.5 = twice as fast)")
-    a.add_argument("--warmup", type=int, default=0, help="requests sent (at the first rate) before measuring")
+    a.add_argument("--warmup", type=int, default=0, help="requests sent before measuring: the first ones of the run, at the first rate "
+                                                          "(with --arrival trace: at the trace's timing)")
     c = p.add_argument_group("client")
     c.add_argument("--temperature", type=float, default=0.0, help="sampling temperature")
     c.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
@@ -190,10 +191,6 @@ class _Prompts(Sequence):
                                   seed=a.seed, salt=self._salt)
 
 
-def _prompts(args, specs, salt: int) -> Sequence:
-    return _Prompts(args, specs, salt)
-
-
 def _records(specs, offsets, warmup: bool = False) -> list[RequestRecord]:
     return [RequestRecord(s.index, s.input_length, s.max_tokens, off, warmup=warmup) for s, off in zip(specs, offsets)]
 
@@ -239,9 +236,10 @@ async def sweep(args: argparse.Namespace, specs: list[workload.RequestSpec], res
         rates = parse_rates(args)
         if args.warmup:
             w_specs = specs[:args.warmup]
-            results.warm = _records(w_specs, workload.poisson_offsets(len(w_specs), rates[0], args.seed + 1),
-                                    warmup=True)
-            await run_schedule(client, opts, _prompts(args, w_specs, WARMUP_SALT), results.warm, "warm-up")
+            w_offsets = (workload.trace_offsets(w_specs, args.time_scale) if args.arrival == "trace"
+                         else workload.poisson_offsets(len(w_specs), rates[0], args.seed + 1))
+            results.warm = _records(w_specs, w_offsets, warmup=True)
+            await run_schedule(client, opts, _Prompts(args, w_specs, WARMUP_SALT), results.warm, "warm-up")
         for i, rate in enumerate(rates):
             if args.arrival == "trace":
                 offsets = workload.trace_offsets(specs, args.time_scale)
@@ -249,7 +247,7 @@ async def sweep(args: argparse.Namespace, specs: list[workload.RequestSpec], res
             else:
                 offsets, offered = workload.poisson_offsets(len(specs), rate, args.seed), rate
             recs = _records(specs, offsets)
-            await run_schedule(client, opts, _prompts(args, specs, 0 if args.reuse_prompts else i), recs,
+            await run_schedule(client, opts, _Prompts(args, specs, 0 if args.reuse_prompts else i), recs,
                                f"{offered:.3g} req/s")
             results.runs.append((summarize(recs, offered, args.ttft_slo, args.tbt_slo), recs))
     finally:

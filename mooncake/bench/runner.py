@@ -136,9 +136,10 @@ def predicted_ttft_s(headers) -> float | None:
     None from a server that does not say."""
     value = headers.get(PREDICTED_TTFT_HEADER) if headers is not None else None
     try:
-        return float(value) / 1000 if value else None
+        ms = float(value) if value else math.nan
     except ValueError:
         return None
+    return ms / 1000 if math.isfinite(ms) and ms >= 0 else None  # a NaN would make the rate's ratio NaN
 
 
 class AnswerError(Exception):
@@ -165,7 +166,7 @@ async def send_one(client: AsyncOpenAI, opts: ClientOptions, prompt: str | list[
                     extra_body=extra or None)
                 rec.predicted_ttft_s = predicted_ttft_s(raw.headers)
                 stream = raw.parse()
-                text_chunks, usage_tokens, stream_error, finished = 0, None, None, False
+                token_chunks, usage_tokens, stream_error, finished = 0, None, None, False
                 async for chunk in stream:
                     # vLLM's error shape (the SDK raises only for {"error": {...}}). Read on to the
                     # end, which follows at once: raising here would leave the SDK's generators
@@ -176,20 +177,23 @@ async def send_one(client: AsyncOpenAI, opts: ClientOptions, prompt: str | list[
                         continue
                     if chunk.choices and chunk.choices[0].finish_reason:
                         finished = True
-                    if chunk.choices and chunk.choices[0].text:
+                    # A token: text, or none yet (one that ends inside a multi-byte character);
+                    # not an empty last chunk that only brings the finish reason.
+                    choice = chunk.choices[0] if chunk.choices else None
+                    if choice is not None and (choice.text or (choice.text is not None and not choice.finish_reason)):
                         t = now()
                         if rec.first_token_s is None:
                             rec.first_token_s = t
                         rec.chunk_s.append(t)
-                        text_chunks += 1
+                        token_chunks += 1
                     if chunk.usage is not None:
                         usage_tokens = chunk.usage.completion_tokens
             if stream_error is not None:
                 raise AnswerError(f"the server sent an error mid-stream: {stream_error}")
             rec.tokens_from_usage = usage_tokens is not None
-            rec.tokens = usage_tokens if usage_tokens is not None else text_chunks
+            rec.tokens = usage_tokens if usage_tokens is not None else token_chunks
             if rec.first_token_s is None:
-                raise AnswerError("the stream ended without any text")
+                raise AnswerError("the stream ended without any token")
             if not finished:  # closed, or [DONE] sent, before the answer's end: its latency is no answer's
                 raise AnswerError("the stream ended before the answer did (no finish_reason)")
             # With ignore_eos only a cut answer is short; its TBT and e2e would flatter the server.

@@ -28,10 +28,10 @@ class RequestRecord:
     """When the first attempt was sent: latencies count from here, retries included."""
     first_token_s: float | None = None
     chunk_s: list[float] = field(default_factory=list)
-    """Arrival of every chunk that carried text (the first one included)."""
+    """Arrival of every chunk that carried a token (the first one included; its text may be empty)."""
     end_s: float | None = None
     tokens: int = 0
-    """Tokens generated (the server's usage count when it sent one, else text chunks)."""
+    """Tokens generated (the server's usage count when it sent one, else token chunks)."""
     tokens_from_usage: bool = False
     """Whether `tokens` is the server's usage count (else a count of text chunks, which may each
     carry several tokens: TBT is then per chunk, and a short count proves nothing)."""

@@ -59,7 +59,8 @@ def fake_app() -> FastAPI:
                 if k:
                     await asyncio.sleep(GAP_S)
                 finish = None if unfinished or k < texts - 1 else "stop" if mode == "short" else "length"
-                yield event(base | {"choices": [{"index": 0, "text": "x", "finish_reason": finish, "logprobs": None}]})
+                text = "" if mode == "empty-first" and k == 0 else "x"  # a token that ends mid-character
+                yield event(base | {"choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}]})
             if mode == "cut":
                 raise RuntimeError("the server went away mid-answer")
             if mode == "done-early":
@@ -418,3 +419,35 @@ def test_an_output_that_fails_at_the_end_loses_neither_the_table_nor_the_plots(s
     captured = capsys.readouterr()
     assert rc == 1 and "could not write --out" in captured.err and "No space left" in captured.err
     assert "attain" in captured.out and (tmp_path / "plots" / "ttft_cdf.png").exists()
+
+
+def test_a_first_token_without_text_yet_is_the_first_token():
+    """A token that ends inside a multi-byte character comes as a chunk with empty text: its time is
+    the TTFT (as vLLM's own benchmark takes it), not the next chunk's."""
+    app = fake_app()
+    with served(app) as url:
+        rec = send_one_to(url + "/v1", "empty-first")
+    assert rec.status == "ok" and rec.tokens == TOKENS and len(rec.chunk_s) == TOKENS
+    assert rec.first_token_s - rec.sent_s < FIRST_TOKEN_S + GAP_S / 2, (rec.first_token_s, rec.sent_s)
+
+
+@pytest.mark.parametrize("header,seconds", [("1500", 1.5), ("nan", None), ("inf", None), ("-3", None), ("x", None),
+                                            ("", None)])
+def test_a_predicted_ttft_header_that_is_no_duration_is_none(header, seconds):
+    from mooncake.bench.runner import PREDICTED_TTFT_HEADER, predicted_ttft_s
+
+    assert predicted_ttft_s({PREDICTED_TTFT_HEADER: header}) == seconds
+
+
+def test_a_warm_up_of_a_trace_replayed_at_its_timing_keeps_that_timing(server, tmp_path):
+    _, url = server
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("".join(json.dumps({"timestamp": t, "input_length": 64, "output_length": TOKENS, "hash_ids": [i]})
+                             + "\n" for i, t in enumerate((1000, 1400, 2600))))
+    out = tmp_path / "r.json"
+    assert main(["--url", url, "--trace", str(trace), "--trace-block-size", "64", "--arrival", "trace",
+                 "--warmup", "2", "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    # (It was Poisson at --rate, whatever --arrival said.)
+    assert [r["scheduled_s"] for r in doc["warmup"]] == pytest.approx([0.0, 0.4])
+    assert [r["scheduled_s"] for r in doc["runs"][0]["requests"]] == pytest.approx([0.0, 0.4, 1.6])

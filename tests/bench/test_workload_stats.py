@@ -270,7 +270,7 @@ def test_a_run_s_prompts_are_built_when_their_requests_are_due(monkeypatch):
     cli.add_arguments(parser)
     args = parser.parse_args(["--url", "http://x/v1"])
     specs = workload.generated_specs(1000, (2000, 2000), 4, 0, 0)
-    prompts = cli._prompts(args, specs, 0)
+    prompts = cli._Prompts(args, specs, 0)
     assert len(prompts) == 1000 and built == []  # a long trace's prompts are not all held at once
     assert len(prompts[7]) == 2000 and built == [7]
     assert prompts[7] == real(specs[7], block_size=args.trace_block_size, vocab_size=args.vocab_size, seed=0, salt=0)
