@@ -92,22 +92,25 @@ class Relay:
                           skip_blocks=skip_blocks(route, len(prompt), sampling.first_token_on_decode()))
         first_sampling = replace(sampling, max_tokens=1, min_tokens=min(sampling.min_tokens, 1),
                                  structured=None)  # with a grammar (and more), P's token is not used (below)
+        # P's token is the whole answer: no KV goes to D, which would only drop it.
+        prefill_only = sampling.max_tokens == 1 and not sampling.first_token_on_decode()
         # The pushed KV is settled once D answered its request (aborting that frees the KV there)
         # or it was dropped. A request let go before (the client left, P failed) drops it here:
         # D would otherwise hold it until its staging TTL.
-        settled = False
+        settled = prefill_only
         try:
             first = GenerateChunk([])
             async for chunk in self._client.generate(
                 route.prefill, GenerateRequest(f"{request_id}-p", prompt, first_sampling,
-                                               {**push.to_params(), **fetch})
+                                               fetch if prefill_only else {**push.to_params(), **fetch})
             ):
                 if chunk.num_cached_tokens is not None:
                     stats.prefill_cached_tokens = stats.computed_cached_tokens = chunk.num_cached_tokens
                 if chunk.prefill_s is not None:
                     stats.prefill_measured(chunk)
                 first = joined(first, chunk)
-            pull = PullParams(transfer_id=request_id, num_tokens=len(prompt), wait_timeout_s=self._kv_wait_timeout_s)
+            pull = None if prefill_only else PullParams(transfer_id=request_id, num_tokens=len(prompt),
+                                                        wait_timeout_s=self._kv_wait_timeout_s)
             if first.kv_error is not None:  # the KV did not land: D computes the prompt, waiting for nothing
                 log.warning("KV push for %s failed (%s); %s recomputes the prompt", request_id, first.kv_error,
                             route.decode.name)
@@ -126,7 +129,8 @@ class Relay:
                 return
             tokens, finish = first.token_ids, first.finish_reason
             if finish == "stop" or sampling.max_tokens <= len(tokens):
-                await self._client.drop_transfer(route.decode, request_id)
+                if not prefill_only:
+                    await self._client.drop_transfer(route.decode, request_id)
                 settled = True
                 yield replace(first, finish_reason=finish or "length")
                 return

@@ -117,9 +117,9 @@ class Router:
 
     def pick(self, request_id: str, prompt: list[int], max_tokens: int, now: float,
              exclude: frozenset[str] | set[str] = frozenset(), allow_none: bool = False,
-             slo: RequestSLO | None = None) -> Route | None:
+             slo: RequestSLO | None = None, ends_at_prefill: bool = False) -> Route | None:
         """slo: the request's class, priority and SLOs, which the core admits it by; None, the
-        default class's."""
+        default class's. ends_at_prefill: the prefill's token is the whole answer (core Request)."""
         slo = slo or RequestSLO.of(default_class(self.scheduler.config))
         self.forget_departed()
         handles = {h.name: h for h in self.pool.all()
@@ -141,7 +141,7 @@ class Router:
         state = ClusterState(instances=tuple(self._instance(h, now, unmeasured) for h in handles.values()),
                              index=self.index,
                              mean_decode_s=self.decode_time.mean_decode_s(now), pending=self.pending)
-        request = Request(request_id, len(prompt), hashes, now, slo.priority, slo.ttft_s, slo.tbt_s)
+        request = Request(request_id, len(prompt), hashes, now, slo.priority, slo.ttft_s, slo.tbt_s, ends_at_prefill)
         result = self.scheduler.schedule(request, state, now)
         if isinstance(result, Rejection):
             # With no prefill worker the core prefills on a decode worker (a colocated cluster),

@@ -80,6 +80,12 @@ class ServerClosing(Exception):
     """The server is shutting down with this answer unfinished (CompletionService.closing)."""
 
 
+def ends_at_prefill(req: Prepared) -> bool:
+    """The prefill worker's one token is the whole answer: the relay drops the KV it pushed and
+    no decode batch takes the request (conductor.relay.Relay.run)."""
+    return req.n == 1 and req.sampling.max_tokens == 1 and not req.sampling.first_token_on_decode()
+
+
 def shutdown_error() -> APIError:
     return APIError(503, "the server is shutting down before this answer was finished; send the request again",
                     code="server_shutting_down")
@@ -244,7 +250,7 @@ class CompletionService:
                                code="overloaded", headers={"Retry-After": "1"})
             with self.metrics.schedule.time():
                 route = self.router.pick(req.request_id, req.prompt, req.sampling.max_tokens, self.clock(),
-                                         slo=req.slo)
+                                         slo=req.slo, ends_at_prefill=ends_at_prefill(req))
         except APIError as exc:
             self.metrics.requests.labels(endpoint=endpoint, status=str(exc.status), slo_class=req.slo.slo_class).inc()
             self.metrics.count_slo(req.slo.slo_class, "refused")  # 429 or 503: refused before any work
@@ -379,7 +385,8 @@ class CompletionService:
                     # Admitted already: its SLOs priced it once and do not refuse it now (a worker
                     # that is busy decoding takes it late rather than the request being lost).
                     retry = self.router.pick(req.request_id, req.prompt, req.sampling.max_tokens, self.clock(),
-                                             exclude=tried, slo=retry_slo(req.slo, self.router.scheduler.config))
+                                             exclude=tried, slo=retry_slo(req.slo, self.router.scheduler.config),
+                                             ends_at_prefill=ends_at_prefill(req))
                 except APIError as refused:  # no other worker is ready, or none has room for its KV
                     raise APIError(refused.status, f"{failed} failed before the first token ({exc}), "
                                                    f"and no other worker can take the request: {refused.message}",

@@ -106,7 +106,10 @@ class Scheduler:
             slot = pchoice.prefill_s / max(len(prefills_on), 1)
             return Rejection(request.request_id, RejectReason.TTFT_SLO, retry, ttft, dchoice.tbt_s, helps,
                              unattainable, slot)
-        if cfg.admission in (Admission.EARLY, Admission.PREDICTION) and dchoice.problem is not None:
+        # A one-token answer prefilled elsewhere never joins the decode batch (colocated, its
+        # prompt's KV still needs the room there).
+        prefill_only = request.ends_at_prefill and pchoice.instance_id != dchoice.instance_id
+        if cfg.admission in (Admission.EARLY, Admission.PREDICTION) and dchoice.problem is not None and not prefill_only:
             drain = decode_drain_s(decode_pool, prompt, now, t_d, est, cfg, lim)
             # Sequences leave the decode pool about this often; a retry takes the room of one.
             slot = t_d / max(sum(len(i.running) + len(i.incoming) for i in decode_pool), 1)

@@ -46,6 +46,9 @@ class Request:
     priority: lower is more important (vLLM's convention); a request keeps headroom free for
       the operator's SLO classes more important than it (SchedulerConfig.slo_classes).
     ttft_slo_s, tbt_slo_s: this request's own SLOs; None, the config's.
+    ends_at_prefill: its whole answer is the one token its prefill samples (max_tokens 1, not
+      sampled on the decode side): no decode batch takes it, so decode admission does not refuse
+      it when it is prefilled elsewhere.
     """
 
     request_id: str
@@ -55,6 +58,7 @@ class Request:
     priority: int = 0
     ttft_slo_s: float | None = None
     tbt_slo_s: float | None = None
+    ends_at_prefill: bool = False
 
 
 @dataclass(frozen=True, slots=True)

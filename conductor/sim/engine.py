@@ -189,7 +189,8 @@ class Simulation:
     def _arrive(self, now: float, rid: int) -> None:
         rec = self.trace[rid]
         blocks = self._full_blocks(rec)
-        res = self.scheduler.schedule(Request(str(rid), rec.input_length, blocks, now), self._state(now), now)
+        request = Request(str(rid), rec.input_length, blocks, now, ends_at_prefill=rec.output_length <= 1)
+        res = self.scheduler.schedule(request, self._state(now), now)
         if isinstance(res, Rejection):
             self.outcomes.append(Outcome(rid, now, rec.input_length, rec.output_length, "rejected", res.reason.value))
             return

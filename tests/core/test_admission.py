@@ -138,3 +138,19 @@ def test_max_tokens_caps_how_long_a_sequence_is_forecast_to_stay():
     uncapped = InstanceState("d0", Role.DECODE, incoming=tuple(DecodeSeq(0.0, 100) for _ in range(100)))
     assert isinstance(sch.schedule(request(1000), state(prefill("p0"), uncapped, mean_decode_s=1000.0), 0.0),
                       Rejection)
+
+
+@pytest.mark.parametrize("admission", ["early", "prediction"])
+def test_a_one_token_answer_prefilled_elsewhere_is_not_refused_for_the_decode_side(admission):
+    """Its one token is the prefill's: no decode batch takes it. It was refused as no_capacity for
+    a prompt the decode instance could not hold, or tbt_slo for a full batch."""
+    sch = scheduler(admission=admission, **SLO)
+    for d in (decode("d0", cap=500), decode("d0", batch=95, start=0.0)):
+        s = state(prefill("p0"), d, mean_decode_s=20.0)
+        one = Request("r", 1000, tuple(range(100)), 0.0, ends_at_prefill=True)
+        assert isinstance(sch.schedule(one, s, 5.0), Decision)
+        assert isinstance(sch.schedule(request(1000), s, 5.0), Rejection)  # a longer answer still is
+    # Prefilled on the decode instance itself (no prefill instance), its prompt's KV needs the room there.
+    alone = scheduler(admission=admission, **SLO).schedule(Request("r", 1000, (), 0.0, ends_at_prefill=True),
+                                                          state(decode("d0", cap=500)), 0.0)
+    assert isinstance(alone, Rejection) and alone.reason is RejectReason.NO_CAPACITY

@@ -1,6 +1,7 @@
 """The KV path on the real cluster: every chunk of a long prompt streams, 32 concurrent requests'
-layers interleave without mixing, blocks the decode worker holds are not sent, and a byte flipped
-on the wire (tcp forced) is caught and recomputed, never wrong text.
+layers interleave without mixing, blocks the decode worker holds are not sent (nor any for a
+one-token answer), and a byte flipped on the wire (tcp forced) is caught and recomputed, never
+wrong text.
 
 Greedy output is compared with stock vLLM run colocated (`colocated_server`), token for token.
 The shared spine cluster is used through `disaggregated_api` (fixed roles: every request is
@@ -130,6 +131,22 @@ def test_blocks_the_decode_worker_holds_are_not_sent(spine_cluster, disaggregate
     assert d2["received_blocks"] - d1["received_blocks"] == (blocks(len(prompt)) - held) * layers
     assert int(resp.headers["x-mooncake-decode-cached-tokens"]) == len(prompt)  # held + received
     assert d2["load_failures"] == d1["load_failures"]
+
+
+def test_a_one_token_answer_sends_no_kv(spine_cluster, disaggregated_api, colocated_server):
+    """The prefill worker's token is the whole answer: its KV would go to the decode worker only to
+    be dropped there."""
+    prompt = f"Nonce {secrets.token_hex(8)}. " + COMPLETION_PROMPTS[1]
+    prefill, decode = spine_cluster.worker_urls["prefill"], spine_cluster.worker_urls["decode"]
+    headers = spine_cluster.internal_headers
+    p0, d0 = kv_stats(prefill, headers)["stats"], kv_stats(decode, headers)["stats"]
+    resp = complete(disaggregated_api, prompt, 1)
+    assert resp.json()["choices"][0]["text"] == complete(colocated_server, prompt, 1).json()["choices"][0]["text"]
+    assert resp.json()["usage"]["completion_tokens"] == 1
+    p1, d1 = kv_stats(prefill, headers)["stats"], kv_stats(decode, headers)["stats"]
+    assert p1["pushed_blocks"] == p0["pushed_blocks"] and d1["received_blocks"] == d0["received_blocks"]
+    complete(disaggregated_api, prompt + " Then", 2)  # a longer answer still goes through D with its KV
+    assert kv_stats(prefill, headers)["stats"]["pushed_blocks"] > p1["pushed_blocks"]
 
 
 @pytest.fixture(scope="module")

@@ -20,11 +20,11 @@ PROFILE = load_profile("paper-70b-8gpu")
 
 
 def test_a_one_token_answer_needs_no_decode_room():
-    # Its only token comes from the prefill: the live conductor answers and D drops the staged KV.
+    # Its only token comes from the prefill: the live conductor answers without D.
     # Prompts that together overflow the decode instance's KV room must not be refused for it.
     small_decode = replace(PROFILE, decode_kv_capacity_tokens=6000)
     rows = [TraceRecord(i, 0.0, 5120, 1, tuple(range(10 * i, 10 * i + 10))) for i in range(6)]
-    for admission in ("none", "baseline"):  # "prediction" refuses on arrival what would overflow, as live
+    for admission in ("none", "baseline", "early", "prediction"):  # the last two refused them at arrival
         cfg = SchedulerConfig(admission=admission, ttft_slo_s=1e6, conditional_disaggregation=False)
         res = simulate(rows, cfg, small_decode, 2, 1, noise_sigma=0.0)
         assert [o.status for o in res.outcomes] == ["completed"] * 6, (admission, res.outcomes)

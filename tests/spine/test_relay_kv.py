@@ -165,3 +165,22 @@ def test_a_decode_that_samples_the_first_token_is_not_told_to_skip_the_block_its
         asyncio.run(main())
         prefill = workers.requests[0][1]
         assert prefill.kv_transfer_params["mooncake_push"]["skip_blocks"] == skipped, (prompt_tokens, held)
+
+
+def test_a_one_token_answer_pushes_no_kv_and_asks_no_decode_worker():
+    """P's token is the whole answer: its KV went to D only to be dropped (and a D without room
+    for it failed the push for nothing)."""
+    async def main(sampling):
+        workers = Workers()
+        relay = Relay(workers, 5.0, lambda tried: None)
+        chunks = [c async for c in relay.run("r", [5] * 300, sampling, Route(handle("p"), handle("d")), RelayStats())]
+        await asyncio.gather(*relay._drops)
+        return workers, chunks
+
+    workers, chunks = asyncio.run(main(Sampling(max_tokens=1)))
+    [(where, prefill)] = workers.requests
+    assert where == "p" and "mooncake_push" not in prefill.kv_transfer_params and workers.dropped == []
+    assert [(c.token_ids, c.finish_reason) for c in chunks] == [([7], "length")]
+    # A token that D must sample itself (a grammar's, ...) still goes there with the prompt's KV.
+    workers, _ = asyncio.run(main(Sampling(max_tokens=1, presence_penalty=0.5)))
+    assert [w for w, _ in workers.requests] == ["p", "d"] and "mooncake_push" in workers.requests[0][1].kv_transfer_params
