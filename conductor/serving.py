@@ -144,7 +144,7 @@ class CompletionService:
             field_name = str(exc).split(":", 1)[0]
             raise APIError(400, str(exc), param=field_name, code="invalid_value") from exc
         if structured is not None and structured[0] == "choice":
-            unwritable = next((c for c in json.loads(structured[1]) if not self._writable(c)), None)
+            unwritable = await asyncio.to_thread(self._unwritable, json.loads(structured[1]))
             if unwritable is not None:  # the grammar could not be met: vLLM's engine fails it (a 500)
                 raise APIError(400, f"the choice {unwritable!r} cannot be written with this model's tokens",
                                param="guided_choice" if body.guided_choice else "structured_outputs",
@@ -214,10 +214,12 @@ class CompletionService:
             n=body.n, logprobs=wanted, echo=echo, prompt_logprobs=body.prompt_logprobs is not None,
         )
 
-    def _writable(self, text: str) -> bool:
-        """Whether the tokenizer can write `text` exactly: a byte-level vocabulary may lack bytes that
-        no text it learned had (those of unassigned Unicode planes), and writes U+FFFD instead."""
-        return self.tokenizer.decode(self.tokenizer.encode(text, add_special_tokens=False)) == text
+    def _unwritable(self, texts: list[str]) -> str | None:
+        """The first text the tokenizer cannot write exactly (None: it writes them all). A byte-level
+        vocabulary may lack bytes that no text it learned had (those of unassigned Unicode planes),
+        and writes U+FFFD instead. In a thread, as the prompt's tokenization: a long list takes a while."""
+        tok = self.tokenizer
+        return next((t for t in texts if tok.decode(tok.encode(t, add_special_tokens=False)) != t), None)
 
     def _tokenize(self, body: CompletionRequest | ChatCompletionRequest) -> list[int]:
         if isinstance(body, ChatCompletionRequest):
