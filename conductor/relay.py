@@ -92,8 +92,7 @@ class Relay:
                           skip_blocks=skip_blocks(route, len(prompt), sampling.first_token_on_decode()))
         first_sampling = replace(sampling, max_tokens=1, min_tokens=min(sampling.min_tokens, 1),
                                  structured=None)  # with a grammar (and more), P's token is not used (below)
-        # P's token is the whole answer: no KV goes to D, which would only drop it.
-        prefill_only = sampling.max_tokens == 1 and not sampling.first_token_on_decode()
+        prefill_only = sampling.ends_at_prefill()  # P's token is the whole answer: no KV for D to drop
         # The pushed KV is settled once D answered its request (aborting that frees the KV there)
         # or it was dropped. A request let go before (the client left, P failed) drops it here:
         # D would otherwise hold it until its staging TTL.

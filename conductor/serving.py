@@ -81,9 +81,9 @@ class ServerClosing(Exception):
 
 
 def ends_at_prefill(req: Prepared) -> bool:
-    """The prefill worker's one token is the whole answer: the relay drops the KV it pushed and
-    no decode batch takes the request (conductor.relay.Relay.run)."""
-    return req.n == 1 and req.sampling.max_tokens == 1 and not req.sampling.first_token_on_decode()
+    """No decode batch takes the request: its answer is the prefill worker's one token
+    (Sampling.ends_at_prefill), and it has no other samples, which start on the decode worker."""
+    return req.n == 1 and req.sampling.ends_at_prefill()
 
 
 def shutdown_error() -> APIError:

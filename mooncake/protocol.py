@@ -47,6 +47,11 @@ class Sampling(msgspec.Struct, frozen=True):
         return (self.structured is not None or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
                 or (self.seed is not None and self.temperature > 0.0))
 
+    def ends_at_prefill(self) -> bool:
+        """Whether a disaggregated request's answer is the prefill worker's one token alone: no
+        KV goes to the decode worker (conductor.relay), and its decode side is not priced."""
+        return self.max_tokens == 1 and not self.first_token_on_decode()
+
 
 # One position's logprobs, in vLLM's order: the chosen token first, then the top-k by rank
 # (a top token equal to the chosen one is not repeated). Entries are (token id, logprob, rank),

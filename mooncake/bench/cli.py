@@ -64,8 +64,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a.add_argument("--rates", default=None, help="a sweep, e.g. 0.25,0.5,1.0 (each rate on the same workload)")
     a.add_argument("--time-scale", type=float, default=1.0,
                    help="with --arrival trace: multiply trace times by this (0.5 = twice as fast)")
-    a.add_argument("--warmup", type=int, default=0, help="requests sent before measuring: the first ones of the run, at the first rate "
-                                                          "(with --arrival trace: at the trace's timing)")
+    a.add_argument("--warmup", type=int, default=0,
+                   help="requests sent before measuring: the run's first ones, at the first rate "
+                        "(with --arrival trace: at the trace's timing)")
     c = p.add_argument_group("client")
     c.add_argument("--temperature", type=float, default=0.0, help="sampling temperature")
     c.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",

@@ -33,7 +33,7 @@ class RequestRecord:
     tokens: int = 0
     """Tokens generated (the server's usage count when it sent one, else token chunks)."""
     tokens_from_usage: bool = False
-    """Whether `tokens` is the server's usage count (else a count of text chunks, which may each
+    """Whether `tokens` is the server's usage count (else a count of token chunks, which may each
     carry several tokens: TBT is then per chunk, and a short count proves nothing)."""
     status: str = ERROR
     error: str = ""
