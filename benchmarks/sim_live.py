@@ -3,16 +3,18 @@
 
     python benchmarks/sim_live.py --dtype float32 --rates 0.25,0.5,1.0 --requests 30
 
-1. Starts `mooncake serve`, 1 prefill + 1 decode worker (one core each), with fixed roles and no
-   conditional disaggregation: the simulator models fixed roles only (conductor/sim/engine.py).
+1. Starts `mooncake serve`, 1 prefill + 1 decode worker (one core each), with its default flexible
+   roles and conditional disaggregation (`--roles fixed`: fixed roles, no conditional
+   disaggregation, as the runs before flexible roles were simulated).
 2. `mooncake bench`: a warm-up (the conductor's calibration learns the hardware), then Poisson
    arrivals at each rate, refusals counted as misses.
 3. Saves the conductor's `GET /internal/debug/estimators` (its fitted scales) next to the records.
 4. Replays each rate's measured requests in the simulator (`mooncake sim --fitted`'s profile): the
-   same arrival times, prompt and output lengths, 1P+1D, the same SLOs and scheduler settings,
-   averaged over several noise seeds.
+   same arrival times, prompt and output lengths, 1P+1D, the same SLOs and scheduler settings
+   (conductor/sim/flex.py for flexible roles), each request's max_tokens known as live, averaged
+   over several noise seeds.
 5. Prints live and simulated attainment per rate and the difference in points.
-Writes benchmarks/out/sim-live-<dtype>/ (bench.json, estimators.json, report.md).
+Writes benchmarks/out/sim-live-<dtype>-<roles>/ (bench.json, estimators.json, report.md).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import json
 import math
 import secrets
 import statistics
+from collections import Counter
 import sys
 from pathlib import Path
 
@@ -31,6 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks import servers  # noqa: E402
+from benchmarks.goodput import routes_from_metrics  # noqa: E402
 from conductor.config import live_scheduler_config  # noqa: E402
 from conductor.core.calibration import cluster_scales, fitted_profile  # noqa: E402
 from conductor.core.profile_table import load_profile  # noqa: E402
@@ -58,14 +62,25 @@ def trace_of(requests: list[dict], block_size: int) -> list[TraceRecord]:
     return out
 
 
-def simulated_attainment(trace: list[TraceRecord], profile, args: argparse.Namespace) -> tuple[float, list[float]]:
-    sched = live_scheduler_config(ttft_slo_s=args.ttft_slo, tbt_slo_s=args.tbt_slo, flexible_roles=False,
-                                  conditional_disaggregation=False)
-    got = []
+def simulated_attainment(trace: list[TraceRecord], profile,
+                         args: argparse.Namespace) -> tuple[float, list[float], dict[str, int]]:
+    """(mean attainment over the noise seeds, each seed's, the routes summed over the seeds)."""
+    flexible = args.roles == "flexible"
+    sched = live_scheduler_config(ttft_slo_s=args.ttft_slo, tbt_slo_s=args.tbt_slo, flexible_roles=flexible,
+                                  conditional_disaggregation=flexible)
+    got, routes = [], Counter()
     for seed in range(args.sim_seeds):
-        res = simulate(trace, sched, profile, n_prefill=1, n_decode=1, noise_sigma=args.noise, seed=seed)
-        got.append(summarize(res, args.ttft_slo, args.tbt_slo)["slo_attainment"])
-    return statistics.mean(got), got
+        # bench sends max_tokens = the output length (ignore_eos): the conductor knows it exactly.
+        res = simulate(trace, sched, profile, n_prefill=1, n_decode=1, noise_sigma=args.noise, seed=seed,
+                       max_tokens_known=True)
+        summary = summarize(res, args.ttft_slo, args.tbt_slo)
+        got.append(summary["slo_attainment"])
+        routes.update(summary["routes"])
+    return statistics.mean(got), got, dict(sorted(routes.items()))
+
+
+def fmt_routes(routes: dict[str, float]) -> str:
+    return ", ".join(f"{kind} {count:g}" for kind, count in sorted(routes.items())) or "none"
 
 
 def main() -> int:
@@ -79,18 +94,21 @@ def main() -> int:
     p.add_argument("--ttft-slo", type=float, default=10.0)
     p.add_argument("--tbt-slo", type=float, default=0.25)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--roles", default="flexible", choices=("flexible", "fixed"),
+                   help="flexible: serve's defaults (flexible roles, conditional disaggregation); fixed: neither")
     p.add_argument("--sim-seeds", type=int, default=5, help="noise seeds the simulation is averaged over")
     p.add_argument("--noise", type=float, default=0.1, help="the simulator's lognormal sigma per duration")
     args = p.parse_args()
     model = str(ensure_model())
-    out_dir = ROOT / "benchmarks" / "out" / f"sim-live-{args.dtype}"
+    out_dir = ROOT / "benchmarks" / "out" / f"sim-live-{args.dtype}-{args.roles}"
     out_dir.mkdir(parents=True, exist_ok=True)
     token_file = out_dir / "cluster-token"
     token_file.write_text(secrets.token_hex(16))
     token_file.chmod(0o600)
     bench_out = out_dir / "bench.json"
-    extra = ["--ttft-slo", str(args.ttft_slo), "--tbt-slo", str(args.tbt_slo), "--no-flexible-roles",
-             "--no-conditional-disaggregation", "--cluster-token-file", str(token_file)]
+    extra = ["--ttft-slo", str(args.ttft_slo), "--tbt-slo", str(args.tbt_slo), "--cluster-token-file", str(token_file)]
+    if args.roles == "fixed":
+        extra += ["--no-flexible-roles", "--no-conditional-disaggregation"]
     with servers.mooncake_cluster(model, out_dir / "logs", extra=extra, dtype=args.dtype) as url:
         code = bench_cli.main(["--url", url, "--model", servers.MODEL_NAME, "--num-requests", str(args.requests),
                                "--input-len", args.input_len, "--output-len", str(args.output_len),
@@ -103,6 +121,7 @@ def main() -> int:
         fitted = httpx.get(url.removesuffix("/v1") + "/internal/debug/estimators", timeout=10,
                            headers=token_headers(token_file.read_text()))
         fitted.raise_for_status()
+        live_routes = routes_from_metrics(httpx.get(url.removesuffix("/v1") + "/metrics", timeout=10).text)
     doc = fitted.json()
     (out_dir / "estimators.json").write_text(json.dumps(doc, indent=1))
     prefill_scale, decode_scale = cluster_scales(doc)
@@ -110,20 +129,25 @@ def main() -> int:
     runs = json.loads(bench_out.read_text())["runs"]
     lines = [f"dtype {args.dtype}; {args.requests} requests per rate after {args.warmup} warm-up, prompts "
              f"{args.input_len} tokens, {args.output_len} output tokens; SLO TTFT <= {args.ttft_slo} s, mean TBT "
-             f"<= {args.tbt_slo} s; live: mooncake serve 1P+1D, fixed roles, no conditional disaggregation",
+             f"<= {args.tbt_slo} s; live: mooncake serve 1P+1D, " + ("flexible roles and conditional disaggregation"
+                                                                    if args.roles == "flexible" else
+                                                                    "fixed roles, no conditional disaggregation"),
              f"fitted profile: {doc['profile']} x prefill {prefill_scale:.3f}, decode step {decode_scale:.3f}; "
              f"simulation averaged over {args.sim_seeds} noise seeds (sigma {args.noise})", "",
-             "| rate (req/s) | live attainment | simulated attainment (seeds) | difference (points) |",
-             "|---|---|---|---|"]
+             f"live routes, warm-up included: {fmt_routes(live_routes)}", "",
+             "| rate (req/s) | live attainment | simulated attainment (seeds) | difference (points) | "
+             "simulated routes (all seeds) |",
+             "|---|---|---|---|---|"]
     worst = 0.0
     for run in runs:
         s = run["summary"]
         trace = trace_of(run["requests"], defaults.KV_BLOCK_SIZE)
-        sim, per_seed = simulated_attainment(trace, profile, args)
+        sim, per_seed, routes = simulated_attainment(trace, profile, args)
         diff = 100 * (sim - s["attainment"])
         worst = max(worst, abs(diff))
         lines.append(f"| {s['offered_rate']:g} | {100 * s['attainment']:.0f} % ({s['refused']} refused) | "
-                     f"{100 * sim:.0f} % ({', '.join(f'{100 * a:.0f}' for a in per_seed)}) | {diff:+.1f} |")
+                     f"{100 * sim:.0f} % ({', '.join(f'{100 * a:.0f}' for a in per_seed)}) | {diff:+.1f} | "
+                     f"{fmt_routes(routes)} |")
     lines += ["", f"largest difference {worst:.1f} points (goal: within {GOAL_POINTS:g}): "
                   f"{'met' if worst <= GOAL_POINTS else 'missed'}"]
     text = "\n".join(lines)

@@ -14,7 +14,8 @@ from conductor.core.estimators import Estimators
 from conductor.core.profile_table import ProfileTable, load_profile
 from conductor.core.scheduler import Scheduler
 from conductor.sim.cost_model import CostModel, CostModelConfig
-from conductor.sim.engine import FLEXIBLE_ROLES_UNSUPPORTED, SimConfig, Simulation
+from conductor.sim.engine import SimConfig, Simulation
+from conductor.sim.flex import FlexSimulation
 from conductor.sim.report import SimResult, summarize
 from conductor.sim.trace import TraceError, TraceRecord, load_trace
 from mooncake.trace import block_size_warning
@@ -34,7 +35,8 @@ def simulate(trace: list[TraceRecord], sched: SchedulerConfig, profile: ProfileT
                       bandwidth_Bps=profile.bandwidth_Bps, block_size=sched.block_size, progress=progress)
     sim_kwargs.update(sim_overrides)
     cost = CostModel(est, CostModelConfig(noise_sigma=noise_sigma, seed=seed))
-    return Simulation(trace, Scheduler(sched, est), cost, SimConfig(**sim_kwargs)).run()
+    kind = FlexSimulation if sched.flexible_roles else Simulation
+    return kind(trace, Scheduler(sched, est), cost, SimConfig(**sim_kwargs)).run()
 
 
 def sim_profile(profile: str | None, fitted: pathlib.Path | None) -> ProfileTable:
@@ -92,8 +94,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--no-colocate", action="store_true",
                     help="disable conditional disaggregation (prefill on the decode instance)")
     ap.add_argument("--flexible-roles", action="store_true",
-                    help="refused: the simulator models fixed roles only (the live conductor's default is "
-                         "flexible roles; see docs/SCHEDULER.md)")
+                    help="any instance may prefill and decode, labels are only a cost (the live conductor's "
+                         "default; needs --policy kvcache-centric): each node is one engine that prefills in "
+                         "chunks of --chunk-tokens beside its batch. Off: the paper's fixed roles")
+    ap.add_argument("--chunk-tokens", type=int, default=SchedulerConfig().chunk_tokens, metavar="T",
+                    help="with --flexible-roles: prompt tokens per engine step beside a running batch "
+                         "(vLLM's max_num_batched_tokens, the workers' --chunk-size)")
     ap.add_argument("--colocate-max-tokens", type=int, default=SchedulerConfig().colocate_max_new_tokens,
                     metavar="T", help="largest uncached prompt part prefilled in one step on a decode instance")
     ap.add_argument("--gate-headroom", type=float, default=0.0, metavar="F",
@@ -114,6 +120,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--oracle-lengths", action="store_true",
                     help="give the scheduler every request's true output length, so prediction forecasts decode "
                          "load per request (a perfect length predictor: an upper bound, not available live)")
+    ap.add_argument("--max-tokens-known", action="store_true",
+                    help="give the scheduler each request's max_tokens, taken to be its output length, as the live "
+                         "conductor knows max_tokens (exact for outputs that run to their cap, as `mooncake bench` "
+                         "sends them); only a cap, for the decode forecast and the stall rule of flexible roles")
     ap.add_argument("--no-pending-prefixes", action="store_true",
                     help="price a request only with prefixes already stored, not with those that prefills already "
                          "queued on the same instance will store first (the live router counts those)")
@@ -144,9 +154,6 @@ def warn_block_size(trace: list[TraceRecord], block_size: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.flexible_roles:
-        print(f"mooncake sim: error: --flexible-roles: {FLEXIBLE_ROLES_UNSUPPORTED}", file=sys.stderr)
-        return 2
     try:
         trace = load_trace(args.trace)
         profile = sim_profile(args.profile, args.fitted)
@@ -156,13 +163,15 @@ def main(argv: list[str] | None = None) -> int:
                                 conditional_disaggregation=not args.no_colocate,
                                 colocate_max_new_tokens=args.colocate_max_tokens, seed=args.seed,
                                 gate_kv_headroom=args.gate_headroom, decode_forecast=args.forecast,
-                                decode_hold_s=args.decode_hold, best_effort_when_idle=args.best_effort_when_idle)
+                                decode_hold_s=args.decode_hold, best_effort_when_idle=args.best_effort_when_idle,
+                                flexible_roles=args.flexible_roles, chunk_tokens=args.chunk_tokens)
         warn_block_size(trace, args.block_size)
         if args.limit is not None:
             if args.limit <= 0:
                 raise ValueError("--limit must be positive")
             trace = trace[: args.limit]
         overrides = {"decode_time": args.decode_time, "oracle_lengths": args.oracle_lengths,
+                     "max_tokens_known": args.max_tokens_known,
                      "pending_prefixes": not args.no_pending_prefixes}
         if args.prefill_cache_blocks is not None:
             overrides["prefill_cache_blocks"] = args.prefill_cache_blocks

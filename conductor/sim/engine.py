@@ -15,6 +15,7 @@ conductor uses. Then the engine plays out the physics (cost_model.py):
     however long: with no prefill pool that is a colocated cluster, whose long prefills stall
     the batch), reusing the prefix blocks the node keeps from its own earlier prefills.
 Requests join and leave the batch only at step boundaries.
+These are fixed roles; flexible roles, where every node prefills and decodes, are flex.py's.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from conductor.sim.instances import BlockPool, DecodeNode, Job, PrefillNode
 from conductor.sim.report import Outcome, SimResult, TimelinePoint
 from conductor.sim.trace import TraceRecord
 
-ARRIVE, PREFILL_DONE, KV_ARRIVE, STEP_DONE, SAMPLE = range(5)
+ARRIVE, PREFILL_DONE, KV_ARRIVE, STEP_DONE, SAMPLE, WAKE = range(6)
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +78,11 @@ class SimConfig:
     """Tell the scheduler every sequence's true remaining output length (DecodeSeq
     .remaining_tokens), so prediction forecasts per request: what a perfect output-length
     predictor would give, an upper bound that no live cluster has."""
+    max_tokens_known: bool = False
+    """Tell the scheduler each sequence's max_tokens, taken to be its trace output length, as the
+    live conductor knows every request's max_tokens: exact for a workload whose outputs run to
+    their cap (`mooncake bench`'s ignore_eos), a lower bound on the cap otherwise. Unlike
+    oracle_lengths it is only a cap: the forecast and the stall rule read it, nothing else."""
     progress: bool = False
     """Show a tqdm progress bar on stderr."""
 
@@ -95,28 +101,27 @@ class SimConfig:
             raise ValueError(f"decode_time must be 'little' or 'mean', got {self.decode_time!r}")
 
 
-FLEXIBLE_ROLES_UNSUPPORTED = (
-    "the simulator cannot model flexible roles: its prefill nodes never decode and its decode nodes run a "
-    "colocated prefill whole in one step, not in chunks beside the batch (see docs/SCHEDULER.md)")
+FLEXIBLE_ROLES_ELSEWHERE = (
+    "this Simulation models fixed roles (its prefill nodes never decode); flexible roles are "
+    "conductor.sim.flex.FlexSimulation's (simulate() picks it)")
 
 
 class Simulation:
+    """Fixed roles: prefill nodes prefill, decode nodes decode (and, under conditional
+    disaggregation, prefill a prompt of their own whole in one step)."""
+
     def __init__(self, trace: list[TraceRecord], scheduler: Scheduler, cost: CostModel, config: SimConfig) -> None:
         from conductor.core.index import PendingPrefixes, PrefixIndex
 
-        if scheduler.config.flexible_roles:
-            raise ValueError(FLEXIBLE_ROLES_UNSUPPORTED)
+        if scheduler.config.flexible_roles != self.flexible_roles:
+            raise ValueError(FLEXIBLE_ROLES_ELSEWHERE if self.flexible_roles is False else
+                             "FlexSimulation needs a scheduler with flexible_roles")
         self.trace, self.scheduler, self.cost, self.config = trace, scheduler, cost, config
         self.index = PrefixIndex()
         self.pending = PendingPrefixes() if config.pending_prefixes else None
-        self.prefills = {f"p{i}": PrefillNode(f"p{i}", config.prefill_cache_blocks, config.bandwidth_Bps, self.index)
-                         for i in range(config.n_prefill)}
-        decode_blocks = config.decode_cache_blocks
-        if decode_blocks is None:
-            decode_blocks = config.decode_kv_capacity_tokens // config.block_size
-        self.decodes = {f"d{i}": DecodeNode(f"d{i}", config.decode_kv_capacity_tokens, config.bandwidth_Bps,
-                                           BlockPool(f"d{i}", decode_blocks, self.index), config.oracle_lengths)
-                        for i in range(config.n_decode)}
+        self.prefills: dict[str, PrefillNode] = {}
+        self.decodes: dict[str, DecodeNode] = {}
+        self._make_nodes()
         self.outcomes: list[Outcome] = []
         self.timeline: list[TimelinePoint] = []
         self.step_times: list[tuple[float, int]] = []
@@ -128,6 +133,22 @@ class Simulation:
         self._n_decoding = 0
         self._wasted_prefill_s = 0.0
         self._live = 0  # events other than SAMPLE still queued
+
+    flexible_roles = False
+
+    def _decode_cache_blocks(self) -> int:
+        config = self.config
+        return config.decode_kv_capacity_tokens // config.block_size if config.decode_cache_blocks is None \
+            else config.decode_cache_blocks
+
+    def _make_nodes(self) -> None:
+        config = self.config
+        self.prefills = {f"p{i}": PrefillNode(f"p{i}", config.prefill_cache_blocks, config.bandwidth_Bps, self.index)
+                         for i in range(config.n_prefill)}
+        self.decodes = {f"d{i}": DecodeNode(f"d{i}", config.decode_kv_capacity_tokens, config.bandwidth_Bps,
+                                           BlockPool(f"d{i}", self._decode_cache_blocks(), self.index),
+                                           config.oracle_lengths, config.max_tokens_known)
+                        for i in range(config.n_decode)}
 
     # -- event plumbing -------------------------------------------------------------------
 
@@ -146,7 +167,7 @@ class Simulation:
             self._push((rec.timestamp_ms - t0) / 1000.0 / self.config.speedup, ARRIVE, rid)
         self._push(0.0, SAMPLE, None)
         handlers = {ARRIVE: self._arrive, PREFILL_DONE: self._prefill_done, KV_ARRIVE: self._kv_arrive,
-                    STEP_DONE: self._step_done}
+                    STEP_DONE: self._step_done, WAKE: self._wake}
         wall = time.perf_counter()
         bar = tqdm(total=len(self.trace), file=sys.stderr, disable=not self.config.progress, unit="req",
                    desc="sim", mininterval=0.5)
@@ -186,36 +207,55 @@ class Simulation:
 
     # -- handlers -------------------------------------------------------------------------
 
-    def _arrive(self, now: float, rid: int) -> None:
+    def _route(self, now: float, rid: int) -> tuple[Job, Decision] | None:
+        """Ask the scheduler; a refusal is an outcome (None), a decision a job on its way to its
+        decode node."""
         rec = self.trace[rid]
         blocks = self._full_blocks(rec)
         request = Request(str(rid), rec.input_length, blocks, now, ends_at_prefill=rec.output_length <= 1)
         res = self.scheduler.schedule(request, self._state(now), now)
         if isinstance(res, Rejection):
             self.outcomes.append(Outcome(rid, now, rec.input_length, rec.output_length, "rejected", res.reason.value))
-            return
+            return None
         assert isinstance(res, Decision)
         job = Job(rid, now, rec.input_length, rec.output_length, blocks, res.decode_instance,
-                  res.predicted_prefill_s, now + res.predicted_ttft_s)
-        d = self.decodes[res.decode_instance]
-        d.expect(job)
+                  res.predicted_prefill_s, now + res.predicted_ttft_s, colocated=res.colocated,
+                  route=self._route_kind(res))
+        self.decodes[res.decode_instance].expect(job)
         if self.pending is not None:
             self.pending.add(res.prefill_instance, blocks)
+        return job, res
+
+    @staticmethod
+    def _route_kind(res: Decision) -> str:
+        return "colocated" if res.colocated else "disaggregated"
+
+    def _book_fetch(self, job: Job, res: Decision, now: float) -> None:
+        """A prefix fetched from another node comes over the holder's link (FIFO per sender),
+        from dispatch on; the prompt may start once it is here."""
+        if res.fetch_from is None:
+            return
+        sender = self.prefills.get(res.fetch_from) or self.decodes[res.fetch_from]
+        start = max(now, sender.link_free_s)
+        sender.link_free_s = start + self.cost.transfer_s(res.fetched_blocks * self.config.block_size,
+                                                          sender.bandwidth_Bps)
+        job.fetch_ready_s = sender.link_free_s
+        job.fetch_blocks = math.ceil(res.cached_prefix_tokens / self.config.block_size)
+
+    def _arrive(self, now: float, rid: int) -> None:
+        routed = self._route(now, rid)
+        if routed is None:
+            return
+        job, res = routed
         if res.colocated:
-            job.colocated = True
+            d = self.decodes[res.decode_instance]
             d.coloc_queue.append(job)
             d.coloc_pred_s += job.predicted_prefill_s
             if not d.stepping:
                 self._start_step(d, now)
             return
         p = self.prefills[res.prefill_instance]
-        if res.fetch_from is not None:
-            sender = self.prefills.get(res.fetch_from) or self.decodes[res.fetch_from]
-            start = max(now, sender.link_free_s)
-            sender.link_free_s = start + self.cost.transfer_s(res.fetched_blocks * self.config.block_size,
-                                                              sender.bandwidth_Bps)
-            job.fetch_ready_s = sender.link_free_s
-            job.fetch_blocks = math.ceil(res.cached_prefix_tokens / self.config.block_size)
+        self._book_fetch(job, res, now)
         p.queue.append(job)
         p.queued_pred_s += job.predicted_prefill_s
         if p.current is None:
@@ -275,7 +315,8 @@ class Simulation:
         self._wasted_prefill_s += job.prefill_actual_s
         self.outcomes.append(Outcome(rid=job.rid, arrival_s=job.arrival_s, prompt=job.prompt, output=job.output,
                                      status="rejected", reason=f"decode_{reason}",
-                                     ttft_s=job.first_token_s - job.arrival_s, colocated=job.colocated))
+                                     ttft_s=job.first_token_s - job.arrival_s, colocated=job.colocated,
+                                     route=job.route))
 
     def _release_held(self, d: DecodeNode, now: float) -> None:
         """At a step boundary (or an arrival): admit held requests in order while they fit;
@@ -335,18 +376,7 @@ class Simulation:
         self._push(now + dur, STEP_DONE, d)
 
     def _step_done(self, now: float, d: DecodeNode) -> None:
-        if d.running:
-            d.step += 1
-            d.kv_tokens += len(d.running)
-            done = d.finish_due()
-            if done:
-                self._n_decoding -= len(done)
-                self._meter.completed(now, len(done))
-                self._meter.set_decoding(now, self._n_decoding)
-            for job in done:
-                self._decode_sum += now - job.join_s
-                self._decode_n += 1
-                self._complete(job, now)
+        self._advance_batch(d, now)
         job = self._coloc[d.id]
         if job is not None:
             self._coloc[d.id] = None
@@ -358,14 +388,39 @@ class Simulation:
             self._enter_decode(d, job, now)
         self._start_step(d, now)
 
+    def _advance_batch(self, d: DecodeNode, now: float) -> None:
+        """A step has ended: every running sequence has one token more; those at their end leave."""
+        if not d.running:
+            return
+        d.step += 1
+        d.kv_tokens += len(d.running)
+        done = d.finish_due()
+        if done:
+            self._n_decoding -= len(done)
+            self._meter.completed(now, len(done))
+            self._meter.set_decoding(now, self._n_decoding)
+        for job in done:
+            self._decode_sum += now - job.join_s
+            self._decode_n += 1
+            self._complete(job, now)
+
+    def _prefilling_nodes(self) -> list:
+        """The nodes whose queues the timeline's prefill_queue_s averages."""
+        return list(self.prefills.values())
+
+    def _wake(self, now: float, d: DecodeNode) -> None:
+        """An idle node's next work became ready (FlexSimulation: a fetched prefix arrived)."""
+        if not d.stepping:
+            self._start_step(d, now)
+
     def _complete(self, job: Job, now: float) -> None:
         tbt = (now - job.first_token_s) / (job.output - 1) if job.output > 1 else None
         self.outcomes.append(Outcome(rid=job.rid, arrival_s=job.arrival_s, prompt=job.prompt, output=job.output,
                                      status="completed", ttft_s=job.first_token_s - job.arrival_s, tbt_s=tbt,
-                                     finish_s=now, colocated=job.colocated))
+                                     finish_s=now, colocated=job.colocated, route=job.route))
 
     def _sample(self, now: float) -> None:
-        ps = [p.snapshot(now).queued_prefill_s for p in self.prefills.values()]
+        ps = [p.snapshot(now).queued_prefill_s for p in self._prefilling_nodes()]
         ds = list(self.decodes.values())
         kv = [d.kv_tokens / d.kv_capacity for d in ds]
         tbt = [self.scheduler.estimators.tbt_s(len(d.running), d.kv_tokens) if d.running else 0.0 for d in ds]

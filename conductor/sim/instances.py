@@ -29,11 +29,13 @@ class Job:
     predicted_prefill_s: float
     predicted_arrival_s: float  # when the scheduler expects the KV at the decode instance
     colocated: bool = False  # prefilled on its decode instance
+    route: str = "disaggregated"  # "colocated", "disaggregated" or "flexible" (a label broken), as live
     fetch_blocks: int = 0  # leading blocks fetched from another holder before prefill
     fetch_ready_s: float = 0.0
     prefill_start_s: float = 0.0
     first_token_s: float = 0.0
     prefill_actual_s: float = 0.0
+    prefill_done: int = 0  # prompt tokens computed so far (FlexSimulation's chunked prefill)
     # decode-side bookkeeping
     join_s: float = 0.0
     hold_until_s: float = 0.0
@@ -130,14 +132,17 @@ class _SeqTally:
 
 
 class DecodeNode:
+    role = Role.DECODE
+
     def __init__(self, instance_id: str, kv_capacity: int, bandwidth_Bps: float, cache: BlockPool,
-                 oracle_lengths: bool = False) -> None:
+                 oracle_lengths: bool = False, max_tokens_known: bool = False) -> None:
         self.id = instance_id
         self.kv_capacity = kv_capacity
         self.bandwidth_Bps = bandwidth_Bps
         self.cache = cache  # prefix blocks of prompts prefilled here (colocated), as vLLM's prefix cache
         self.link_free_s = 0.0  # it can be a fetch source for those blocks
         self.oracle_lengths = oracle_lengths  # snapshots carry each sequence's remaining length
+        self.max_tokens_known = max_tokens_known  # snapshots carry each sequence's max_tokens (its output length)
         self.running: dict[int, Job] = {}
         self.finishing: list[_Finish] = []  # heap by the step at which each sequence ends
         self.incoming: dict[int, Job] = {}  # through expect() and arrived() only
@@ -160,13 +165,17 @@ class DecodeNode:
         """The job is routed here: its KV (or its colocated prefill) is on its way."""
         self.incoming[job.rid] = job
         # The first token comes from prefill, so output - 1 remain for decode.
-        seq = DecodeSeq(job.predicted_arrival_s, job.prompt, job.output - 1 if self.oracle_lengths else None)
+        seq = DecodeSeq(job.predicted_arrival_s, job.prompt, job.output - 1 if self.oracle_lengths else None,
+                        max_tokens=self._max_tokens(job))
         self._incoming_seqs[job.rid] = seq
         self._incoming_tally.change(seq, +1)
 
     def arrived(self, rid: int) -> Job:
         self._incoming_tally.change(self._incoming_seqs.pop(rid), -1)
         return self.incoming.pop(rid)
+
+    def _max_tokens(self, job: Job) -> int | None:
+        return job.output if self.max_tokens_known else None
 
     def kv_of(self, job: Job) -> int:
         return job.prompt + (self.step - job.join_step)
@@ -189,19 +198,24 @@ class DecodeNode:
             done.append(job)
         return done
 
+    def queued_prefill_s(self, now: float) -> float:
+        """Predicted seconds of prefill given to it and not done: its colocated prompts."""
+        return self.coloc_pred_s
+
     def snapshot(self, now: float) -> InstanceState:
         key = (self.step, self._version)
         oracle = self.oracle_lengths
         if key != self._snap_key:  # sequences' KV grows each step: rebuild at most once per step
             self._snap_running = tuple(
-                DecodeSeq(j.join_s, self.kv_of(j), j.join_step + j.output - 1 - self.step if oracle else None)
+                DecodeSeq(j.join_s, self.kv_of(j), j.join_step + j.output - 1 - self.step if oracle else None,
+                          max_tokens=self._max_tokens(j))
                 for j in self.running.values())
             self._snap_key = key
         incoming, totals = tuple(self._incoming_seqs.values()), self._incoming_tally.totals()
         if self.waiting or self.held:  # arrived, not yet in the batch (no KV room yet)
-            arrived = tuple(DecodeSeq(now, j.prompt, j.output - 1 if oracle else None)
+            arrived = tuple(DecodeSeq(now, j.prompt, j.output - 1 if oracle else None, max_tokens=self._max_tokens(j))
                             for j in (*self.waiting, *self.held))
             incoming, totals = incoming + arrived, totals.plus(SeqTotals.of(arrived))
-        return InstanceState(self.id, Role.DECODE, queued_prefill_s=self.coloc_pred_s, running=self._snap_running,
+        return InstanceState(self.id, self.role, queued_prefill_s=self.queued_prefill_s(now), running=self._snap_running,
                              incoming=incoming, incoming_totals=totals, kv_capacity_tokens=self.kv_capacity, bandwidth_Bps=self.bandwidth_Bps,
                              pending_send_bytes=max(self.link_free_s - now, 0.0) * self.bandwidth_Bps)

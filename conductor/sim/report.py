@@ -13,6 +13,7 @@ the mean prompt of completed requests and the prompt tokens served within SLO.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -30,6 +31,7 @@ class Outcome:
     tbt_s: float | None = None
     finish_s: float | None = None
     colocated: bool = False  # prefilled on its decode instance (conditional disaggregation)
+    route: str | None = None  # as the live conductor's mooncake_routes_total counts it; None: refused unrouted
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +84,7 @@ def summarize(res: SimResult, ttft_slo_s: float, tbt_slo_s: float) -> dict:
         "wasted_prefills": sum(1 for o in rejected if (o.reason or "").startswith("decode_")),
         "wasted_prefill_s": round(res.wasted_prefill_s, 3),
         "colocated_prefills": sum(1 for o in res.outcomes if o.colocated),
+        "routes": dict(sorted(Counter(o.route for o in res.outcomes if o.route).items())),
         "completed_within_slo": good,
         "mean_prompt_completed": float(np.mean([o.prompt for o in done])) if done else None,
         "prompt_tokens_within_slo": sum(o.prompt for o in good_list),

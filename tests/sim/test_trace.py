@@ -90,13 +90,6 @@ def test_hash_ids_written_with_another_block_size_are_flagged_with_the_size_that
     assert "warning" not in capsys.readouterr().err
 
 
-def test_sim_refuses_flexible_roles(capsys):
-    from conductor.sim.cli import main
-
-    assert main(["--flexible-roles", "--trace", "no-such-trace.jsonl"]) == 2
-    assert "flexible roles" in capsys.readouterr().err
-
-
 def test_absurd_lengths_and_timestamps_are_errors_naming_the_line(tmp_path):
     from mooncake.trace import load_trace
 
