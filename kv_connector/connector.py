@@ -40,6 +40,7 @@ from decode.staging import StagingConfig
 from kv_connector.metadata import ServeConnectorMetadata
 from kv_connector.fault import flip_bytes_on_the_wire
 from messenger.engine import EngineConfig, TransferEngine
+from messenger.rdma_plan import RdmaConfig
 from mooncake import defaults
 from mooncake.kv_layout import num_blocks_of
 from mooncake.control import ControlEndpoint, ControlServer
@@ -80,7 +81,8 @@ class MooncakeServeConnector(KVConnectorBase_V1):
         config = EngineConfig(host=str(extra.get("kv_host", "127.0.0.1")), port=int(extra.get("kv_port", 0)),
                               advertise_host=extra.get("kv_advertise_host") or None,
                               timeout_s=timeout_s, auth_key=bytes.fromhex(auth_key) if auth_key else None,
-                              transports=defaults.kv_transports(extra.get("kv_transports")))
+                              transports=defaults.kv_transports(extra.get("kv_transports")),
+                              rdma=RdmaConfig.from_env())
         self._engine = TransferEngine(f"kv-{socket.gethostname()}-{os.getpid()}", config)
         self._fault_flip = int(extra.get("kv_fault_flip") or os.environ.get("MOONCAKE_KV_FAULT_FLIP", 0))
         self._sender = KVSender(self._engine, timeout_s=timeout_s)

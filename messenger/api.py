@@ -27,6 +27,7 @@ Ordering and integrity, the promises users build on:
 from __future__ import annotations
 
 import logging
+import operator
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -78,6 +79,15 @@ class Slice:
     length: int
 
     def __post_init__(self) -> None:
+        # Plain ints on the wire: a numpy integer passes the comparisons below but fails the
+        # encoder on the link's sender thread, which fails every batch in flight to that peer.
+        for name in ("local_offset", "remote_offset", "length"):
+            value = getattr(self, name)
+            if type(value) is not int:
+                try:
+                    object.__setattr__(self, name, operator.index(value))
+                except TypeError:
+                    raise TypeError(f"bad slice {self}: {name} must be an integer, got {type(value).__name__}") from None
         if self.local_offset < 0 or self.remote_offset < 0 or self.length <= 0:
             raise ValueError(f"bad slice {self}: offsets must be >= 0 and length > 0")
 

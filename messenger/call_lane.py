@@ -191,14 +191,15 @@ class LaneServer:
 
 
 class _Lane:
-    __slots__ = ("sock", "info_version", "used")
+    __slots__ = ("sock", "address", "info_version", "used")
 
-    def __init__(self, sock: socket.socket) -> None:
-        self.sock, self.info_version, self.used = sock, -1, False
+    def __init__(self, sock: socket.socket, address: str) -> None:
+        self.sock, self.address, self.info_version, self.used = sock, address, -1, False
 
 
 class LaneClient:
-    """The calling side: one lane per (calling thread, peer address), opened on first use."""
+    """The calling side: one lane per (calling thread, peer), to the peer's current address,
+    opened on first use."""
 
     def __init__(self, auth_key: bytes | None, stats: TransportStats) -> None:
         self._auth_key = auth_key
@@ -219,14 +220,19 @@ class LaneClient:
         if len(request) > MAX_REQUEST_BYTES:
             raise TransferError(f"call to {peer}: a request of {len(request)} B is over the "
                                 f"{MAX_REQUEST_BYTES} B a call may carry (send bulk bytes as a write)")
-        lanes: dict[str, _Lane] = self._local.__dict__.setdefault("lanes", {})
-        lane = lanes.get(address)
+        lanes: dict[str, _Lane] = self._local.__dict__.setdefault("lanes", {})  # by peer name
+        lane = lanes.get(peer)
+        if lane is not None and lane.address != address:
+            # The peer restarted at another address: its old lane would stay open (its socket
+            # half-closed) for the life of this thread, one more per restart.
+            self._drop(lanes, peer, lane)
+            lane = None
         if lane is None and self._unreachable.get(address, 0.0) > time.monotonic():
             raise LaneUnreachable(f"call to {peer}: its lanes at {address} were unreachable moments ago")
         for attempt in (0, 1):
             if lane is None:
                 try:
-                    lane = lanes[address] = self._open(peer, address, timeout_s)
+                    lane = lanes[peer] = self._open(peer, address, timeout_s)
                 except LaneUnreachable as exc:
                     if attempt:  # the request went out once: no other way may send it again
                         raise TransferError(f"call to {peer}: its lane broke and cannot be reopened: {exc}") from None
@@ -236,13 +242,13 @@ class LaneClient:
             try:
                 status, body = self._exchange(peer, lane, caller, request, timeout_s, into)
             except _Stale:
-                self._drop(lanes, address, lane)
+                self._drop(lanes, peer, lane)
                 lane = None
                 if not reused or attempt:
                     raise TransferError(f"call to {peer}: the connection closed before a reply") from None
                 continue
             except BaseException as exc:
-                self._drop(lanes, address, lane)
+                self._drop(lanes, peer, lane)
                 self._stats.failed("timeout" if "no reply within" in str(exc) else "transfer")
                 raise
             self._stats.request(time.perf_counter() - started)
@@ -281,11 +287,11 @@ class LaneClient:
             self._all[sock] = threading.current_thread()
         for s in ended:
             s.close()
-        return _Lane(sock)
+        return _Lane(sock, address)
 
-    def _drop(self, lanes: dict[str, _Lane], address: str, lane: _Lane) -> None:
-        if lanes.get(address) is lane:
-            del lanes[address]
+    def _drop(self, lanes: dict[str, _Lane], peer: str, lane: _Lane) -> None:
+        if lanes.get(peer) is lane:
+            del lanes[peer]
         with self._lock:
             self._all.pop(lane.sock, None)
         lane.sock.close()

@@ -40,6 +40,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import msgspec
 import numpy as np
@@ -55,6 +56,11 @@ from messenger.regions import RegionTable
 from messenger.stats import TransportStats
 from messenger.transport_calls import NOTIFY, REPLY, REPLY_ERROR, SILENT, TransportCalls
 from messenger.watchdog import Watchdog
+
+if TYPE_CHECKING:
+    from messenger.nixl_transport import NixlConfig
+    from messenger.rdma_plan import RdmaConfig
+    from messenger.shm import ShmConfig
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +102,13 @@ class EngineConfig:
     hand-off); False: through the transport chosen for the peer."""
     call_port: int = 0
     """Where the call lanes listen, on `host` (0: a free one)."""
+    rdma: RdmaConfig | None = None
+    """The rdma transport's own settings (device, port, gid_index: RoCE v2 usually needs 1 or 3;
+    RdmaConfig.from_env reads them from MOONCAKE_RDMA_*); None: RdmaConfig's defaults."""
+    shm: ShmConfig | None = None
+    """The shm transport's own settings; None: ShmConfig's defaults."""
+    nixl: NixlConfig | None = None
+    """The nixl transport's own settings; None: NixlConfig's defaults."""
 
     def __post_init__(self) -> None:
         unknown = [t for t in self.transports if t not in _TRANSPORT_CLASSES]

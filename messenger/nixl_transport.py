@@ -92,7 +92,7 @@ class NixlTransport:
 
     def __init__(self, config, nixl: NixlConfig | None = None):
         self._config = config  # the engine's EngineConfig: timeout_s
-        self._nixl = nixl or NixlConfig()
+        self._nixl = nixl or getattr(config, "nixl", None) or NixlConfig()
         self._stats = TransportStats()
         self._lock = threading.Lock()  # the agent and the tables below
         self._local_name: str | None = None
@@ -112,6 +112,10 @@ class NixlTransport:
     # -- the Transport protocol -------------------------------------------------------------
 
     def available(self) -> str | None:
+        if self._config.auth_key is not None:
+            # NIXL's agents answer any agent that knows their name (metadata, notifications): no
+            # handshake here could prove the shared key, so a keyed engine must not open one.
+            return "cannot authenticate peers, and this engine has an auth_key"
         return nixl_missing()
 
     def start(self, regions, deliver) -> str:

@@ -65,7 +65,7 @@ class RdmaTransport:
     def __init__(self, config, rdma: RdmaConfig | None = None, *,
                  open_port: Callable[[RdmaConfig], VerbsPort] = open_pyverbs_port):
         self._config = config  # the engine's EngineConfig: timeout_s, auth_key
-        self._rdma = rdma or RdmaConfig()
+        self._rdma = rdma or getattr(config, "rdma", None) or RdmaConfig()
         self._open_port = open_port
         self._stats = TransportStats()
         self._book = BatchBook()

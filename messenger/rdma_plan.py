@@ -20,9 +20,10 @@ on any machine. The pieces:
 from __future__ import annotations
 
 import itertools
+import os
 import threading
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 import msgspec
@@ -33,6 +34,11 @@ from messenger.api import Batch, Direction, Slice, TransferError
 RECV_TAG = 1 << 62
 """Set in the wr_id of every receive request, so a completion says which queue it came from even
 when it failed (a failed completion's opcode is undefined)."""
+
+
+RDMA_DEVICE_ENV = "MOONCAKE_RDMA_DEVICE"
+RDMA_PORT_ENV = "MOONCAKE_RDMA_PORT"
+RDMA_GID_INDEX_ENV = "MOONCAKE_RDMA_GID_INDEX"
 
 
 @dataclass(frozen=True)
@@ -47,6 +53,24 @@ class RdmaConfig:
     max_message_bytes: int = 1 << 30  # the largest single RDMA WRITE / READ; longer slices are split
     control_host: str = "0.0.0.0"  # where the control channel (QP exchange, notices, acks) listens
     poll_idle_s: float = 0.0002  # the completion thread's sleep when a poll found nothing
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> "RdmaConfig":
+        """The defaults, with MOONCAKE_RDMA_DEVICE, MOONCAKE_RDMA_PORT and MOONCAKE_RDMA_GID_INDEX
+        where set: how an operator points a worker's KV path and pool at their NIC and GID (the
+        workers read them; docs/ARCHITECTURE.md, KV path)."""
+        env = os.environ if environ is None else environ
+        values: dict[str, object] = {}
+        if env.get(RDMA_DEVICE_ENV, "").strip():
+            values["device"] = env[RDMA_DEVICE_ENV].strip()
+        for name, field_name in ((RDMA_PORT_ENV, "port"), (RDMA_GID_INDEX_ENV, "gid_index")):
+            raw = env.get(name, "").strip()
+            if raw:
+                try:
+                    values[field_name] = int(raw)
+                except ValueError:
+                    raise ValueError(f"{name}={raw!r}: not a whole number") from None
+        return cls(**values)
 
     def __post_init__(self) -> None:
         if self.port < 1:

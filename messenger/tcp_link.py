@@ -157,6 +157,11 @@ class Link:
             if self.failed is not None:
                 error = self.failed
             else:
+                if not self.pending and not self.reads:
+                    # Silence counts from here: the link was idle, with nothing owed to it, and the
+                    # time it sat so is not the peer's. Else its first batch after a quiet spell
+                    # longer than timeout_s would fail at the reader's next poll as "silent".
+                    self._last_heard = time.monotonic()
                 if read is None:
                     self.pending[batch_id] = batch
                 else:

@@ -223,6 +223,7 @@ def _start_pool(config):
     from dataclasses import replace
 
     from messenger.engine import EngineConfig
+    from messenger.rdma_plan import RdmaConfig
     from mooncake.auth import kv_key
     from store.config import PoolConfig
     from store.service import PoolService
@@ -234,7 +235,7 @@ def _start_pool(config):
     # proving the key derived from the cluster token, like the KV socket; each block carries its
     # own checksum, so the messenger's per-slice one is off.
     messenger = replace(EngineConfig(), host=config.kv_host, advertise_host=config.advertise_host, checksums=False,
-                        transports=defaults.kv_transports(),
+                        transports=defaults.kv_transports(), rdma=RdmaConfig.from_env(),
                         auth_key=kv_key(config.cluster_token) if config.cluster_token else None)
     return PoolService(pool, remote=True, engine_config=messenger).start()
 

@@ -152,6 +152,24 @@ def test_the_lanes_of_threads_that_ended_are_closed():
         _close(p)
 
 
+def test_a_peer_restarted_at_another_address_leaves_no_lane_behind():
+    """Lanes were kept per address: each restart of a peer (a new call port) left this thread one
+    more half-closed socket, for the life of the thread."""
+    caller = TransferEngine("caller", EngineConfig(transports=("tcp",)))
+    caller.start()
+    try:
+        for _ in range(3):
+            peer = TransferEngine("peer", EngineConfig(transports=("tcp",)))
+            caller.add_peer(peer.start(on_call=lambda who, request: b"ok"))
+            try:
+                assert caller.call("peer", b"x") == b"ok"
+            finally:
+                peer.close()
+        assert len(caller._lane_client._all) == 1
+    finally:
+        caller.close()
+
+
 def _closed_port() -> str:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

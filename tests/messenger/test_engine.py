@@ -74,6 +74,19 @@ def test_unbuilt_transports_are_skipped_and_an_unreachable_peer_is_refused():
     engine.close()
 
 
+def test_an_engine_with_a_key_never_opens_nixl_which_cannot_check_it():
+    """NIXL's agents answer any agent that knows their name: a keyed engine served its regions to
+    strangers over it (an audit read and wrote a keyed engine's memory with the wrong key)."""
+    key = b"k" * 16
+    with pytest.raises(NoTransport, match="cannot authenticate peers"):
+        TransferEngine("e", EngineConfig(transports=("nixl",), auth_key=key, call_lanes=False)).start()
+    engine = TransferEngine("e", EngineConfig(transports=("nixl", "tcp"), auth_key=key, call_lanes=False))
+    try:
+        assert set(engine.start().transports) == {"tcp"}
+    finally:
+        engine.close()
+
+
 def test_local_and_remote_bounds_are_checked_before_anything_moves(pair):
     with pytest.raises(TransferError, match="outside region 'src'"):
         pair.sender.write("receiver", [Slice("src", len(pair.src) - 10, "dst", 0, 11)])
@@ -83,6 +96,21 @@ def test_local_and_remote_bounds_are_checked_before_anything_moves(pair):
         pair.sender.write("receiver", [Slice("nope", 0, "dst", 0, 1)])
     with pytest.raises(TransferError, match="unknown peer"):
         pair.sender.write("stranger", [Slice("src", 0, "dst", 0, 1)])
+
+
+def test_numpy_integers_in_slices_move_and_fractions_are_refused(pair):
+    """A numpy integer passed Slice's checks, then failed the tcp link's encoder on its sender
+    thread, which failed every batch in flight to that peer: slices now hold plain ints."""
+    n = np.int64(4096)
+    good = [pair.sender.write("receiver", [Slice("src", int(i) * 4096, "dst", int(i) * 4096, 4096)], b"g")
+            for i in range(4)]
+    odd = pair.sender.write("receiver", [Slice("src", np.int64(4) * n, "dst", np.uint32(4) * 4096, n)], b"n")
+    for batch in (*good, odd):
+        batch.wait(5)
+    assert type(Slice("src", np.int32(0), "dst", 0, n).length) is int
+    assert (pair.dst[:5 * 4096] == pair.src[:5 * 4096]).all()
+    with pytest.raises(TypeError, match="length must be an integer"):
+        Slice("src", 0, "dst", 0, 4096.0)
 
 
 def test_a_bad_remote_offset_fails_the_batch_and_writes_nothing_outside_the_region():

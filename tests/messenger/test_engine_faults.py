@@ -141,3 +141,30 @@ def test_a_silent_tcp_peer_is_counted_as_a_timeout():
         silent.close()
         for conn, _ in accepted:
             conn.close()
+
+
+def test_a_tcp_link_idle_past_its_timeout_does_not_fail_its_next_batch_as_silent():
+    """Silence is what a peer owes: a link that sat idle longer than timeout_s (its last frame long
+    ago) must give its next batch the whole timeout, not fail it at the reader's next poll."""
+    slow = threading.Event()
+
+    def on_notify(peer, message, error):
+        if message == b"slow":
+            time.sleep(1.5)  # within the timeout, past the reader's 1 s poll
+
+    sender, receiver = (TransferEngine(name, EngineConfig(transports=("tcp",), timeout_s=3, call_lanes=False))
+                        for name in ("a", "b"))
+    try:
+        sender.register("src", np.ones(4096, dtype=np.uint8))
+        receiver.register("dst", np.zeros(4096, dtype=np.uint8))
+        sender.start()
+        sender.add_peer(receiver.start(on_notify=on_notify))
+        sender.write("b", [Slice("src", 0, "dst", 0, 4096)], b"fast").wait(5)
+        link = next(iter(sender._transports["tcp"]._links.values()))
+        link._last_heard -= 100  # idle for long since its last frame
+        sender.write("b", [], b"slow").wait(5)  # raised TimedOut "silent for 3 s" before
+        slow.set()
+    finally:
+        sender.close()
+        receiver.close()
+    assert slow.is_set()

@@ -119,3 +119,30 @@ def test_close_fails_batches_still_queued_or_connecting(pair):
                 batch.wait(0.5)  # at once, not after the timeout (nor never)
     finally:
         listener.close()
+
+
+def test_the_engines_rdma_settings_reach_the_port_it_opens(monkeypatch):
+    """RdmaConfig could not be given through TransferEngine: every engine opened the first device
+    at GID 0, which a RoCE v2 fabric usually cannot route. The operator's settings come from
+    MOONCAKE_RDMA_* and reach the port."""
+    opened = []
+    real = rdma_module.RdmaTransport
+
+    def transport(config):
+        def open_port(rdma):
+            opened.append(rdma)
+            raise OSError("no device here")
+        return real(config, open_port=open_port)
+
+    monkeypatch.setattr(rdma_module, "RdmaTransport", transport)
+    env = {"MOONCAKE_RDMA_DEVICE": "mlx5_1", "MOONCAKE_RDMA_PORT": "2", "MOONCAKE_RDMA_GID_INDEX": "3"}
+    config = EngineConfig(transports=("rdma", "tcp"), call_lanes=False, rdma=RdmaConfig.from_env(env))
+    engine = TransferEngine("e", config)
+    try:
+        engine.start()
+    finally:
+        engine.close()
+    assert [(c.device, c.port, c.gid_index) for c in opened] == [("mlx5_1", 2, 3)]
+    assert RdmaConfig.from_env({}) == RdmaConfig()
+    with pytest.raises(ValueError, match="MOONCAKE_RDMA_GID_INDEX='three'"):
+        RdmaConfig.from_env({"MOONCAKE_RDMA_GID_INDEX": "three"})
