@@ -43,6 +43,21 @@ def listen(endpoint: "ControlEndpoint") -> Listener:
     return Listener(endpoint.path, family="AF_UNIX", backlog=LISTEN_BACKLOG)
 
 
+def close_listener(listener: Listener) -> None:
+    """Close a `listen` listener and wake the thread blocked in its accept(): closing the socket
+    alone leaves that thread waiting in the kernel for good (one per closed service)."""
+    sock = getattr(getattr(listener, "_listener", None), "_socket", None)  # multiprocessing's SocketListener
+    if sock is not None:
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+    try:
+        listener.close()
+    except OSError:
+        pass
+
+
 def handshake(conn: Connection, endpoint: "ControlEndpoint", timeout_s: float = HANDSHAKE_TIMEOUT_S) -> bool:
     """The server's half of multiprocessing's HMAC handshake on `conn`, bounded by `timeout_s`;
     False (logged) if the caller failed it, left, or said nothing in time."""
@@ -118,10 +133,7 @@ class ControlServer:
     def close(self) -> None:
         self._closed.set()
         if self._listener is not None:
-            try:
-                self._listener.close()
-            except OSError:
-                pass
+            close_listener(self._listener)
 
     def _answer_and_close(self, conn: Connection) -> None:
         with conn:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from mooncake import defaults
@@ -35,16 +36,18 @@ class PoolConfig:
     def __post_init__(self) -> None:
         from store.policy import POLICIES  # the names live next to the policies
 
-        if self.dram_bytes < 0 or self.ssd_bytes < 0 or self.block_bytes < 0:
-            raise ValueError(f"pool sizes must be >= 0 bytes (dram_bytes={self.dram_bytes}, "
-                             f"ssd_bytes={self.ssd_bytes}, block_bytes={self.block_bytes})")
+        sizes = (self.dram_bytes, self.ssd_bytes, self.block_bytes)
+        if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in sizes):
+            raise ValueError(f"pool sizes must be whole numbers of bytes >= 0 (dram_bytes={self.dram_bytes!r}, "
+                             f"ssd_bytes={self.ssd_bytes!r}, block_bytes={self.block_bytes!r})")
         if self.policy not in POLICIES:
             raise ValueError(f"unknown pool policy {self.policy!r}; choose one of {sorted(POLICIES)}")
         if self.block_bytes and self.dram_bytes and self.dram_bytes < self.block_bytes:
             raise ValueError(f"the pool's DRAM tier ({self.dram_bytes} B) cannot hold one block "
                              f"of {self.block_bytes} B; give it at least that, or 0 to turn the pool off")
-        if self.pin_lease_s <= 0 or self.reserve_lease_s <= 0:
-            raise ValueError(f"pin_lease_s and reserve_lease_s must be > 0, got {self.pin_lease_s} "
+        # NaN passed `<= 0`: every reservation was then expired at once, and two writers shared a slot.
+        if not all(math.isfinite(s) and s > 0 for s in (self.pin_lease_s, self.reserve_lease_s)):
+            raise ValueError(f"pin_lease_s and reserve_lease_s must be finite and > 0, got {self.pin_lease_s} "
                              f"and {self.reserve_lease_s}")
 
     @property

@@ -334,6 +334,19 @@ class BlockPool:
             self._events.append(("stored", key, Tier.SSD.value))
             return True
 
+    def limit_ssd(self, slots: int) -> None:
+        """At start-up, before any restore: the disk has room for only this many blocks."""
+        with self._lock:
+            self._ssd_capacity = min(self._ssd_capacity, max(slots, 0))
+
+    def shrink_ssd(self) -> tuple[int, int]:
+        """The disk is full: hold no more SSD blocks than are on it now, so each later spill
+        evicts a file first. Returns (the capacity before, after); 0 after: turn the tier off."""
+        with self._lock:
+            before = self._ssd_capacity
+            self._ssd_capacity = min(before, sum(1 for entry in self._ssd.values() if entry.ready))
+            return before, self._ssd_capacity
+
     def disable_ssd(self) -> Plan:
         """The SSD tier is unusable (unwritable directory, full disk): DRAM only from now on.
         Every SSD entry goes at once; a promotion in flight then fails its read or checksum

@@ -73,7 +73,11 @@ class RemotePool:
         config = engine_config or replace(EngineConfig(), checksums=False, transports=defaults.KV_TRANSPORTS)
         self.engine = TransferEngine(f"kv-pool-{socket.gethostname()}-{os.getpid()}", config)
         self.engine.register(ARENA_REGION, service.arena.array)
-        self._info = self.engine.start(on_call=self._on_call)
+        try:
+            self._info = self.engine.start(on_call=self._on_call)
+        except BaseException:  # the transports it did start, and its hold on the arena, go with it
+            self._release_engine()
+            raise
         self._lock = threading.Lock()
         self._leases: dict[int, tuple[list[int], float]] = {}
         self._next_lease = 1
@@ -91,8 +95,14 @@ class RemotePool:
         for peer, leases in self._releases.close().items():  # best effort: they expire there anyway
             self._unpinner.submit(self._unpin, peer, leases)
         self._unpinner.shutdown(wait=False)
-        self.engine.close()
+        self._release_engine()
         self._peer_arenas.close()
+
+    def _release_engine(self) -> None:
+        # The engine's region table holds a view of the arena: while it lives, the arena's map
+        # cannot close, and its shared-memory pages stay taken after the pool is gone.
+        self.engine.unregister(ARENA_REGION)
+        self.engine.close()
 
     # --- fetching from a peer --------------------------------------------------------------
     def fetch(self, peer: "PeerInfo", keys: Sequence[int]) -> int:

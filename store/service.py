@@ -30,7 +30,7 @@ from dataclasses import replace
 from multiprocessing.connection import Connection, Listener
 from typing import Any
 
-from mooncake.control import ControlEndpoint, accept_forever, handshake, listen
+from mooncake.control import ControlEndpoint, accept_forever, close_listener, handshake, listen
 from store import channel
 from store.arena import Arena, ArenaInfo
 from store.config import PoolConfig
@@ -43,6 +43,7 @@ log = logging.getLogger(__name__)
 # Errors that mean the SSD tier cannot be used at all (rather than one bad write).
 _FATAL_SSD_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS}
 SPILL_QUEUE_BYTES = 256 << 20  # spills waiting for the disk; more are dropped (lost cache, not data)
+SSD_FREE_HEADROOM = 0.1  # of a disk's free space at start-up, left to others: a cache must not fill it
 
 
 class PoolService:
@@ -136,10 +137,7 @@ class PoolService:
     def close(self) -> None:
         self._closed.set()
         if self._listener is not None:
-            try:
-                self._listener.close()
-            except OSError:
-                pass
+            close_listener(self._listener)
         if self.remote is not None:
             self.remote.close()
         if self._writer is not None:
@@ -285,15 +283,21 @@ class PoolService:
         self.ssd = tier
         now = self._clock()
         restored = 0
+        slots = min(self.config.ssd_slots, len(found) + self._free_slots(tier))
+        if slots < self.config.ssd_slots:
+            log.warning("KV pool: %s has room for %d blocks (%.2f GB) with the %d found there, not the %d of "
+                        "--pool-ssd-gib: the SSD tier holds %d", tier.root, slots,
+                        slots * self.config.block_bytes / 1e9, len(found), self.config.ssd_slots, slots)
+            self.pool.limit_ssd(slots)
         # The newest files when the limit shrank, restored oldest first (the policy's order).
-        keep = found[-self.config.ssd_slots:] if self.config.ssd_slots else []
+        keep = found[-slots:] if slots else []
         for block in found[:len(found) - len(keep)]:
-            tier.delete(block.key)  # beyond ssd_bytes now
+            self._delete_found(tier, block.key)  # beyond ssd_bytes, or the disk, now
         for block in keep:
             if self.pool.restore_ssd(block.key, block.checksum, now):
                 restored += 1
             else:
-                tier.delete(block.key)
+                self._delete_found(tier, block.key)
         try:
             others = tier.other_layouts()
         except OSError:
@@ -307,6 +311,23 @@ class PoolService:
         self._flush_events()
         if found:
             log.info("KV pool: %d blocks restored from %s", restored, tier.root)
+
+    @staticmethod
+    def _free_slots(tier: SsdTier) -> int:
+        """Block files the disk has room for now, leaving SSD_FREE_HEADROOM of its free space."""
+        try:
+            st = os.statvfs(tier.root)
+        except OSError:
+            return 0
+        return int(st.f_bavail * st.f_frsize * (1 - SSD_FREE_HEADROOM)) // tier.file_bytes
+
+    def _delete_found(self, tier: SsdTier, key: int) -> None:
+        """A file the start-up scan will not restore; one that cannot be deleted is left, said."""
+        try:
+            tier.delete(key)
+        except OSError as exc:
+            self.count("ssd_errors_io")
+            log.warning("KV pool: cannot delete %s (%s); left in place", tier.path(key), exc)
 
     def _execute(self, plan: Plan) -> None:
         """Carry out a plan: copy spills out of their slots and queue the file operations. The
@@ -365,9 +386,18 @@ class PoolService:
         return ok
 
     def _degrade(self, exc: OSError, what: str) -> None:
-        """The SSD tier is unusable: DRAM only from now on, said once, counted each time."""
+        """The SSD tier is unusable: DRAM only from now on, said once, counted each time. A full
+        disk first shrinks the tier to the blocks on it (each later spill then replaces a file),
+        and turns it off only when none is left."""
         reason = "full" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else "unwritable"
         self.count(f"ssd_errors_{reason}")
+        if reason == "full" and self.pool is not None and self.ssd is not None:
+            before, after = self.pool.shrink_ssd()
+            if after > 0:
+                if after < before:
+                    log.warning("KV pool: the disk under %s is full (%s: %s); the SSD tier shrinks from %d to "
+                                "%d blocks", self.ssd.root, what, exc, before, after)
+                return
         with self._lock:
             if self._ssd_off:
                 return

@@ -48,6 +48,7 @@ HEADER = struct.Struct(">8sHHI16sQQQ8x")
 assert HEADER.size == 64
 SUFFIX = ".blk"
 _BLOCK_NAME = re.compile(r"[0-9a-f]{32}" + re.escape(SUFFIX))
+_TMP_NAME = re.compile(r"[0-9a-f]{32}" + re.escape(SUFFIX) + r"\.\d+\.tmp")  # write()'s own temporary names
 
 
 @dataclass(frozen=True)
@@ -89,6 +90,11 @@ class SsdTier:
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
+
+    @property
+    def file_bytes(self) -> int:
+        """One block file's size: the header and the block."""
+        return HEADER.size + self.block_bytes
 
     def path(self, key: int) -> str:
         name = format(key, "032x")
@@ -170,8 +176,8 @@ class SsdTier:
                 path = os.path.join(dirpath, name)
                 if name.startswith("."):  # the tier's own .lock and .probe
                     continue
-                if name.endswith(".tmp"):
-                    _unlink(path)  # a write that never finished
+                if _TMP_NAME.fullmatch(name):
+                    self._drop(path)  # a write of ours that never finished
                     continue
                 block = self._check(path, name)
                 if block is not None:
@@ -197,7 +203,10 @@ class SsdTier:
         # disk before the data).
         ours = (len(head) >= len(MAGIC) and head[:len(MAGIC)] == MAGIC) or (
             len(head) < len(MAGIC) and _BLOCK_NAME.fullmatch(name) is not None)
-        if parsed is None or not name.endswith(SUFFIX) or format(parsed[0], "032x") != name[:-len(SUFFIX)]:
+        # Where write() puts its key, no other place: a block file moved elsewhere in the tree
+        # would be restored and advertised, yet every read (by path(key)) would miss it.
+        if (parsed is None or not name.endswith(SUFFIX) or format(parsed[0], "032x") != name[:-len(SUFFIX)]
+                or path != self.path(parsed[0])):
             if ours and len(head) < HEADER.size:
                 return self._truncated(path, stat.st_size)
             self.skipped["foreign"] += 1
@@ -211,8 +220,17 @@ class SsdTier:
         self.skipped["truncated"] += 1
         log.warning("pool SSD tier: %s is %d B, a block file is %d B (truncated); skipped and deleted",
                     path, size, HEADER.size + self.block_bytes)
-        _unlink(path)
+        self._drop(path)
         return None
+
+    @staticmethod
+    def _drop(path: str) -> None:
+        """Delete a file the scan found to be a dead write of ours; one that cannot be deleted
+        (a read-only or immutable file) is left, said, and skipped: the tier goes on."""
+        try:
+            _unlink(path)
+        except OSError as exc:
+            log.warning("pool SSD tier: cannot delete %s (%s); left in place", path, exc)
 
     def _parse(self, head: bytes) -> tuple[int, int] | None:
         """(key, checksum) of a header of this tier's layout and block size, else None."""

@@ -70,6 +70,7 @@ def parse(*argv: str):
     (["prefill", "--pool-dram-gib", "0", "--pool-ssd-dir", "/tmp"], "a DRAM tier of 0 runs no pool"),
     (["serve", "--pool-ssd-gib", "64"], "runs only with --pool-ssd-dir"),  # was ignored: DRAM only
     (["decode", "--pool-ssd-gib", "8"], "runs only with --pool-ssd-dir"),
+    (["serve", "--pool-ssd-dir", "/tmp", "--pool-ssd-gib", "0"], "an SSD tier of 0 holds nothing"),  # was off, unsaid
     (["decode", "--etcd", "h:2379", "--registry", "etcd://h:2379"], "give --etcd or --registry, not both"),
     (["conductor", "--registry", "memory://"], "memory:// is a registry inside one process"),
     (["prefill", "--registry", "memory://"], "memory:// is a registry inside one process"),

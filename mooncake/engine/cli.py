@@ -102,6 +102,9 @@ def pool_errors(args: argparse.Namespace) -> list[str]:
     if args.pool_ssd_gib is not None and not args.pool_ssd_dir:
         errors.append(f"--pool-ssd-gib {args.pool_ssd_gib:g} sizes an SSD tier, which runs only with --pool-ssd-dir "
                       f"(its directory); without one the pool keeps blocks in DRAM only")
+    if args.pool_ssd_dir and args.pool_ssd_gib == 0:
+        errors.append(f"--pool-ssd-dir {args.pool_ssd_dir} with --pool-ssd-gib 0: an SSD tier of 0 holds nothing; "
+                      f"give it a size, or drop --pool-ssd-dir for a pool in DRAM only")
     if args.pool_ssd_dir and args.pool_dram_gib == 0:
         errors.append(f"--pool-ssd-dir {args.pool_ssd_dir} with --pool-dram-gib 0: a DRAM tier of 0 runs no pool, "
                       f"so no SSD tier either (blocks reach the SSD through DRAM)")

@@ -37,6 +37,14 @@ def test_config_is_checked():
         PoolConfig(dram_bytes=10, block_bytes=100)
     with pytest.raises(ValueError, match=">= 0"):
         PoolConfig(ssd_bytes=-1)
+    for size in (float("nan"), 1.5, True):
+        with pytest.raises(ValueError, match="whole numbers"):
+            PoolConfig(dram_bytes=size)
+    for lease in (float("nan"), float("inf"), 0):  # a NaN lease expired every reservation at once
+        with pytest.raises(ValueError, match="finite"):
+            PoolConfig(reserve_lease_s=lease)
+        with pytest.raises(ValueError, match="finite"):
+            PoolConfig(pin_lease_s=lease)
     with pytest.raises(ValueError, match="block_bytes"):
         BlockPool(PoolConfig())
 

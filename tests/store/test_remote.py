@@ -359,3 +359,19 @@ def test_the_arena_of_a_peer_that_ended_is_unmapped_when_a_new_one_is_mapped(tmp
     arenas.close()
     second.close()
     third.close()
+
+
+def test_closing_a_pool_gives_its_shared_memory_back_and_leaves_no_thread(tmp_path):
+    """The messenger's region table held a view of the arena: its map could not close, and each
+    closed pool kept its shared-memory pages (and its channel's accept thread) for good."""
+    import threading
+
+    before = set(threading.enumerate())
+    service = local_pool(64 << 10, 8)
+    arena = service.arena
+    service.close()
+    assert arena._mmap.closed
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and set(threading.enumerate()) - before:
+        time.sleep(0.05)
+    assert not [t.name for t in set(threading.enumerate()) - before if t.name.startswith("pool-")]

@@ -17,6 +17,13 @@ from store.ssd import HEADER, SsdTier
 from tests.store.service_support import BB, LAYOUT, data, held_bytes, put, service
 
 
+def on_disk(s: PoolService, key: int) -> bool:
+    """Block `key`'s file holds its bytes (read without promoting it: a promotion's spill would
+    evict another block from the tier)."""
+    out = bytearray(BB)
+    return s.ssd.read_into(key, out, checksum(data(key))) and bytes(out) == data(key).tobytes()
+
+
 def test_restart_rebuilds_the_ssd_index(tmp_path):
     first = service(tmp_path)
     for key in range(1, 9):
@@ -108,7 +115,9 @@ def test_read_only_directory_degrades_to_dram_only(tmp_path, caplog):
             target.chmod(0o700)
 
 
-def test_full_disk_while_spilling_degrades_without_losing_correctness(svc, monkeypatch, caplog):
+def test_full_disk_while_spilling_shrinks_then_degrades_without_losing_correctness(svc, monkeypatch, caplog):
+    """The disk takes two files, then nothing: the tier first shrinks to the two on it (a later
+    spill evicts one to write), and goes off once every write fails and none is left."""
     real_write = SsdTier.write
     writes = []
 
@@ -123,32 +132,102 @@ def test_full_disk_while_spilling_degrades_without_losing_correctness(svc, monke
         for key in range(1, 12):
             put(svc, [key])
             svc.flush()
-    assert "DRAM only" in caplog.text
+    assert "shrinks from 16 to 2 blocks" in caplog.text and "DRAM only" in caplog.text
     stats = svc.stats()
-    assert stats["counters"]["ssd_errors_full"] == 1 and not stats["ssd_enabled"]
+    assert stats["counters"]["ssd_errors_full"] >= 2 and not stats["ssd_enabled"]
     assert stats["usage"]["ssd"]["capacity_bytes"] == 0
     assert svc.lookup([8, 9, 10, 11]) == ["dram"] * 4
     assert held_bytes(svc, [8, 9, 10, 11]) == [True] * 4
     assert svc.lookup([1]) == []  # what was on disk is no longer offered
 
 
-def test_a_real_full_filesystem_degrades(tmp_path, caplog):
-    """A tmpfs of 64 KiB holds a few 8 KiB blocks, then the disk is really full."""
+def test_a_disk_that_fills_keeps_the_tier_at_what_fits(svc, monkeypatch, caplog):
+    """Another process takes the disk's room once three of our files are on it: the tier holds
+    three from then on, each spill replacing the oldest, and stays on."""
+    real_write = SsdTier.write
+    full = {"on": False}
+
+    def write(self, key, data_, digest):
+        files = sum(name.endswith(".blk") for _, _, names in os.walk(self.root) for name in names)
+        if full["on"] and files >= 3:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_write(self, key, data_, digest)
+
+    monkeypatch.setattr(SsdTier, "write", write)
+    with caplog.at_level(logging.WARNING):
+        for key in range(1, 8):  # DRAM holds 4: keys 1-3 spill
+            put(svc, [key])
+            svc.flush()
+        full["on"] = True
+        for key in range(8, 16):
+            put(svc, [key])
+            svc.flush()
+    stats = svc.stats()
+    assert stats["ssd_enabled"] and stats["usage"]["ssd"]["capacity_bytes"] == 3 * BB
+    assert "shrinks from 16 to 3 blocks" in caplog.text and "DRAM only" not in caplog.text
+    on_ssd = [key for key in range(1, 16) if svc.lookup([key]) == ["ssd"]]
+    assert len(on_ssd) == 3 and on_ssd[-1] == 11  # the newest spills, each the oldest's place
+    assert all(on_disk(svc, key) for key in on_ssd)
+
+
+def test_a_tier_bigger_than_the_free_disk_is_cut_to_it_at_start(tmp_path, monkeypatch, caplog):
+    """--pool-ssd-gib beyond the disk's free space would fill the disk: the tier starts at what
+    fits (leaving a tenth of the free space), with a warning."""
+    monkeypatch.setattr(os, "statvfs", lambda path: type("St", (), {"f_bavail": 5, "f_frsize": 10 * (BB + 64)})())
+    with caplog.at_level(logging.WARNING):
+        s = service(tmp_path, ssd_blocks=1000)
+    try:
+        assert s.stats()["usage"]["ssd"]["capacity_bytes"] == 45 * BB
+        assert "room for 45 blocks" in caplog.text
+    finally:
+        s.close()
+
+
+def test_a_file_the_restart_cannot_delete_is_left_and_the_pool_starts(tmp_path, monkeypatch, caplog):
+    first = service(tmp_path)
+    for key in range(1, 9):
+        put(first, [key])
+    first.close()  # keys 1-4 are on SSD
+
+    def refuse(self, key):
+        raise PermissionError(errno.EPERM, "Operation not permitted", self.path(key))
+
+    monkeypatch.setattr(SsdTier, "delete", refuse)
+    with caplog.at_level(logging.WARNING):
+        second = PoolService(PoolConfig(dram_bytes=4 * BB, ssd_dir=str(tmp_path / "ssd"), ssd_bytes=2 * BB),
+                             remote=False).start()
+        second.configure(BB, LAYOUT)  # raised PermissionError: the worker ran without a pool
+    try:
+        assert second.stats()["ssd_enabled"]
+        assert sum(second.lookup([key]) == ["ssd"] for key in range(1, 5)) == 2
+        assert "cannot delete" in caplog.text
+    finally:
+        second.close()
+
+
+def test_a_real_small_filesystem_holds_what_fits(tmp_path, caplog):
+    """A tmpfs of 64 KiB holds a few 8 KiB blocks: the tier is cut to them at start, and the
+    disk's real fullness never turns it off."""
     target = tmp_path / "tiny"
     target.mkdir()
     if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs",
                                             str(target)]).returncode:
         pytest.skip("mounting a small tmpfs needs root")
+    s = None
     try:
-        s = service(ssd_dir=str(target), dram_blocks=2, ssd_blocks=64)
         with caplog.at_level(logging.WARNING):
+            s = service(ssd_dir=str(target), dram_blocks=2, ssd_blocks=64)
             for key in range(1, 30):
                 put(s, [key])
                 s.flush()
-        assert "DRAM only" in caplog.text and s.stats()["counters"]["ssd_errors_full"] >= 1
+        # It started at what the disk holds, and stays on: each spill replaces the oldest file.
+        assert "room for" in caplog.text and s.stats()["ssd_enabled"]
+        on_ssd = [key for key in range(1, 30) if s.lookup([key]) == ["ssd"]]
+        assert on_ssd and all(on_disk(s, key) for key in on_ssd)
         assert held_bytes(s, [28, 29]) == [True, True]
-        s.close()
     finally:
+        if s is not None:
+            s.close()
         subprocess.run(["umount", str(target)])
 
 
@@ -195,7 +274,9 @@ def test_a_second_pool_on_the_same_ssd_directory_runs_dram_only(tmp_path, caplog
 
 
 def test_an_ssd_tier_too_small_for_one_block_is_off_with_a_warning(tmp_path, caplog):
-    s = service(tmp_path, ssd_blocks=0.5)
+    s = PoolService(PoolConfig(dram_bytes=4 * BB, ssd_dir=str(tmp_path / "ssd"), ssd_bytes=BB // 2),
+                    remote=False).start()
+    s.configure(BB, LAYOUT)
     try:
         assert s.ssd is None and s.stats()["ssd_enabled"] is False
         assert any("cannot hold one block" in r.getMessage() and r.levelname == "WARNING" for r in caplog.records)

@@ -80,6 +80,27 @@ def test_truncated_foreign_and_other_layout_files_are_skipped_with_a_warning(tmp
     assert tier(tmp_path, layout="model-b").scan() == []  # another layout sees none of them
 
 
+def test_a_block_file_moved_out_of_its_place_and_foreign_tmp_files_are_left_alone(tmp_path, caplog):
+    """A valid block anywhere but path(key) was restored and advertised, yet no read finds it; a
+    *.tmp not of the writer's own naming was deleted as ours."""
+    t = tier(tmp_path)
+    t.write(7, block(7), checksum(block(7)))
+    moved = os.path.join(t.root, os.path.basename(t.path(7)))  # the layout's root, not its key's folder
+    os.rename(t.path(7), moved)
+    theirs = os.path.join(t.root, "download.tmp")
+    with open(theirs, "wb") as f:
+        f.write(b"x")
+    ours = t.path(8) + ".4242.tmp"
+    os.makedirs(os.path.dirname(ours), exist_ok=True)
+    with open(ours, "wb") as f:
+        f.write(b"half a block")
+    t.close()
+    with caplog.at_level(logging.WARNING):
+        assert tier(tmp_path).scan() == []
+    assert "foreign" in caplog.text
+    assert os.path.exists(moved) and os.path.exists(theirs) and not os.path.exists(ours)
+
+
 def test_a_directory_that_cannot_be_made_raises_oserror(tmp_path):
     (tmp_path / "file").write_text("not a directory")
     with pytest.raises(OSError):
