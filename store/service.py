@@ -10,9 +10,10 @@ It owns the index (store/pool.py), the DRAM arena (store/arena.py), the SSD tier
 The arena is created when the first connector attaches (`configure`): only the engine knows
 the KV layout, hence the bytes of a block. Until then lookups answer nothing held.
 
-Faults never crash the pool: an SSD directory that is not writable, or a disk that fills up,
-turns the pool DRAM-only with one warning and a counter (`ssd_errors`); a block that fails its
-checksum on the way back from disk is a miss (counted as `corrupt`), and the caller recomputes.
+Faults never crash the pool: an SSD directory that is not writable turns the pool DRAM-only with
+one warning and a counter (`ssd_errors_unwritable`); a disk that fills up shrinks the SSD tier to
+the blocks on it (`ssd_errors_full`), and turns it off only when none is left; a block that fails
+its checksum on the way back from disk is a miss (counted as `corrupt`), and the caller recomputes.
 """
 
 from __future__ import annotations
