@@ -78,11 +78,11 @@ class MooncakeServeConnector(KVConnectorBase_V1):
         # With a cluster token, every KV connection proves a key derived from it (messenger/handshake.py).
         auth_key = extra.get("kv_auth_key")
         timeout_s = float(extra.get("kv_timeout_s", defaults.KV_TRANSFER_TIMEOUT_S))
+        transports = defaults.kv_transports(extra.get("kv_transports"))
         config = EngineConfig(host=str(extra.get("kv_host", "127.0.0.1")), port=int(extra.get("kv_port", 0)),
                               advertise_host=extra.get("kv_advertise_host") or None,
                               timeout_s=timeout_s, auth_key=bytes.fromhex(auth_key) if auth_key else None,
-                              transports=defaults.kv_transports(extra.get("kv_transports")),
-                              rdma=RdmaConfig.from_env())
+                              transports=transports, rdma=RdmaConfig.from_env() if "rdma" in transports else None)
         self._engine = TransferEngine(f"kv-{socket.gethostname()}-{os.getpid()}", config)
         self._fault_flip = int(extra.get("kv_fault_flip") or os.environ.get("MOONCAKE_KV_FAULT_FLIP", 0))
         self._sender = KVSender(self._engine, timeout_s=timeout_s)

@@ -145,7 +145,13 @@ class PoolPlanner:
                 log.log(logging.DEBUG if isinstance(exc, PoolSilent) else logging.WARNING,
                         "pool lookup failed (%s); computing the prompt", exc)
                 return 0, False
-            fetch = self._fetch_of(request)
+            # A resumed request may hold its blocks past its end for transfers from before its
+            # preemption (pool saves, KV pushes); an asynchronous load would be a second hold,
+            # which vLLM does not take: an abort during the load frees the blocks at the first
+            # report while the load still writes them, and its own report then fails vLLM's
+            # scheduler. Such a request loads only what DRAM holds (synchronous) and computes the rest.
+            resumed = getattr(request, "num_preemptions", 0) > 0
+            fetch = None if resumed else self._fetch_of(request)
             if fetch is not None:
                 remote_end = min(fetch.num_tokens // self._block_size, end)
                 if remote_end - start > len(tiers):  # the other node has more: bring it here
@@ -157,6 +163,10 @@ class PoolPlanner:
             # Not pinned here: the worker half pins them when it reads them, on its own line to the
             # pool, and unpins them once copied. A block evicted in between is reported as not loaded
             # and vLLM recomputes it.
+            if resumed and not all(t == DRAM for t in tiers):
+                tiers = tiers[:next(i for i, t in enumerate(tiers) if t != DRAM)]  # the DRAM-held lead
+                if not tiers:
+                    return 0, False
             hit = _Hit(start, tuple(keys[:len(tiers)]), all(t == DRAM for t in tiers))
             self._hits[request.request_id] = hit
         return len(hit.keys) * self._block_size, not hit.in_dram

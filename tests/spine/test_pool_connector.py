@@ -34,6 +34,7 @@ class FakeRequest:
     kv_transfer_params: dict | None = None
 
     num_output_tokens: int = 0
+    num_preemptions: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -378,11 +379,26 @@ def test_a_fetch_instruction_loads_the_other_pools_prefix_asynchronously_once(se
     assert [(l.block_ids, l.sync, l.peer) for l in loads] == [((0, 1, 2), False, "{}")]
     assert planner.matched_tokens(req, 0) == (0, False)  # after a failed load vLLM recomputes: no retry
     assert planner.finished(req) == (False, 3 * BS)  # what it loaded: its prefill time is no compute sample
-    # A request preempted after its first token loads again, but its prefill was measured before.
-    resumed = FakeRequest("g", list(range(4 * BS)), params, num_output_tokens=2)
-    assert planner.matched_tokens(resumed, 0) == (3 * BS, True)
-    planner.after_alloc(resumed, blocks_of([4, 5, 6, 7]), 3 * BS)
+    # A request preempted after its first token fetches nothing (an asynchronous load of a
+    # resumed request: see the next test), and its prefill was measured before.
+    resumed = FakeRequest("g", list(range(4 * BS)), params, num_output_tokens=2, num_preemptions=1)
+    assert planner.matched_tokens(resumed, 0) == (0, False)
     assert planner.finished(resumed) == (False, 0)
+
+
+def test_a_resumed_request_loads_only_what_dram_holds(service, monkeypatch):
+    """A preempted request may hold its blocks past its end for its earlier saves or pushes. An
+    asynchronous load (SSD blocks, a fetch) would be a second hold: aborted during it, vLLM freed
+    the blocks at the saves' report while the load still wrote into them, and the load's own
+    report then failed vLLM's scheduler (an audit's repro). It loads the DRAM-held lead only,
+    synchronously, and computes the rest."""
+    planner = PoolPlanner(PoolClient(service.endpoint), BS)
+    monkeypatch.setattr(planner._client, "lookup", lambda keys: ["dram", "ssd", "ssd"][:len(keys)])
+    tokens = list(range(4 * BS))
+    assert planner.matched_tokens(FakeRequest("new", tokens), 0) == (3 * BS, True)  # a new one waits for SSD
+    assert planner.matched_tokens(FakeRequest("back", tokens, num_preemptions=1), 0) == (BS, False)
+    monkeypatch.setattr(planner._client, "lookup", lambda keys: ["ssd"] * len(keys))
+    assert planner.matched_tokens(FakeRequest("again", tokens, num_preemptions=2), 0) == (0, False)
 
 
 def test_the_conductor_fetches_only_from_a_holder_whose_pool_it_can_reach():
