@@ -27,8 +27,11 @@ thread and the engine's own thread all touch it.
 from __future__ import annotations
 
 import bisect
+import logging
 import threading
 from dataclasses import dataclass, field
+
+log = logging.getLogger("vllm.mooncake." + __name__)
 
 ALIGN = 4096  # slots start on page boundaries (a GPU or NIC registration likes them there)
 
@@ -147,7 +150,14 @@ class KVStaging:
                              f"[{first_block}, +{num_blocks}), {block_bytes} B per block")
         with self._lock:
             size = num_layers * num_blocks * block_bytes
-            offset = self._arena.alloc(size)  # before the old slot goes: never the same offset
+            try:
+                offset = self._arena.alloc(size)  # before the old slot goes: never the same offset
+            except StagingFull:
+                # Expiry runs at engine steps, and an idle decode worker does not step: what
+                # expired since (abandoned transfers, quarantined slots) is freed here first.
+                for expired in self._expire_locked(now):
+                    log.warning("dropped unclaimed KV transfer %s after its TTL, to make room", expired)
+                offset = self._arena.alloc(size)
             old = self._transfers.get(transfer_id)
             if old is not None:
                 self._release(old, now)
@@ -222,22 +232,26 @@ class KVStaging:
         Each leaves a tombstone for another TTL (a pull of it fails at once, no wait for a
         timeout); a tombstone, or a failure without a slot, is then forgotten."""
         with self._lock:
-            idle = [t for t, e in self._transfers.items() if now - e.active_at > self._config.ttl_s]
-            expired = []
-            for transfer_id in idle:
-                entry = self._transfers.pop(transfer_id)
-                if entry.offset < 0:
-                    continue
-                expired.append(transfer_id)
-                self._release(entry, now)
-                error = entry.error or f"dropped: nothing happened to it for {self._config.ttl_s:g} s (staging TTL)"
-                self._transfers[transfer_id] = StagedTransfer(transfer_id, 0, 0, 0, 1, offset=-1, active_at=now,
-                                                              error=error)
-            held = [q for q in self._quarantine if q[0] > now]
-            for _, offset, nbytes in (q for q in self._quarantine if q[0] <= now):
-                self._arena.free(offset, nbytes)
-            self._quarantine = held
-            return expired
+            return self._expire_locked(now)
+
+    def _expire_locked(self, now: float) -> list[str]:
+        """expire's work; the caller holds the lock."""
+        idle = [t for t, e in self._transfers.items() if now - e.active_at > self._config.ttl_s]
+        expired = []
+        for transfer_id in idle:
+            entry = self._transfers.pop(transfer_id)
+            if entry.offset < 0:
+                continue
+            expired.append(transfer_id)
+            self._release(entry, now)
+            error = entry.error or f"dropped: nothing happened to it for {self._config.ttl_s:g} s (staging TTL)"
+            self._transfers[transfer_id] = StagedTransfer(transfer_id, 0, 0, 0, 1, offset=-1, active_at=now,
+                                                          error=error)
+        held = [q for q in self._quarantine if q[0] > now]
+        for _, offset, nbytes in (q for q in self._quarantine if q[0] <= now):
+            self._arena.free(offset, nbytes)
+        self._quarantine = held
+        return expired
 
     def _release(self, entry: StagedTransfer, now: float) -> None:
         if entry.offset < 0:

@@ -220,3 +220,16 @@ def test_a_pull_of_a_prompt_the_decode_worker_already_caches_frees_the_staged_kv
     worker._get_connector_metadata = lambda: ServeConnectorMetadata(unclaimed=["t-cached"])
     worker.start_load_kv(None)
     assert r.consumer.stats()["staged_bytes"] == 0
+
+
+def test_an_idle_decode_worker_frees_expired_staging_for_the_next_reservation(clock):
+    """Expiry ran only at engine steps, and an idle decode worker does not step: a push abandoned
+    half-landed kept its (quarantined) slot for good, and the next prefill's reservation was
+    refused as StagingFull, its prompt recomputed."""
+    r = receiver(ttl_s=120.0)  # a 1 MiB arena
+    n = (1 << 20) // (LAYERS * BLOCK_BYTES) - 8  # one transfer fills most of it
+    slot = reserve(r, "abandoned", n)
+    push_layer(r, "abandoned", slot, 0, n)  # its other layers never come (the client left)
+    r.consumer.drop("abandoned")  # the conductor's drop: the slot is quarantined for the TTL
+    clock.now += 3600  # an hour later, with no engine step in between
+    reserve(r, "next", n)  # StagingFull before
