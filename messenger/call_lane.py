@@ -28,6 +28,7 @@ handshake (messenger/handshake.py) runs on every lane when the engine has an aut
 from __future__ import annotations
 
 import logging
+import select
 import socket
 import struct
 import threading
@@ -227,6 +228,8 @@ class LaneClient:
             # half-closed) for the life of this thread, one more per restart.
             self._drop(lanes, peer, lane)
             lane = None
+        if lane is None:
+            self._drop_closed(lanes)
         if lane is None and self._unreachable.get(address, 0.0) > time.monotonic():
             raise LaneUnreachable(f"call to {peer}: its lanes at {address} were unreachable moments ago")
         for attempt in (0, 1):
@@ -288,6 +291,22 @@ class LaneClient:
         for s in ended:
             s.close()
         return _Lane(sock, address)
+
+    def _drop_closed(self, lanes: dict[str, _Lane]) -> None:
+        """Close this thread's lanes whose callee has closed its end (a peer that exited): an idle
+        lane has nothing to read, so a readable one is at its end. A restarted peer comes back
+        under a new name (its pid is in it), and its old lanes would stay open for the life of
+        this thread, one per restart. Runs only before a new lane is opened."""
+        if not lanes:
+            return
+        poller = select.poll()
+        by_fd = {}
+        for peer, lane in lanes.items():
+            poller.register(lane.sock, select.POLLIN | select.POLLHUP | select.POLLERR)
+            by_fd[lane.sock.fileno()] = peer
+        for fd, _ in poller.poll(0):
+            peer = by_fd[fd]
+            self._drop(lanes, peer, lanes[peer])
 
     def _drop(self, lanes: dict[str, _Lane], peer: str, lane: _Lane) -> None:
         if lanes.get(peer) is lane:

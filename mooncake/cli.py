@@ -234,8 +234,9 @@ def _start_pool(config):
     # Other nodes fetch blocks from this pool through the messenger (Algorithm 1's fetch_from),
     # proving the key derived from the cluster token, like the KV socket; each block carries its
     # own checksum, so the messenger's per-slice one is off.
+    transports = defaults.kv_transports()
     messenger = replace(EngineConfig(), host=config.kv_host, advertise_host=config.advertise_host, checksums=False,
-                        transports=defaults.kv_transports(), rdma=RdmaConfig.from_env(),
+                        transports=transports, rdma=RdmaConfig.from_env() if "rdma" in transports else None,
                         auth_key=kv_key(config.cluster_token) if config.cluster_token else None)
     return PoolService(pool, remote=True, engine_config=messenger).start()
 

@@ -152,17 +152,18 @@ def test_the_lanes_of_threads_that_ended_are_closed():
         _close(p)
 
 
-def test_a_peer_restarted_at_another_address_leaves_no_lane_behind():
-    """Lanes were kept per address: each restart of a peer (a new call port) left this thread one
-    more half-closed socket, for the life of the thread."""
+@pytest.mark.parametrize("renamed", [False, True], ids=["same-name", "new-name"])
+def test_a_restarted_peer_leaves_no_lane_behind(renamed):
+    """Each restart of a peer (a new call port; a KV engine's name carries its pid, so a new name
+    too) left this thread one more half-closed socket, for the life of the thread."""
     caller = TransferEngine("caller", EngineConfig(transports=("tcp",)))
     caller.start()
     try:
-        for _ in range(3):
-            peer = TransferEngine("peer", EngineConfig(transports=("tcp",)))
+        for i in range(3):
+            peer = TransferEngine(f"peer-{i}" if renamed else "peer", EngineConfig(transports=("tcp",)))
             caller.add_peer(peer.start(on_call=lambda who, request: b"ok"))
             try:
-                assert caller.call("peer", b"x") == b"ok"
+                assert caller.call(peer.name, b"x") == b"ok"
             finally:
                 peer.close()
         assert len(caller._lane_client._all) == 1
