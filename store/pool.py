@@ -340,11 +340,12 @@ class BlockPool:
             self._ssd_capacity = min(self._ssd_capacity, max(slots, 0))
 
     def shrink_ssd(self) -> tuple[int, int]:
-        """The disk is full: hold no more SSD blocks than are on it now, so each later spill
-        evicts a file first. Returns (the capacity before, after); 0 after: turn the tier off."""
+        """The disk is full: hold no more SSD blocks than the tier has now (on disk, or on their
+        way: the failed write's entry is gone already), so each later spill evicts a file first.
+        Returns (the capacity before, after); 0 after: turn the tier off."""
         with self._lock:
             before = self._ssd_capacity
-            self._ssd_capacity = min(before, sum(1 for entry in self._ssd.values() if entry.ready))
+            self._ssd_capacity = min(before, len(self._ssd))
             return before, self._ssd_capacity
 
     def disable_ssd(self) -> Plan:

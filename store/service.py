@@ -284,7 +284,15 @@ class PoolService:
         self.ssd = tier
         now = self._clock()
         restored = 0
+        # Every pool on this filesystem sees the same free space (serve's workers share one
+        # --pool-ssd-dir): each may take it, and a disk that fills later shrinks the tiers.
         slots = min(self.config.ssd_slots, len(found) + self._free_slots(tier))
+        if slots == 0:
+            log.warning("KV pool: %s has no room for a block of %d B; the SSD tier is off, DRAM only",
+                        tier.root, self.config.block_bytes)
+            self.ssd = None
+            self.pool.disable_ssd()
+            return
         if slots < self.config.ssd_slots:
             log.warning("KV pool: %s has room for %d blocks (%.2f GB) with the %d found there, not the %d of "
                         "--pool-ssd-gib: the SSD tier holds %d", tier.root, slots,

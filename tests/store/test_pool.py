@@ -274,3 +274,16 @@ def test_the_end_of_an_earlier_spill_of_a_key_does_not_mark_its_later_spill_writ
     assert pool.lookup([k]) == [Tier.SSD] and not pool._ssd[k].ready  # still waiting for its own write
     assert pool.ssd_written(k, False, spill2.seq).ssd_deletes == [k]  # spill #2 failed: gone
     assert pool.lookup([k]) == []
+
+
+def test_a_full_disk_shrinks_the_tier_to_what_it_holds_written_or_on_its_way():
+    """Counting only the files already written shrank the tier below what the spills still queued
+    would hold, and each later ENOSPC ratcheted it further down (to 1, with 12 blocks held)."""
+    pool = make(dram_blocks=2, ssd_blocks=8)
+    spills = [s for k in range(1, 7) for s in put(pool, [k]).plan.spills]  # keys 1-4 go to disk
+    assert [s.key for s in spills] == [1, 2, 3, 4]
+    pool.ssd_written(1, True)
+    pool.ssd_written(2, True)
+    pool.ssd_written(3, False)  # ENOSPC: gone from the tier; 4 is still on its way
+    assert pool.shrink_ssd() == (8, 3)
+    assert pool.usage()[Tier.SSD.value]["capacity_bytes"] == 3 * BB

@@ -173,12 +173,27 @@ def test_a_disk_that_fills_keeps_the_tier_at_what_fits(svc, monkeypatch, caplog)
 def test_a_tier_bigger_than_the_free_disk_is_cut_to_it_at_start(tmp_path, monkeypatch, caplog):
     """--pool-ssd-gib beyond the disk's free space would fill the disk: the tier starts at what
     fits (leaving a tenth of the free space), with a warning."""
-    monkeypatch.setattr(os, "statvfs", lambda path: type("St", (), {"f_bavail": 5, "f_frsize": 10 * (BB + 64)})())
+    real_statvfs, free = os.statvfs, {"blocks": 5}
+
+    def statvfs(path):  # the SSD directory's disk only: the arena's /dev/shm is sized for real
+        if not str(path).startswith(str(tmp_path)):
+            return real_statvfs(path)
+        return type("St", (), {"f_bavail": free["blocks"], "f_frsize": 10 * (BB + 64)})()
+
+    monkeypatch.setattr(os, "statvfs", statvfs)
     with caplog.at_level(logging.WARNING):
         s = service(tmp_path, ssd_blocks=1000)
     try:
         assert s.stats()["usage"]["ssd"]["capacity_bytes"] == 45 * BB
         assert "room for 45 blocks" in caplog.text
+    finally:
+        s.close()
+    free["blocks"] = 0  # no room at all: off, said, not on with nothing
+    with caplog.at_level(logging.WARNING):
+        s = service(tmp_path / "other", ssd_blocks=1000)
+    try:
+        assert not s.stats()["ssd_enabled"] and "no room for a block" in caplog.text
+        put(s, list(range(1, 9)))  # DRAM only: nothing spills, nothing fails
     finally:
         s.close()
 
