@@ -98,14 +98,27 @@ def main() -> int:
                    help="flexible: serve's defaults (flexible roles, conditional disaggregation); fixed: neither")
     p.add_argument("--sim-seeds", type=int, default=5, help="noise seeds the simulation is averaged over")
     p.add_argument("--noise", type=float, default=0.1, help="the simulator's lognormal sigma per duration")
+    p.add_argument("--replay", action="store_true",
+                   help="run no live cluster: simulate again the live run saved in the output folder (its "
+                        "bench.json, estimators.json and routes.json), e.g. after a change to the simulator")
     args = p.parse_args()
-    model = str(ensure_model())
     out_dir = ROOT / "benchmarks" / "out" / f"sim-live-{args.dtype}-{args.roles}"
+    bench_out = out_dir / "bench.json"
+    if args.replay:
+        try:
+            doc = json.loads((out_dir / "estimators.json").read_text())
+            routes_file = out_dir / "routes.json"
+            live_routes = json.loads(routes_file.read_text()) if routes_file.exists() else {}
+            bench_out.stat()
+        except OSError as exc:
+            print(f"--replay: no saved live run in {out_dir}: {exc}", file=sys.stderr)
+            return 2
+        return report(args, doc, live_routes, bench_out, out_dir)
+    model = str(ensure_model())
     out_dir.mkdir(parents=True, exist_ok=True)
     token_file = out_dir / "cluster-token"
     token_file.write_text(secrets.token_hex(16))
     token_file.chmod(0o600)
-    bench_out = out_dir / "bench.json"
     extra = ["--ttft-slo", str(args.ttft_slo), "--tbt-slo", str(args.tbt_slo), "--cluster-token-file", str(token_file)]
     if args.roles == "fixed":
         extra += ["--no-flexible-roles", "--no-conditional-disaggregation"]
@@ -124,6 +137,13 @@ def main() -> int:
         live_routes = routes_from_metrics(httpx.get(url.removesuffix("/v1") + "/metrics", timeout=10).text)
     doc = fitted.json()
     (out_dir / "estimators.json").write_text(json.dumps(doc, indent=1))
+    (out_dir / "routes.json").write_text(json.dumps(live_routes))
+    return report(args, doc, live_routes, bench_out, out_dir)
+
+
+def report(args: argparse.Namespace, doc: dict, live_routes: dict, bench_out: Path, out_dir: Path) -> int:
+    """Simulate each rate's measured requests with the cluster's fitted profile; print and save
+    live against simulated attainment."""
     prefill_scale, decode_scale = cluster_scales(doc)
     profile = fitted_profile(load_profile(doc["profile"]), prefill_scale, decode_scale)
     runs = json.loads(bench_out.read_text())["runs"]

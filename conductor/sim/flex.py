@@ -4,16 +4,18 @@ every instance may prefill and decode, and its label ("p" or "d") is only a cost
 Each node is one engine, as vLLM runs it (docs/SCHEDULER.md, flexible roles):
   - a FIFO of prompts to prefill (its own requests' and those whose KV goes to another node) and a
     continuous batch of sequences decoding, both stepped by one engine;
-  - a step with a running batch computes at most `chunk_tokens` of the prompt at the head of the
-    FIFO plus one token of every running sequence, so the step is a gap between those
-    sequences' tokens; a step without a batch computes the rest of the prompt whole (the
-    scheduler prices it so: chunks matter only as gaps in somebody's tokens);
+  - a step with a running batch, or with sequences on their way to the node, computes at most
+    `chunk_tokens` of the prompt at the head of the FIFO plus one token of every running
+    sequence, so the step is a gap between those sequences' tokens; otherwise a step computes
+    the rest of the prompt whole (the scheduler prices both so: policies.chunked_prefill_s);
   - a prompt that fetches its prefix from another node starts once the blocks are there
     (Simulation's link model), and holds the FIFO until then, as on a fixed-roles prefill node;
   - a finished prompt's KV reaches its decode node kv_handoff_s later, or joins this node's own
     batch at once; decode admission, holds, KV room and the decode-time meter are Simulation's.
 The scheduler sees each node's queue (predicted seconds, drained at one second per second from a
-prompt's start, as the live ledger drains), its batch, and the sequences on their way to it.
+prompt's start; the live ledger starts the clock when the prompt reaches the head of the queue,
+which differs only while the head waits for a fetched prefix), its batch, and the sequences on
+their way to it.
 """
 
 from __future__ import annotations
@@ -100,7 +102,10 @@ class FlexSimulation(Simulation):
             self._begin_prompt(node, now)
         job = node.current
         if job is not None:
-            end = min(job.prefill_done + node.chunk_tokens, job.prompt) if batch else job.prompt
+            # In chunks while a batch runs or sequences are on their way here (they join between
+            # chunks), as the scheduler prices it (policies.chunked_prefill_s); else whole.
+            chunked = batch or any(rid != job.rid for rid in node.incoming)
+            end = min(job.prefill_done + node.chunk_tokens, job.prompt) if chunked else job.prompt
             chunk_s = self.cost.prefill_s(end, job.prefill_done)
             job.prefill_actual_s += chunk_s
             node.busy_s += chunk_s
