@@ -68,9 +68,10 @@ class PushPlanner:
         self._kv_cache_manager: KVCacheManager | None = None
         self._pushes: dict[str, _Push] = {}  # producer requests whose final step is not planned yet
         self._streamed: set[str] = set()  # requests with at least one SaveSpec: the worker tracks them
-        # Of the streamed requests: their transfer and the end of the blocks planned so far (kept
-        # past the final step, for blocks vLLM reports invalid after they went: `invalid_blocks`).
-        self._planned: dict[str, tuple[str, int]] = {}
+        # Of the streamed requests: their transfer, the end of the blocks planned so far and the
+        # block ids they were planned from (kept past the final step, for blocks vLLM reports
+        # invalid after they went: `invalid_blocks`).
+        self._planned: dict[str, tuple[str, int, tuple[int, ...]]] = {}
 
     def bind_kv_cache_manager(self, manager: "KVCacheManager") -> None:
         self._kv_cache_manager = manager
@@ -99,7 +100,8 @@ class PushPlanner:
             if spec is not None:
                 saves.append(spec)
                 self._streamed.add(req_id)
-                self._planned[req_id] = (spec.transfer_id, push.next_block)
+                self._planned[req_id] = (spec.transfer_id, push.next_block,
+                                         tuple(self._block_ids(req_id)[:push.next_block]))
                 if spec.final:
                     del self._pushes[req_id]
         return saves
@@ -131,8 +133,11 @@ class PushPlanner:
         if not block_ids:
             return []
         hit = []
-        for req_id, (transfer_id, planned_end) in self._planned.items():
-            ids = self._block_ids(req_id)  # none once freed
+        for req_id, (transfer_id, planned_end, planned_ids) in self._planned.items():
+            # None once freed or preempted: with async scheduling (vLLM's default on GPU) the next
+            # step may preempt a request before this step's failed loads are reported; its pushes
+            # still ran over the blocks they were planned from.
+            ids = self._block_ids(req_id) or planned_ids
             first_bad = next((i for i, b in enumerate(ids) if b in block_ids), None)
             if first_bad is not None and first_bad < planned_end:
                 hit.append((req_id, transfer_id))

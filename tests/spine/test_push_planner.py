@@ -119,6 +119,17 @@ def test_pushes_that_carried_kv_computed_over_a_block_that_failed_to_load_are_na
     assert planner.invalid_blocks({8}) == []
 
 
+def test_a_push_of_a_request_preempted_before_the_failure_is_reported_is_named_too():
+    """Async scheduling plans the next step, which may preempt the request (its block table then
+    empty), before this step's failed loads reach the scheduler: the push went over them all the
+    same, and was not failed (the decode side took KV computed over the bad block)."""
+    table = {"a": [7, 8, 9]}
+    planner = planner_with(table, request("a", 10))
+    step(planner, new=[("a", 8)], scheduled={"a": 2})
+    table["a"] = []  # preempted: its blocks went back
+    assert planner.invalid_blocks({8}) == [("a", "t-a")]
+
+
 def test_the_connector_carries_invalidated_pushes_from_the_scheduler_to_the_worker():
     """The glue in kv_connector/connector.py: vLLM's update_connector_output (invalid blocks of
     the last step) -> the next step's metadata -> the worker's sender, before the forward."""
