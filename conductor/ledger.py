@@ -55,13 +55,17 @@ class Ledger:
             del self.prefill_jobs[request_id]
 
     def assign(self, request_id: str, prefill: "Ledger", predicted_prefill_s: float, arrival_s: float,
-               kv_tokens: int, tbt_slo_s: float | None = None, max_tokens: int | None = None) -> None:
+               kv_tokens: int, tbt_slo_s: float | None = None, max_tokens: int | None = None,
+               sequence: bool = True) -> None:
         """Record a decision: prefill work on `prefill` (may be self), a sequence coming here.
         tbt_slo_s: the request's own TBT SLO, which later requests joining this batch must keep.
-        max_tokens: the most it will generate (the forecast's cap on how long it stays)."""
+        max_tokens: the most it will generate (the forecast's cap on how long it stays).
+        sequence: False for an answer that ends at its prefill on another instance, which never
+        joins this batch (the core's Request.ends_at_prefill): only the prefill job is queued."""
         ahead = prefill._queue_job(request_id, predicted_prefill_s, arrival_s)
-        self.incoming[request_id] = DecodeSeq(arrival_s + ahead + predicted_prefill_s, kv_tokens,
-                                              tbt_slo_s=tbt_slo_s, max_tokens=max_tokens)
+        if sequence:
+            self.incoming[request_id] = DecodeSeq(arrival_s + ahead + predicted_prefill_s, kv_tokens,
+                                                  tbt_slo_s=tbt_slo_s, max_tokens=max_tokens)
 
     def _queue_job(self, request_id: str, predicted_prefill_s: float, now: float) -> float:
         """Queue a prefill job here at `now`; returns the predicted seconds queued ahead of it."""

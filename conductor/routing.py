@@ -80,6 +80,8 @@ class Route:
     fetch: FetchParams | None = None  # Algorithm 1's fetch_from, for the prefill worker
     decided_at: float = 0.0  # when the router picked it (the start of the TTFT it predicted)
     ttft_residual: float = 1.0  # the prefill instance's TTFT residual in that prediction
+    ends_at_prefill: bool = False  # the prefill's token is the whole answer: it never decodes
+    moved: bool = False  # another worker took its decode over (its TTFT then includes the failure)
 
     @property
     def colocated(self) -> bool:
@@ -163,7 +165,7 @@ class Router:
                      limits_for(request, self.scheduler.config).ttft_s)
         route = Route(handles[result.prefill_instance], handles[result.decode_instance], request_id, result,
                       blocks=hashes, decode_held_blocks=self.index.match(hashes).get(result.decode_instance, 0),
-                      fetch=fetch_params(result, handles))
+                      fetch=fetch_params(result, handles), ends_at_prefill=ends_at_prefill)
         return self._commit(route, prompt, max_tokens, now, result.cached_prefix_tokens, slo.tbt_s)
 
     def _commit(self, route: Route, prompt: list[int], max_tokens: int, now: float, cached: int,
@@ -172,8 +174,10 @@ class Router:
         route.decided_at, route.ttft_residual = now, self.calibration.ttft_residual(route.prefill.name)
         seconds = predicted_prefill_s(self.scheduler.estimators, len(prompt), cached,
                                       self.calibration.scales(route.prefill.name)[0])
+        # A one-token answer prefilled elsewhere never joins the decode batch (colocated, its
+        # prompt's KV still takes the room there), as the core admitted it.
         route.decode.ledger.assign(route.request_id, route.prefill.ledger, seconds, now, route.kv_tokens, tbt_slo_s,
-                                   max_tokens)
+                                   max_tokens, sequence=route.colocated or not route.ends_at_prefill)
         route.pending_on = route.prefill.name
         self.pending.add(route.pending_on, route.blocks)
         self.metrics.routes.labels(kind=_route_kind(route)).inc()
@@ -188,12 +192,14 @@ class Router:
     def first_token(self, route: Route, now: float) -> None:
         route.decode.ledger.prefill_done(route.request_id, route.prefill.ledger, now)
         self._prefill_ended(route)
-        if not route.decoding and not route.released:
+        # A one-token answer never decodes: counted, it would teach the meter a decode of 0 s.
+        if not route.decoding and not route.released and not route.ends_at_prefill:
             route.decoding = True
             self._decoding += 1
             self.decode_time.set_decoding(now, self._decoding)
         decision = route.decision
-        if decision is not None and any(h is route.prefill for h in self.pool.all()):
+        # A route moved to another worker waited on the failed one: that is no prefill's speed.
+        if decision is not None and not route.moved and any(h is route.prefill for h in self.pool.all()):
             # The TTFT it was admitted on, against the one it got (calibration.py: the residual).
             self.calibration.instance(route.prefill.name).observe_ttft(
                 now - route.decided_at, decision.predicted_ttft_s, route.ttft_residual)
@@ -204,6 +210,7 @@ class Router:
         so the next requests are priced on the load each worker really has."""
         if route.released or to is route.decode:
             return
+        route.moved = True
         colocated = route.colocated
         route.decode.ledger.move(route.request_id, to.ledger, now, prefill_too=colocated)
         if colocated:

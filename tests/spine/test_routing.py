@@ -462,3 +462,39 @@ def test_a_request_whose_decode_worker_failed_is_counted_on_the_worker_that_took
     assert not spare.ledger.prefill_jobs and not spare.ledger.incoming and len(r.pending) == 0
     r.move_decode(colocated, failed, now=6.0)  # after it ended: nothing moves
     assert colocated.decode is spare
+
+
+def test_a_one_token_answer_prefilled_elsewhere_is_no_decode_sequence():
+    """Its only token comes from the prefill: it never joins the decode batch, as the core admits
+    it. It was still counted there as coming (the scheduler then saw phantom sequences on D) and,
+    once its token came, as a decode of about 0 s (teaching the decode meter a short t_d)."""
+    pool = pool_of(("p1", "prefill"), ("d1", "decode"))
+    r = router(pool)
+    p1, d1 = pool.handles["http://p1"], pool.handles["http://d1"]
+    route = r.pick("one", list(range(1000, 3000)), 1, now=0.0, ends_at_prefill=True)
+    assert route.prefill is p1 and route.decode is d1
+    assert "one" in p1.ledger.prefill_jobs and "one" not in d1.ledger.incoming
+    r.first_token(route, now=1.0)
+    assert r._decoding == 0 and not d1.ledger.running and "one" not in p1.ledger.prefill_jobs
+    r.finished(route, now=1.0)
+    assert r.decode_time._count == 0
+    # Colocated, its prompt's KV takes the room on the instance: counted as coming, not decoding.
+    solo = r._commit(Route(d1, d1, "solo", ends_at_prefill=True), list(range(50)), 1, now=2.0, cached=0,
+                     tbt_slo_s=0.5)
+    assert "solo" in d1.ledger.incoming
+    r.first_token(solo, now=2.5)
+    assert r._decoding == 0
+    r.finished(solo, now=2.5)
+    assert not d1.ledger.running and not d1.ledger.incoming and r.decode_time._count == 0
+
+
+def test_the_ttft_of_a_route_moved_off_a_failed_worker_teaches_no_prefill_speed():
+    """Its TTFT includes the time lost on the failed worker (up to the token timeout): fitted
+    against the original prediction, one failover moved the new worker's price 1.85x."""
+    pool = pool_of(("p1", "prefill"), ("d1", "decode"), ("d2", "decode"))
+    r = router(pool)
+    route = r.pick("req", list(range(1000, 3000)), 16, now=0.0)
+    spare = next(h for h in pool.all() if h.role == "decode" and h is not route.decode)
+    r.move_decode(route, spare, now=5.0)
+    r.first_token(route, now=30.0)
+    assert r.calibration.instance(route.prefill.name).ttft_residual.samples == 0
