@@ -110,7 +110,7 @@ class RequestLife:
         started = self.first_token_at is not None
         stats = self.stats
         if stats is not None:  # before `finished`: the decode load it measured in includes itself
-            self._router.measured(stats)
+            self._router.measured(stats, self.route)
         self._router.finished(self.route, now)
         if started:
             self._metrics.e2e.labels(slo_class=self.slo_class).observe(now - self.arrived)

@@ -82,6 +82,9 @@ class Route:
     ttft_residual: float = 1.0  # the prefill instance's TTFT residual in that prediction
     ends_at_prefill: bool = False  # the prefill's token is the whole answer: it never decodes
     moved: bool = False  # another worker took its decode over (its TTFT then includes the failure)
+    # Its prefill instance had sequences decoding when it was routed or when its first token came:
+    # the prompt's steps also stepped them, so its prefill time is no bare prefill's.
+    prefill_beside_batch: bool = False
 
     @property
     def colocated(self) -> bool:
@@ -172,6 +175,7 @@ class Router:
                 tbt_slo_s: float) -> Route:
         route.kv_tokens = len(prompt) + max_tokens
         route.decided_at, route.ttft_residual = now, self.calibration.ttft_residual(route.prefill.name)
+        route.prefill_beside_batch = bool(route.prefill.ledger.running)
         seconds = predicted_prefill_s(self.scheduler.estimators, len(prompt), cached,
                                       self.calibration.scales(route.prefill.name)[0])
         # A one-token answer prefilled elsewhere never joins the decode batch (colocated, its
@@ -190,6 +194,7 @@ class Router:
         return route
 
     def first_token(self, route: Route, now: float) -> None:
+        route.prefill_beside_batch = route.prefill_beside_batch or bool(route.prefill.ledger.running)
         route.decode.ledger.prefill_done(route.request_id, route.prefill.ledger, now)
         self._prefill_ended(route)
         # A one-token answer never decodes: counted, it would teach the meter a decode of 0 s.
@@ -236,7 +241,7 @@ class Router:
             self.decode_time.set_decoding(now, self._decoding)
             self.decode_time.completed(now)
 
-    def measured(self, stats: RelayStats) -> None:
+    def measured(self, stats: RelayStats, route: Route | None = None) -> None:
         """What the workers measured for one request, fed to the instances' calibrations: the
         prefill time where the prompt was computed, and the mean decode step at the load the
         ledger says that decode instance carries (call before `finished` removes this request
@@ -244,10 +249,14 @@ class Router:
         prompts measures the batch, not the hardware (the queue model prices the wait), so it is
         left out (PREFILL_SAMPLE_MAX_CONCURRENT). So is a prefill that loaded part of its prompt
         from a KVCache pool: its time includes the load, which the estimators price apart (by
-        tier), and would teach the compute fit a slower host than it is."""
+        tier), and would teach the compute fit a slower host than it is. So is a prefill computed
+        beside a running batch (`route.prefill_beside_batch`): each of its steps also stepped the
+        batch, which the scheduler prices apart (chunked_prefill_s), and fitted as a bare prefill it
+        taught a scale of 1.94 where the engine was as fast as its profile."""
         handles = {h.name: h for h in self.pool.all()}
+        beside_batch = route is not None and route.prefill_beside_batch and route.prefill.name == stats.prefill_instance
         if (stats.prefill_s is not None and stats.prefill_instance in handles and not stats.prefill_loaded_tokens
-                and _at_most(stats.prefill_concurrent, PREFILL_SAMPLE_MAX_CONCURRENT)):
+                and not beside_batch and _at_most(stats.prefill_concurrent, PREFILL_SAMPLE_MAX_CONCURRENT)):
             self.calibration.instance(stats.prefill_instance).observe_prefill(
                 stats.prompt_tokens, stats.computed_cached_tokens, stats.prefill_s)
         if (stats.decode_step_s is not None and stats.decode_instance in handles

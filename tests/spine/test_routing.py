@@ -498,3 +498,26 @@ def test_the_ttft_of_a_route_moved_off_a_failed_worker_teaches_no_prefill_speed(
     r.move_decode(route, spare, now=5.0)
     r.first_token(route, now=30.0)
     assert r.calibration.instance(route.prefill.name).ttft_residual.samples == 0
+
+
+def test_a_prefill_computed_beside_a_running_batch_is_no_calibration_sample():
+    """Each of its steps also stepped the batch (the scheduler prices that apart): fitted as a
+    bare prefill, such samples taught a scale of 1.94 where the engine ran at its profile's speed."""
+    from conductor.relay import RelayStats
+
+    pool = pool_of(("p1", "prefill"), ("d1", "decode"))
+    r = router(pool)
+    d1 = pool.handles["http://d1"]
+
+    def colocated(name, now):
+        prompt = list(range(100 * now, 100 * now + 50))
+        route = r._commit(Route(d1, d1, name), prompt, 4, now=now, cached=0, tbt_slo_s=0.5)
+        r.first_token(route, now=now + 1)
+        r.measured(RelayStats(prompt_tokens=50, prefill_instance="d1", prefill_s=0.05, prefill_concurrent=0), route)
+        return route
+
+    alone = colocated("alone", 1)  # nothing else on d1: a sample
+    assert r.calibration.instance("d1").prefill.samples == 1
+    colocated("beside", 3)  # "alone" is decoding there meanwhile
+    assert r.calibration.instance("d1").prefill.samples == 1
+    r.finished(alone, now=5)
