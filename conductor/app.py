@@ -60,7 +60,8 @@ def create_app(config: ConductorConfig) -> FastAPI:
                            # with flexible roles any worker may decode
                            and (config.scheduler.flexible_roles or h.serves("decode"))), None),
                       on_retry=lambda stage: app.state.metrics.retries.labels(stage=stage).inc(),
-                      on_moved=lambda route, worker: router.move_decode(route, worker, service.clock()))
+                      on_moved=lambda route, worker: router.move_decode(route, worker, service.clock()),
+                      on_prefilled=lambda route: router.prefill_ended(route, service.clock()))
         app.state.pool, app.state.index, app.state.router = pool, index, router
         service = app.state.service = CompletionService(config, tokenizer, router, relay, app.state.metrics)
         app.state.metrics.watch(lambda: LiveState(

@@ -76,6 +76,12 @@ class Ledger:
         self.prefill_jobs[request_id] = predicted_prefill_s
         return ahead
 
+    def prefill_ended(self, request_id: str, now: float) -> None:
+        """This instance is done with the request's prompt, though its first token is still to
+        come from another (a grammar, penalties or a seed: the decode worker samples it)."""
+        self._advance(now)
+        self._drop_job(request_id)
+
     def prefill_done(self, request_id: str, prefill: "Ledger", now: float) -> None:
         prefill._advance(now)
         prefill._drop_job(request_id)

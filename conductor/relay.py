@@ -55,15 +55,19 @@ class Relay:
     def __init__(self, client: WorkerClient, kv_wait_timeout_s: float,
                  pick_fallback: Callable[[set[str]], WorkerHandle | None],
                  on_retry: Callable[[str], None] = lambda stage: None,
-                 on_moved: Callable[[Route, WorkerHandle], None] = lambda route, worker: None):
+                 on_moved: Callable[[Route, WorkerHandle], None] = lambda route, worker: None,
+                 on_prefilled: Callable[[Route], None] = lambda route: None):
         """`on_retry(stage)`: a request moved to another worker ("decode": its decode worker
         failed before its first token; the conductor's metrics count it). `on_moved(route,
-        worker)`: that worker took over the route's decode (Router.move_decode)."""
+        worker)`: that worker took over the route's decode (Router.move_decode).
+        `on_prefilled(route)`: the prefill worker is done with the prompt, and the first token
+        will come from the decode worker (Router.prefill_ended)."""
         self._client = client
         self._kv_wait_timeout_s = kv_wait_timeout_s
         self._pick_fallback = pick_fallback
         self._on_retry = on_retry
         self._on_moved = on_moved
+        self._on_prefilled = on_prefilled
         self._drops: set[asyncio.Task] = set()  # drop_transfer calls sent while a request was let go
 
     def _drop_soon(self, worker: WorkerHandle, transfer_id: str) -> None:
@@ -120,6 +124,7 @@ class Relay:
                 # A grammar's state, output-token penalties and a seeded generator cannot cross
                 # workers: P's token is dropped and D, which loads the whole prompt's KV (it recomputes
                 # only the last prompt token), samples from the start, as one engine would.
+                self._on_prefilled(route)  # P's queue moves on now, not at D's first token
                 async for chunk in self._whole(route.decode, request_id, prompt, rest, stats, pull, route=route):
                     settled = True
                     if first.prompt_logprobs:

@@ -82,6 +82,7 @@ class Route:
     ttft_residual: float = 1.0  # the prefill instance's TTFT residual in that prediction
     ends_at_prefill: bool = False  # the prefill's token is the whole answer: it never decodes
     moved: bool = False  # another worker took its decode over (its TTFT then includes the failure)
+    first_token_on_decode: bool = False  # P finished the prompt, and D samples the first token
     # Its prefill instance had sequences decoding when it was routed or when its first token came:
     # the prompt's steps also stepped them, so its prefill time is no bare prefill's.
     prefill_beside_batch: bool = False
@@ -204,10 +205,21 @@ class Router:
             self.decode_time.set_decoding(now, self._decoding)
         decision = route.decision
         # A route moved to another worker waited on the failed one: that is no prefill's speed.
-        if decision is not None and not route.moved and any(h is route.prefill for h in self.pool.all()):
+        if (decision is not None and not route.moved and not route.first_token_on_decode
+                and any(h is route.prefill for h in self.pool.all())):
             # The TTFT it was admitted on, against the one it got (calibration.py: the residual).
             self.calibration.instance(route.prefill.name).observe_ttft(
                 now - route.decided_at, decision.predicted_ttft_s, route.ttft_residual)
+
+    def prefill_ended(self, route: Route, now: float) -> None:
+        """The prefill worker is done with the prompt and the decode worker will sample the first
+        token (Sampling.first_token_on_decode): P's queue moves on now, not at D's first token,
+        and that token's TTFT, which includes D's start, teaches P's residual nothing."""
+        if route.released or route.colocated:
+            return
+        route.first_token_on_decode = True
+        route.prefill.ledger.prefill_ended(route.request_id, now)
+        self._prefill_ended(route)
 
     def move_decode(self, route: Route, to: WorkerHandle, now: float) -> None:
         """`route`'s decode worker failed before its first token and `to` took the request over:

@@ -521,3 +521,52 @@ def test_a_prefill_computed_beside_a_running_batch_is_no_calibration_sample():
     colocated("beside", 3)  # "alone" is decoding there meanwhile
     assert r.calibration.instance("d1").prefill.samples == 1
     r.finished(alone, now=5)
+
+
+def test_a_prompt_whose_first_token_comes_from_decode_leaves_the_prefill_queue_when_prefill_ends():
+    """A seed, penalties or a grammar: D samples the first token. P's job stayed at the head of
+    P's queue until then, counted whole (the ledger's spurious-refusal bug again), and D's start
+    was charged to P's TTFT residual."""
+    pool = pool_of(("p1", "prefill"), ("d1", "decode"))
+    r = router(pool)
+    p1, d1 = pool.handles["http://p1"], pool.handles["http://d1"]
+    route = r.pick("seeded", list(range(1000, 3000)), 16, now=0.0)
+    r.prefill_ended(route, now=2.0)
+    assert "seeded" not in p1.ledger.prefill_jobs and "seeded" in d1.ledger.incoming
+    assert r.pending.match(tuple(hash_prompt_blocks(list(range(1000, 3000)), BLOCK))) == {}
+    r.first_token(route, now=6.0)
+    assert "seeded" in d1.ledger.running
+    assert r.calibration.instance("p1").ttft_residual.samples == 0
+    r.finished(route, now=8.0)
+    assert not d1.ledger.running and not p1.ledger.prefill_jobs
+
+
+def test_the_relay_says_when_the_prefill_is_done_and_decode_samples_the_first_token():
+    import asyncio
+
+    from conductor.relay import Relay, RelayStats
+    from mooncake.protocol import GenerateChunk, Sampling
+
+    class Workers:
+        async def generate(self, worker, request):
+            if request.sampling.max_tokens == 1:
+                yield GenerateChunk([7], finish_reason="length", num_cached_tokens=0)
+                return
+            yield GenerateChunk([1], num_cached_tokens=0)
+            yield GenerateChunk([2], finish_reason="length")
+
+        async def drop_transfer(self, worker, transfer_id):
+            pass
+
+    pool = pool_of(("p1", "prefill"), ("d1", "decode"))
+    route = Route(pool.handles["http://p1"], pool.handles["http://d1"], "r")
+    prefilled = []
+
+    async def main(sampling):
+        relay = Relay(Workers(), 5.0, lambda tried: None, on_prefilled=prefilled.append)
+        return [c async for c in relay.run("r", [5] * 300, sampling, route, RelayStats())]
+
+    asyncio.run(main(Sampling(max_tokens=3)))
+    assert prefilled == []  # P's token is the first: its first token ends the prefill
+    asyncio.run(main(Sampling(max_tokens=3, seed=1, temperature=0.8)))
+    assert prefilled == [route]
