@@ -44,7 +44,6 @@ log = logging.getLogger(__name__)
 # Errors that mean the SSD tier cannot be used at all (rather than one bad write).
 _FATAL_SSD_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS}
 SPILL_QUEUE_BYTES = 256 << 20  # spills waiting for the disk; more are dropped (lost cache, not data)
-SSD_FREE_HEADROOM = 0.1  # of a disk's free space at start-up, left to others: a cache must not fill it
 
 
 class PoolService:
@@ -286,7 +285,8 @@ class PoolService:
         restored = 0
         # Every pool on this filesystem sees the same free space (serve's workers share one
         # --pool-ssd-dir): each may take it, and a disk that fills later shrinks the tiers.
-        slots = min(self.config.ssd_slots, len(found) + self._free_slots(tier))
+        room = tier.room_for_files()
+        slots = self.config.ssd_slots if room is None else min(self.config.ssd_slots, len(found) + room)
         if slots == 0:
             log.warning("KV pool: %s has no room for a block of %d B; the SSD tier is off, DRAM only",
                         tier.root, self.config.block_bytes)
@@ -320,15 +320,6 @@ class PoolService:
         self._flush_events()
         if found:
             log.info("KV pool: %d blocks restored from %s", restored, tier.root)
-
-    @staticmethod
-    def _free_slots(tier: SsdTier) -> int:
-        """Block files the disk has room for now, leaving SSD_FREE_HEADROOM of its free space."""
-        try:
-            st = os.statvfs(tier.root)
-        except OSError:
-            return 0
-        return int(st.f_bavail * st.f_frsize * (1 - SSD_FREE_HEADROOM)) // tier.file_bytes
 
     def _delete_found(self, tier: SsdTier, key: int) -> None:
         """A file the start-up scan will not restore; one that cannot be deleted is left, said."""

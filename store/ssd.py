@@ -47,6 +47,7 @@ VERSION = 1
 HEADER = struct.Struct(">8sHHI16sQQQ8x")
 assert HEADER.size == 64
 SUFFIX = ".blk"
+FREE_HEADROOM = 0.1  # of a disk's free space at start-up, left to others: a cache must not fill it
 _BLOCK_NAME = re.compile(r"[0-9a-f]{32}" + re.escape(SUFFIX))
 _TMP_NAME = re.compile(r"[0-9a-f]{32}" + re.escape(SUFFIX) + r"\.\d+\.tmp")  # write()'s own temporary names
 
@@ -95,6 +96,15 @@ class SsdTier:
     def file_bytes(self) -> int:
         """One block file's size: the header and the block."""
         return HEADER.size + self.block_bytes
+
+    def room_for_files(self) -> int | None:
+        """Block files the disk has room for now, leaving FREE_HEADROOM of its free space to
+        others (None: the filesystem does not say)."""
+        try:
+            st = os.statvfs(self.root)
+        except OSError:
+            return None
+        return int(st.f_bavail * st.f_frsize * (1 - FREE_HEADROOM)) // self.file_bytes
 
     def path(self, key: int) -> str:
         name = format(key, "032x")

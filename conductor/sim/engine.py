@@ -353,12 +353,24 @@ class Simulation:
             self._n_decoding += 1
             self._meter.set_decoding(now, self._n_decoding)
 
-    def _start_step(self, d: DecodeNode, now: float) -> None:
+    def _batch_step(self, d: DecodeNode, now: float) -> tuple[int, float]:
+        """At a step boundary: let held and waiting sequences in, then (batch size, the seconds
+        of one decode step of it, 0 for none)."""
         if d.held:
             self._release_held(d, now)
         self._admit_waiting(d, now)
         batch = len(d.running)
-        dur = self.cost.decode_step_s(batch, d.kv_tokens) if batch else 0.0
+        return batch, self.cost.decode_step_s(batch, d.kv_tokens) if batch else 0.0
+
+    def _run_step(self, d: DecodeNode, now: float, dur: float, batch: int) -> None:
+        """The step starts now and ends `dur` later."""
+        if batch:
+            self.step_times.append((dur, batch))
+        d.stepping = True
+        self._push(now + dur, STEP_DONE, d)
+
+    def _start_step(self, d: DecodeNode, now: float) -> None:
+        batch, dur = self._batch_step(d, now)
         if d.coloc_queue:
             job = d.coloc_queue.popleft()
             d.coloc_pred_s -= job.predicted_prefill_s
@@ -370,10 +382,7 @@ class Simulation:
         elif not batch:
             d.stepping = False
             return
-        if batch:
-            self.step_times.append((dur, batch))
-        d.stepping = True
-        self._push(now + dur, STEP_DONE, d)
+        self._run_step(d, now, dur, batch)
 
     def _step_done(self, now: float, d: DecodeNode) -> None:
         self._advance_batch(d, now)

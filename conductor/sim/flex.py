@@ -24,7 +24,7 @@ from collections import deque
 
 from conductor.core.policies import prefix_tokens
 from conductor.core.types import Decision, Role
-from conductor.sim.engine import KV_ARRIVE, STEP_DONE, WAKE, Simulation
+from conductor.sim.engine import KV_ARRIVE, WAKE, Simulation
 from conductor.sim.instances import BlockPool, DecodeNode, Job
 
 
@@ -93,11 +93,7 @@ class FlexSimulation(Simulation):
 
     def _start_step(self, node: DecodeNode, now: float) -> None:
         assert isinstance(node, FlexNode)
-        if node.held:
-            self._release_held(node, now)
-        self._admit_waiting(node, now)
-        batch = len(node.running)
-        dur = self.cost.decode_step_s(batch, node.kv_tokens) if batch else 0.0
+        batch, dur = self._batch_step(node, now)
         if node.current is None and node.queue and node.queue[0].fetch_ready_s <= now:
             self._begin_prompt(node, now)
         job = node.current
@@ -116,10 +112,7 @@ class FlexSimulation(Simulation):
             if node.queue:  # its head waits for a fetched prefix
                 self._push(node.queue[0].fetch_ready_s, WAKE, node)
             return
-        if batch:
-            self.step_times.append((dur, batch))
-        node.stepping = True
-        self._push(now + dur, STEP_DONE, node)
+        self._run_step(node, now, dur, batch)
 
     def _begin_prompt(self, node: FlexNode, now: float) -> None:
         job = node.queue.popleft()
