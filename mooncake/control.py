@@ -12,6 +12,7 @@ Messages are JSON objects, one request and one reply per connection, each answer
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -47,15 +48,11 @@ def close_listener(listener: Listener) -> None:
     """Close a `listen` listener and wake the thread blocked in its accept(): closing the socket
     alone leaves that thread waiting in the kernel for good (one per closed service)."""
     sock = getattr(getattr(listener, "_listener", None), "_socket", None)  # multiprocessing's SocketListener
-    if sock is not None:
-        try:
+    with contextlib.suppress(OSError):  # not connected, or closed already: nothing to wake
+        if sock is not None:
             sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-    try:
+    with contextlib.suppress(OSError):
         listener.close()
-    except OSError:
-        pass
 
 
 def handshake(conn: Connection, endpoint: "ControlEndpoint", timeout_s: float = HANDSHAKE_TIMEOUT_S) -> bool:
