@@ -17,6 +17,14 @@ queued behind, so under a standing queue the wait was priced ever shorter than i
 (benchmarks/RESULTS.md, "Sequences on their way"). vLLM may
 start the next prompt in the head's last step (chunked prefill); that part, at most one chunk,
 is counted as still to do: a small overstatement where the other way erred without bound.
+
+A worker measures a request's decode step as the mean over its whole decode, first token to
+last (mooncake/engine/engine.py measured_times), so its calibration sample is priced at the load
+it decoded under: the time-weighted mean of the running set's size and KV tokens from when it
+started decoding here to when it ended (`decode_load`). The ledger integrates both over time, so
+the mean costs two subtractions. Priced at the load when it ended (as it was), a request that
+decoded beside 30 others and ended last, alone, was fitted as a batch of 1: its steps, slowed by
+the 30, read as a slow host (and one that decoded alone and ended in a burst, as a fast one).
 """
 
 from __future__ import annotations
@@ -34,11 +42,40 @@ class Ledger:
     running: dict[str, DecodeSeq] = field(default_factory=dict)  # decoding here now
     head_spent_s: float = 0.0  # seconds spent on the first of prefill_jobs, as of `as_of`
     as_of: float = 0.0
+    # The running set's load integrated over time up to `load_as_of` (sequence-seconds and
+    # KV-token-seconds), and for each running request the time it started decoding here and the
+    # two integrals then: its mean load is their difference over its span (decode_load).
+    sequence_s: float = 0.0
+    kv_token_s: float = 0.0
+    load_as_of: float | None = None
+    decode_marks: dict[str, tuple[float, float, float]] = field(default_factory=dict)
 
     def _advance(self, now: float) -> None:
         if self.prefill_jobs and now > self.as_of:
             self.head_spent_s += now - self.as_of
         self.as_of = max(self.as_of, now)
+
+    def _integrate(self, now: float | None) -> None:
+        """Add the running set's load since `load_as_of` to the integrals (call before it changes)."""
+        if now is None:
+            return
+        if self.load_as_of is not None and now > self.load_as_of:
+            batch, kv = self.running_load()
+            self.sequence_s += batch * (now - self.load_as_of)
+            self.kv_token_s += kv * (now - self.load_as_of)
+        self.load_as_of = now if self.load_as_of is None else max(self.load_as_of, now)
+        if not self.running:  # no request is measuring from a mark: restart at 0, keeping the sums small
+            self.sequence_s = self.kv_token_s = 0.0
+
+    def _start_decoding(self, request_id: str, seq: DecodeSeq, now: float) -> None:
+        self._integrate(now)
+        self.running[request_id] = seq
+        self.decode_marks[request_id] = (self.load_as_of, self.sequence_s, self.kv_token_s)
+
+    def _stop_decoding(self, request_id: str, now: float | None) -> DecodeSeq | None:
+        self._integrate(now)
+        self.decode_marks.pop(request_id, None)
+        return self.running.pop(request_id, None)
 
     @property
     def backlog_s(self) -> float:
@@ -87,8 +124,8 @@ class Ledger:
         prefill._drop_job(request_id)
         seq = self.incoming.pop(request_id, None)
         if seq is not None:
-            self.running[request_id] = DecodeSeq(now, seq.kv_tokens, tbt_slo_s=seq.tbt_slo_s,
-                                                 max_tokens=seq.max_tokens)
+            self._start_decoding(request_id, DecodeSeq(now, seq.kv_tokens, tbt_slo_s=seq.tbt_slo_s,
+                                                       max_tokens=seq.max_tokens), now)
 
     def finished(self, request_id: str, prefill: "Ledger", now: float | None = None) -> None:
         """The request left (ended, failed or gone) at `now` (None: as of the last event)."""
@@ -96,16 +133,20 @@ class Ledger:
             prefill._advance(now)
         prefill._drop_job(request_id)
         self.incoming.pop(request_id, None)
-        self.running.pop(request_id, None)
+        self._stop_decoding(request_id, now)
 
     def move(self, request_id: str, to: "Ledger", now: float, prefill_too: bool = False) -> None:
         """The request's sequence comes to (or decodes on) `to` instead of here: its worker failed
         before its first token and another took it over. prefill_too: this instance was to
-        compute its prompt too (colocated); the job, with its prediction, joins `to`'s queue."""
-        for mine, theirs in ((self.incoming, to.incoming), (self.running, to.running)):
-            seq = mine.pop(request_id, None)
-            if seq is not None:
-                theirs[request_id] = seq
+        compute its prompt too (colocated); the job, with its prediction, joins `to`'s queue.
+        A running sequence's load is measured on `to` from now: `to`'s worker decodes it afresh,
+        and its decode step is that worker's alone."""
+        seq = self.incoming.pop(request_id, None)
+        if seq is not None:
+            to.incoming[request_id] = seq
+        seq = self._stop_decoding(request_id, now)
+        if seq is not None:
+            to._start_decoding(request_id, seq, now)
         if prefill_too and request_id in self.prefill_jobs:
             seconds = self.prefill_jobs[request_id]
             self._advance(now)
@@ -115,6 +156,22 @@ class Ledger:
     def running_load(self) -> tuple[int, int]:
         """(sequences, KV tokens) decoding here now, as the scheduler prices a decode step."""
         return len(self.running), sum(s.kv_tokens for s in self.running.values())
+
+    def decode_load(self, request_id: str, now: float) -> tuple[float, float] | None:
+        """(sequences, KV tokens) decoding here, time-weighted over `request_id`'s decode here so
+        far (itself included); None if it is not decoding here. The step model is linear in
+        both, so the mean step it predicts is the step at this mean load. (The worker's mean is
+        per step, which weights a loaded stretch by its steps, not its seconds: slightly less. The
+        gap is second order in how much the step time varied over the decode.)"""
+        mark = self.decode_marks.get(request_id)
+        if mark is None:
+            return None
+        self._integrate(now)
+        since, sequence_s, kv_token_s = mark
+        span = self.load_as_of - since
+        if span <= 0:
+            return self.running_load()
+        return (self.sequence_s - sequence_s) / span, (self.kv_token_s - kv_token_s) / span
 
     def state(self, instance_id: str, role: Role, kv_capacity_tokens: int, bandwidth_Bps: float,
               scales: tuple[float, float] = (1.0, 1.0), now: float | None = None,

@@ -109,8 +109,8 @@ class RequestLife:
         self._live.pop(self.request_id, None)
         started = self.first_token_at is not None
         stats = self.stats
-        if stats is not None:  # before `finished`: the decode load it measured in includes itself
-            self._router.measured(stats, self.route)
+        if stats is not None:  # before `finished` ends its decode on the ledger
+            self._router.measured(stats, self.route, now)
         self._router.finished(self.route, now)
         if started:
             self._metrics.e2e.labels(slo_class=self.slo_class).observe(now - self.arrived)

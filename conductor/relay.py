@@ -50,6 +50,20 @@ class RelayStats:
         self.prefill_s, self.prefill_concurrent = chunk.prefill_s, chunk.prefill_concurrent
         self.prefill_loaded_tokens = chunk.prefill_loaded_tokens or 0
 
+    def decode_moved(self, failed: str, to: str) -> None:
+        """`failed`, the decode worker, failed before its first token and `to` took the request
+        over. What `failed` reported (the cached tokens of a token-less first chunk, which a
+        prompt's logprobs can come in) is not `to`'s, so it goes. If `failed` was to compute the
+        prompt too (colocated), `to` computes it now and the prompt's figures start afresh; if
+        the prompt was computed elsewhere (a prefill worker whose push failed), that worker's
+        measurement stays its own (a shared `prefill_instance` used to hand it to `to`)."""
+        self.decode_instance, self.retried = to, True
+        self.decode_cached_tokens = self.decode_step_s = self.decode_concurrent = None
+        if self.prefill_instance == failed:
+            self.prefill_instance = to
+            self.prefill_cached_tokens = self.computed_cached_tokens = self.prefill_loaded_tokens = 0
+            self.prefill_s = self.prefill_concurrent = None
+
 
 class Relay:
     def __init__(self, client: WorkerClient, kv_wait_timeout_s: float,
@@ -250,10 +264,8 @@ class Relay:
                 self._on_retry("decode")
                 if pull is not None:  # the KV pushed to the failed worker (one that refused, say) is not claimed
                     self._drop_soon(worker, pull.transfer_id)
-                if pull is None:  # the failed worker was to compute the prompt too: the fallback does
-                    stats.prefill_instance = fallback.name
-                worker, pull, stats.retried = fallback, None, True
-                stats.decode_instance = worker.name
+                stats.decode_moved(worker.name, fallback.name)
+                worker, pull = fallback, None
                 if route is not None:
                     self._on_moved(route, worker)
 

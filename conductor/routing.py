@@ -253,11 +253,13 @@ class Router:
             self.decode_time.set_decoding(now, self._decoding)
             self.decode_time.completed(now)
 
-    def measured(self, stats: RelayStats, route: Route | None = None) -> None:
-        """What the workers measured for one request, fed to the instances' calibrations: the
-        prefill time where the prompt was computed, and the mean decode step at the load the
-        ledger says that decode instance carries (call before `finished` removes this request
-        from it: the load it decoded in includes itself). Time shared with a batch of other
+    def measured(self, stats: RelayStats, route: Route, now: float) -> None:
+        """What the workers measured for one request (`stats`: its last attempt's, on `route`),
+        fed to the instances' calibrations: the prefill time where the prompt was computed, and
+        the mean decode step at the mean load the ledger shows on that decode instance over the
+        request's decode there, up to `now` (Ledger.decode_load; call before `finished` removes
+        it). A request the ledger does not show decoding on the instance its step was measured
+        on gives no decode sample: no load to price it at. Time shared with a batch of other
         prompts measures the batch, not the hardware (the queue model prices the wait), so it is
         left out (PREFILL_SAMPLE_MAX_CONCURRENT). So is a prefill that loaded part of its prompt
         from a KVCache pool: its time includes the load, which the estimators price apart (by
@@ -266,15 +268,16 @@ class Router:
         batch, which the scheduler prices apart (chunked_prefill_s), and fitted as a bare prefill it
         taught a scale of 1.94 where the engine was as fast as its profile."""
         handles = {h.name: h for h in self.pool.all()}
-        beside_batch = route is not None and route.prefill_beside_batch and route.prefill.name == stats.prefill_instance
+        beside_batch = route.prefill_beside_batch and route.prefill.name == stats.prefill_instance
         if (stats.prefill_s is not None and stats.prefill_instance in handles and not stats.prefill_loaded_tokens
                 and not beside_batch and _at_most(stats.prefill_concurrent, PREFILL_SAMPLE_MAX_CONCURRENT)):
             self.calibration.instance(stats.prefill_instance).observe_prefill(
                 stats.prompt_tokens, stats.computed_cached_tokens, stats.prefill_s)
         if (stats.decode_step_s is not None and stats.decode_instance in handles
                 and _at_most(stats.decode_concurrent, 0)):
-            batch, kv = handles[stats.decode_instance].ledger.running_load()
-            self.calibration.instance(stats.decode_instance).observe_decode_step(batch, kv, stats.decode_step_s)
+            load = handles[stats.decode_instance].ledger.decode_load(route.request_id, now)
+            if load is not None:
+                self.calibration.instance(stats.decode_instance).observe_decode_step(*load, stats.decode_step_s)
 
     def where_cached(self, prompt: list[int]) -> dict:
         """Where the prefix index places `prompt`'s blocks: each instance's longest cached prefix,

@@ -278,8 +278,8 @@ class CompletionService:
         HTTP error. On success the caller owns `Started.life` and must release it; on any failure
         it is released here (a cancellation keeps the status the life had: None is 499)."""
         try:
-            stats = life.stats = RelayStats()
-            first = await self._start(req, life, stats)
+            first = await self._start(req, life)
+            stats = life.stats  # the attempt that reached the first token
             first_at = life.first_token()
             route = life.route
             self.metrics.prompt_tokens.inc(len(req.prompt))
@@ -340,12 +340,16 @@ class CompletionService:
             life.status = "500"
             raise
 
-    async def _start(self, req: Prepared, life: RequestLife, stats: RelayStats) -> tuple[int, GenerateChunk]:
+    async def _start(self, req: Prepared, life: RequestLife) -> tuple[int, GenerateChunk]:
         """Run until the first token, so a failure before it is still an honest HTTP error.
-        A prefill that fails is retried once per other instance, moving the life to the new route."""
+        A prefill that fails is retried once per other instance, moving the life to the new route.
+        Each attempt has its own RelayStats (`life.stats`, the last one's): a shared one carried
+        the failed attempt's figures (cached tokens, a measured prefill, `retried`) into the
+        retry's, whose calibration samples then mixed two attempts' workers."""
         tried: set[str] = set()
         while True:
             route = life.route
+            stats = life.stats = RelayStats()
             planned = {route.prefill.name, route.decode.name}  # the relay may move the route on
             # Each attempt has its own id, which names its KV transfer and its workers' requests:
             # the failed attempt's prefill may still reserve on the decode worker, and its drop

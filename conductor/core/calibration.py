@@ -115,7 +115,9 @@ class InstanceCalibration:
         cached = min(max(cached_tokens, 0), prompt_tokens)
         return self._changed(self.prefill.add(measured_s, self.prior.prefill_s(prompt_tokens, cached)))
 
-    def observe_decode_step(self, batch_size: int, kv_tokens: int, measured_s: float) -> bool:
+    def observe_decode_step(self, batch_size: float, kv_tokens: float, measured_s: float) -> bool:
+        """A mean decode step measured at a (time-)mean load: fractional sizes are fine, the
+        step model is linear in both."""
         return self._changed(self.decode_step.add(measured_s, self.prior.tbt_s(max(batch_size, 1), max(kv_tokens, 0))))
 
     def observe_ttft(self, measured_s: float, predicted_s: float, residual_priced: float) -> bool:

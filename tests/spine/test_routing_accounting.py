@@ -57,7 +57,8 @@ def test_a_prefill_computed_beside_a_running_batch_is_no_calibration_sample():
         prompt = list(range(100 * now, 100 * now + 50))
         route = r._commit(Route(d1, d1, name), prompt, 4, now=now, cached=0, tbt_slo_s=0.5)
         r.first_token(route, now=now + 1)
-        r.measured(RelayStats(prompt_tokens=50, prefill_instance="d1", prefill_s=0.05, prefill_concurrent=0), route)
+        r.measured(RelayStats(prompt_tokens=50, prefill_instance="d1", prefill_s=0.05, prefill_concurrent=0), route,
+                   now=now + 1)
         return route
 
     alone = colocated("alone", 1)  # nothing else on d1: a sample
