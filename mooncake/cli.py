@@ -218,6 +218,15 @@ def _cmd_worker(module):
     return run
 
 
+def _pool_config(config):
+    """The worker's PoolConfig from its WorkerConfig."""
+    from store.config import PoolConfig
+
+    return PoolConfig(dram_bytes=config.pool_dram_bytes, ssd_dir=config.pool_ssd_dir,
+                      ssd_bytes=config.pool_ssd_bytes, policy=config.pool_policy,
+                      map_same_host_peers=config.pool_map_peers, ssd_shared_by=config.pool_ssd_shared_by)
+
+
 def _start_pool(config):
     """The worker's KVCache pool service (store/), started in its shell before the engine."""
     from dataclasses import replace
@@ -225,12 +234,9 @@ def _start_pool(config):
     from messenger.engine import EngineConfig
     from messenger.rdma_plan import RdmaConfig
     from mooncake.auth import kv_key
-    from store.config import PoolConfig
     from store.service import PoolService
 
-    pool = PoolConfig(dram_bytes=config.pool_dram_bytes, ssd_dir=config.pool_ssd_dir,
-                      ssd_bytes=config.pool_ssd_bytes, policy=config.pool_policy,
-                      map_same_host_peers=config.pool_map_peers)
+    pool = _pool_config(config)
     # Other nodes fetch blocks from this pool through the messenger (Algorithm 1's fetch_from),
     # proving the key derived from the cluster token, like the KV socket; each block carries its
     # own checksum, so the messenger's per-slice one is off.
@@ -271,7 +277,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="run the embedded cluster (conductor + prefill + decode)",
                            formatter_class=DefaultsHelpFormatter,
                            description="Start N prefill and M decode workers on this machine and the "
-                                       "OpenAI-compatible conductor in front of them. Ctrl-C stops all.")
+                                       "OpenAI-compatible conductor in front of them. Ctrl-C stops all. With "
+                                       "--pool-ssd-dir each worker keeps its pool's SSD tier in its own "
+                                       "subdirectory of it (prefill-0, decode-1, ...), all on one disk: each starts "
+                                       "at no more than 1/(N+M) of the disk's free space less a tenth, besides its "
+                                       "own files there (a worker's --pool-ssd-shared-by).")
     serve.add_argument("--model", default=None, help="safetensors model folder (default: SmolLM2-135M-Instruct)")
     serve.add_argument("--served-model-name", default=None, help="model name clients use")
     serve.add_argument("--host", default="127.0.0.1", help="conductor bind address")

@@ -63,7 +63,7 @@ class ClusterConfig:
     """How workers that die once the cluster is up are restarted (mooncake/supervisor.py)."""
     pool_args: tuple[str, ...] = ()
     """Each worker's KVCache pool options (mooncake.engine.cli.pool_arguments; none: the defaults,
-    a pool on). A --pool-ssd-dir becomes one subdirectory per worker."""
+    a pool on). A --pool-ssd-dir becomes one subdirectory per worker, each told how many share its disk."""
 
     def __post_init__(self) -> None:
         if self.num_prefill < 0 or self.num_decode < 1:
@@ -185,7 +185,7 @@ class Cluster:
                    "--chunk-size", str(chunk),
                    "--cpu-bind", cores, "--instance-id", f"{role}-{i}",
                    "--block-size", str(c.scheduler.block_size),
-                   "--registry", registry, *worker_pool_args(c.pool_args, f"{role}-{i}")]
+                   "--registry", registry, *worker_pool_args(c.pool_args, f"{role}-{i}", len(roles))]
             worker = WorkerProcess(role, f"http://127.0.0.1:{port}", None, tuple(cmd))
             worker.process = self.spawn(worker)
             self.workers.append(worker)
@@ -223,13 +223,17 @@ class Cluster:
             self.workers.clear()
 
 
-def worker_pool_args(pool_args: tuple[str, ...], instance: str) -> list[str]:
-    """The pool options of one worker: each keeps its SSD tier in its own subdirectory (two pools
-    must never share block files)."""
+def worker_pool_args(pool_args: tuple[str, ...], instance: str, workers: int = 1) -> list[str]:
+    """The pool options of one of `workers` workers: each keeps its SSD tier in its own
+    subdirectory (two pools must never share block files). Those subdirectories share one disk,
+    whose free space each pool sees whole at start: each is told how many share it, and takes
+    its share (store/ssd.py, SsdTier.room_for_files)."""
     args = list(pool_args)
     if "--pool-ssd-dir" in args:
         i = args.index("--pool-ssd-dir") + 1
         args[i] = os.path.join(args[i], instance)
+        if workers > 1:
+            args += ["--pool-ssd-shared-by", str(workers)]
     return args
 
 

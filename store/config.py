@@ -22,6 +22,9 @@ class PoolConfig:
     reserve_lease_s: how long a reserved slot waits for its commit or abort before it is freed.
     map_same_host_peers: copy a same-host peer's blocks straight out of its arena
                 (store/peer_arena.py); False: over the messenger, as from another host.
+    ssd_shared_by: how many pools' SSD tiers start on ssd_dir's disk together (`mooncake serve`
+                passes its worker count): at start this tier takes at most its share of the
+                disk's free space (store/ssd.py, SsdTier.room_for_files), besides its own files.
     """
 
     dram_bytes: int = defaults.POOL_DRAM_BYTES
@@ -32,6 +35,7 @@ class PoolConfig:
     pin_lease_s: float = defaults.POOL_PIN_LEASE_S
     reserve_lease_s: float = defaults.POOL_RESERVE_LEASE_S
     map_same_host_peers: bool = True
+    ssd_shared_by: int = 1
 
     def __post_init__(self) -> None:
         from store.policy import POLICIES  # the names live next to the policies
@@ -40,6 +44,9 @@ class PoolConfig:
         if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in sizes):
             raise ValueError(f"pool sizes must be whole numbers of bytes >= 0 (dram_bytes={self.dram_bytes!r}, "
                              f"ssd_bytes={self.ssd_bytes!r}, block_bytes={self.block_bytes!r})")
+        if not isinstance(self.ssd_shared_by, int) or isinstance(self.ssd_shared_by, bool) or self.ssd_shared_by < 1:
+            raise ValueError(f"ssd_shared_by counts the pools sharing the SSD's disk: a whole number >= 1, "
+                             f"got {self.ssd_shared_by!r}")
         if self.policy not in POLICIES:
             raise ValueError(f"unknown pool policy {self.policy!r}; choose one of {sorted(POLICIES)}")
         if self.block_bytes and self.dram_bytes and self.dram_bytes < self.block_bytes:

@@ -32,7 +32,7 @@ from multiprocessing.connection import Connection, Listener
 from typing import Any
 
 from mooncake.control import ControlEndpoint, accept_forever, close_listener, handshake, listen
-from store import channel
+from store import channel, channel_ops
 from store.arena import Arena, ArenaInfo
 from store.config import PoolConfig
 from store.events import TierEventLog, TierEventsPage
@@ -73,7 +73,6 @@ class PoolService:
         self._listener: Listener | None = None
         self._closed = threading.Event()
         self._want_remote = remote
-        self._ssd_off = False
         self._spilling: dict[int, tuple[int, bytes]] = {}  # key -> (Spill.seq, bytes) of its last spill not on disk
         # Per key, the numbers of its spills queued to the writer, oldest first: the writer ends
         # them in that order, so each end is matched to its own spill.
@@ -248,8 +247,6 @@ class PoolService:
             counters = dict(self._counters)
         if self.pool is not None:
             counters.update(self.pool.counters)
-        if self.ssd is not None:
-            counters.update({f"ssd_skipped_{k}": v for k, v in self.ssd.skipped.items()})
         return {"usage": usage, "counters": counters, "block_bytes": self.config.block_bytes,
                 "ssd_enabled": self.ssd is not None}
 
@@ -278,25 +275,31 @@ class PoolService:
             self._taken_ssd = tier  # its directory is ours now, until close
             found = tier.scan()
         except OSError as exc:
-            self._degrade(exc, f"cannot use {self.config.ssd_dir}")
+            self._count_fault(exc)
+            self._turn_ssd_off(f"cannot use {self.config.ssd_dir}: {exc}")
             return
-        self.ssd = tier
+        finally:
+            # The service's own counters, not the tier's: they stay reported (with their values)
+            # once the tier is off, as a counter a scrape saw must.
+            for kind, n in tier.skipped.items():
+                self.count(f"ssd_skipped_{kind}", n)
         now = self._clock()
         restored = 0
-        # Every pool on this filesystem sees the same free space (serve's workers share one
-        # --pool-ssd-dir): each may take it, and a disk that fills later shrinks the tiers.
-        room = tier.room_for_files()
+        # Each of the ssd_shared_by pools starting on this disk sees the same free space: each
+        # takes its share. A disk that fills later (a pool restarted beside full ones, another
+        # program) still shrinks the tiers.
+        sharers = self.config.ssd_shared_by
+        room = tier.room_for_files(sharers)
         slots = self.config.ssd_slots if room is None else min(self.config.ssd_slots, len(found) + room)
+        shared = f" (its share: 1/{sharers} of the free space)" if sharers > 1 else ""
         if slots == 0:
-            log.warning("KV pool: %s has no room for a block of %d B; the SSD tier is off, DRAM only",
-                        tier.root, self.config.block_bytes)
-            self.ssd = None
-            self.pool.disable_ssd()
+            self._turn_ssd_off(f"{tier.root} has no room for a block of {self.config.block_bytes} B{shared}")
             return
+        self.ssd = tier
         if slots < self.config.ssd_slots:
-            log.warning("KV pool: %s has room for %d blocks (%.2f GB) with the %d found there, not the %d of "
+            log.warning("KV pool: %s has room for %d blocks (%.2f GB)%s with the %d found there, not the %d of "
                         "--pool-ssd-gib: the SSD tier holds %d", tier.root, slots,
-                        slots * self.config.block_bytes / 1e9, len(found), self.config.ssd_slots, slots)
+                        slots * self.config.block_bytes / 1e9, shared, len(found), self.config.ssd_slots, slots)
             self.pool.limit_ssd(slots)
         # The newest files when the limit shrank, restored oldest first (the policy's order).
         keep = found[-slots:] if slots else []
@@ -386,26 +389,37 @@ class PoolService:
         return ok
 
     def _degrade(self, exc: OSError, what: str) -> None:
-        """The SSD tier is unusable: DRAM only from now on, said once, counted each time. A full
-        disk first shrinks the tier to the blocks on it (each later spill then replaces a file),
-        and turns it off only when none is left."""
-        reason = "full" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else "unwritable"
-        self.count(f"ssd_errors_{reason}")
-        if reason == "full" and self.pool is not None and self.ssd is not None:
+        """A write to the serving tier failed for good: DRAM only from now on, said once, counted
+        each time. A full disk first shrinks the tier to the blocks on it (each later spill then
+        replaces a file), and turns it off only when none is left."""
+        reason = self._count_fault(exc)
+        ssd = self.ssd  # read once: a configure rolled back meanwhile may have dropped it
+        if reason == "full" and self.pool is not None and ssd is not None:
             before, after = self.pool.shrink_ssd()
             if after > 0:
                 if after < before:
                     log.warning("KV pool: the disk under %s is full (%s: %s); the SSD tier shrinks from %d to "
-                                "%d blocks", self.ssd.root, what, exc, before, after)
+                                "%d blocks", ssd.root, what, exc, before, after)
                 return
         with self._lock:
-            if self._ssd_off:
-                return
-            self._ssd_off = True
-        log.warning("KV pool: SSD tier off, DRAM only from now on (%s: %s)", what, exc)
-        self.ssd = None
+            # Whether the tier serves is `self.ssd` and nothing else (a flag of its own outlived a
+            # configure rolled back, and a later tier's faults were then never acted on).
+            if self.ssd is None:
+                return  # off already, and said
+            self.ssd = None
+        self._turn_ssd_off(f"{what}: {exc}")
+
+    def _count_fault(self, exc: OSError) -> str:
+        reason = "full" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else "unwritable"
+        self.count(f"ssd_errors_{reason}")
+        return reason
+
+    def _turn_ssd_off(self, why: str) -> None:
+        """DRAM only from now on (self.ssd is None already). The files stay: a later start may
+        use them."""
+        log.warning("KV pool: SSD tier off, DRAM only from now on (%s)", why)
         if self.pool is not None:
-            self.pool.disable_ssd()  # the files stay (self.ssd is gone): a later start may use them
+            self.pool.disable_ssd()
 
     def _flush_events(self) -> None:
         if self.pool is not None:
@@ -448,52 +462,4 @@ class PoolService:
                 self.pool.unpin(list(pins.elements()))
 
     def _answer(self, request: dict[str, Any], pins: Counter[int]) -> dict[str, Any]:
-        op = request.get("op")
-        keys = channel.unpack_keys(request["keys"]) if "keys" in request else []
-        if op == "lookup":
-            return {"tiers": self.lookup(keys)}
-        if op == "reserve":
-            slots = self.reserve(keys)
-            return {"keys": channel.pack_keys([k for k, _ in slots]), "slots": [s for _, s in slots]}
-        if op == "commit":
-            return {"committed": self.commit(keys, request.get("checksums"))}
-        if op == "abort":
-            self.abort(keys)
-            return {}
-        if op == "read":
-            got = self.read(keys)
-            pins.update(k for k, _, _ in got)
-            return {"keys": channel.pack_keys([k for k, _, _ in got]), "slots": [s for _, s, _ in got],
-                    "checksums": [c for _, _, c in got]}
-        if op == "release":
-            # Only what this connection holds, counted as it goes: a key named twice must not
-            # take another reader's pin (its block could then be evicted mid-copy).
-            held = []
-            for k in keys:
-                if pins[k] > 0:
-                    pins[k] -= 1
-                    held.append(k)
-                if not pins[k]:  # a Counter keeps zero counts: every key ever read, for the engine's life
-                    del pins[k]
-            self.release(held)
-            return {}
-        if op == "discard":
-            self.discard(keys)
-            return {}
-        if op == "fetch_remote":
-            import msgspec
-
-            from messenger.api import PeerInfo
-
-            peer = msgspec.json.decode(request["peer"], type=PeerInfo)
-            return {"fetched": self.fetch_remote(peer, keys)}
-        if op == "configure":
-            info = self.configure(int(request["block_bytes"]), str(request["layout"]))
-            return {"arena": {"path": info.path, "block_bytes": info.block_bytes, "slots": info.slots}}
-        if op == "stats":
-            return self.stats()
-        if op == "events":
-            page = self.events_since(int(request.get("since", -1)))
-            return {"seq": page.seq, "reset": page.reset,
-                    "events": [[kind, key.to_bytes(16, "big"), tier] for kind, key, tier in page.events]}
-        raise ValueError(f"unknown pool op {op!r}")
+        return channel_ops.answer(self, request, pins)  # store/channel_ops.py: each op as a call here

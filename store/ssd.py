@@ -97,14 +97,16 @@ class SsdTier:
         """One block file's size: the header and the block."""
         return HEADER.size + self.block_bytes
 
-    def room_for_files(self) -> int | None:
-        """Block files the disk has room for now, leaving FREE_HEADROOM of its free space to
-        others (None: the filesystem does not say)."""
+    def room_for_files(self, shared_by: int = 1) -> int | None:
+        """Block files this tier may add now: its share of the disk's free space, less
+        FREE_HEADROOM (None: the filesystem does not say). `shared_by` pools starting on one disk
+        (serve's workers) each see the same free space: each taking all of it would claim it
+        `shared_by` times over."""
         try:
             st = os.statvfs(self.root)
         except OSError:
             return None
-        return int(st.f_bavail * st.f_frsize * (1 - FREE_HEADROOM)) // self.file_bytes
+        return int(st.f_bavail * st.f_frsize * (1 - FREE_HEADROOM) / shared_by) // self.file_bytes
 
     def path(self, key: int) -> str:
         name = format(key, "032x")

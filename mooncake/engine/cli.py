@@ -53,6 +53,14 @@ def add_worker_arguments(parser: argparse.ArgumentParser, default_port: int) -> 
     parser.add_argument("--drain-timeout", type=float, default=defaults.DRAIN_TIMEOUT_S,
                         help="on SIGTERM, leave routing and wait this long at most for requests in flight")
     add_pool_arguments(parser)
+    # A worker's alone: `serve` sets it (its workers keep their SSD tiers in subdirectories of one
+    # --pool-ssd-dir), as may a deployment running several workers on one disk.
+    parser.add_argument("--pool-ssd-shared-by", type=int, default=1, metavar="N",
+                        help="KVCache pools (workers) whose SSD tiers start together on this --pool-ssd-dir's "
+                             "disk: at start each takes at most 1/N of the disk's free space (less a tenth, "
+                             "left to others) besides its own files found there, so together they never claim "
+                             "it N times over; a disk that fills later still shrinks the tiers (serve passes "
+                             "its worker count)")
 
 
 POOL_DRAM_ENV = "MOONCAKE_POOL_DRAM_GIB"
@@ -139,7 +147,17 @@ def check_worker_args(args: argparse.Namespace) -> list[str]:
                           f"or a host name (--host 0.0.0.0: every interface)")
     if args.instance_id is not None and (not args.instance_id or "/" in args.instance_id):
         errors.append(f"--instance-id must be non-empty without '/', got {args.instance_id!r}")
-    return errors + pool_errors(args) + token_errors(args) + registry_errors(args)
+    return errors + pool_errors(args) + ssd_share_errors(args) + token_errors(args) + registry_errors(args)
+
+
+def ssd_share_errors(args: argparse.Namespace) -> list[str]:
+    shared_by = args.pool_ssd_shared_by
+    if shared_by < 1:
+        return [f"--pool-ssd-shared-by counts the pools sharing the SSD tier's disk: >= 1, got {shared_by}"]
+    if shared_by > 1 and not args.pool_ssd_dir:  # it would be ignored without a word
+        return [f"--pool-ssd-shared-by {shared_by} shares out an SSD tier's disk, which runs only with "
+                f"--pool-ssd-dir"]
+    return []
 
 
 def worker_config(args: argparse.Namespace, role: WorkerRole, model_path: str) -> WorkerConfig:
@@ -154,7 +172,8 @@ def worker_config(args: argparse.Namespace, role: WorkerRole, model_path: str) -
         max_num_batched_tokens=args.chunk_size, enable_prefix_caching=not args.no_prefix_caching,
         block_size=args.block_size, registry_url=registry_url(args), registry_ttl_s=args.registry_ttl,
         cluster_token=token_from_args(args), etcd_credentials=EtcdCredentials.from_env(),
-        drain_timeout_s=args.drain_timeout, **pool_settings(args), **extra,
+        drain_timeout_s=args.drain_timeout, pool_ssd_shared_by=args.pool_ssd_shared_by, **pool_settings(args),
+        **extra,
     )
 
 

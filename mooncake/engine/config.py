@@ -62,6 +62,8 @@ class WorkerConfig:
     """Eviction policy of both tiers."""
     pool_map_peers: bool = True
     """Copy a same-host pool's blocks out of its arena (store/peer_arena.py); False: over the messenger."""
+    pool_ssd_shared_by: int = 1
+    """Pools whose SSD tiers start on pool_ssd_dir's disk together (store.config.PoolConfig.ssd_shared_by)."""
 
     def __post_init__(self) -> None:
         if self.role not in tuple(WorkerRole):

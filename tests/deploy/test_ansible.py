@@ -171,6 +171,7 @@ def test_rendered_units_are_valid_and_run_options_the_cli_takes(tmp_path):
     decode = parse_cli(shlex.split(unit_settings(units["mooncake-decode"])["ExecStart"][0])[1:])
     for role, worker in (("prefill", prefill), ("decode", decode)):
         assert worker.pool_dram_gib == 1.5 and worker.pool_ssd_dir == str(root / "ssd" / role)
+        assert worker.pool_ssd_shared_by == 2  # both roles on this one host: one disk, two pools
         assert (root / "ssd" / role).is_dir()
     assert prefill.pool_ssd_gib == parse_cli(["prefill"]).pool_ssd_gib  # not set: the command's default
 

@@ -140,3 +140,11 @@ def test_the_tiers_own_files_are_not_foreign_and_an_empty_block_file_is_deleted(
     assert [b.key for b in found] == [1]
     assert fresh.skipped["foreign"] == 0 and fresh.skipped["truncated"] == 2 and "foreign" not in caplog.text
     assert not os.path.exists(empty) and not os.path.exists(short)
+
+
+def test_pools_sharing_a_disk_each_have_room_for_their_share_of_its_free_space(tmp_path, monkeypatch):
+    """Each of serve's workers saw the whole free space at start: N of them claimed it N times."""
+    t = tier(tmp_path)
+    monkeypatch.setattr(os, "statvfs", lambda path: type("St", (), {"f_bavail": 100, "f_frsize": t.file_bytes})())
+    assert t.room_for_files() == 90  # a tenth of the free space is left to others
+    assert [t.room_for_files(n) for n in (3, 4)] == [30, 22]
