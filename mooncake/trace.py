@@ -81,11 +81,21 @@ def parse_line(text: str, line: int, path: str = "<trace>") -> TraceRecord:
                        _int_field(obj, "output_length", 0, path, line), tuple(ids))
 
 
-def load_trace(path: str | pathlib.Path) -> list[TraceRecord]:
-    """All records, sorted by timestamp (stable). Raises TraceError on the first bad line."""
+def load_trace(path: str | pathlib.Path, limit: int | None = None) -> list[TraceRecord]:
+    """All records, or the first `limit` of the file, sorted by timestamp (stable). Raises
+    TraceError on the first bad line read.
+
+    With a limit the file is read no further than its limit-th record: a replay of the first
+    thousand requests of a trace of millions neither waits for nor is stopped by the rest. The
+    records are the file's first ones, which are its earliest when the file is in time order (the
+    released traces are)."""
+    if limit is not None and limit <= 0:
+        raise ValueError(f"a trace limit must be positive, got {limit}")
     records: list[TraceRecord] = []
     with open(path, "rb") as f:  # bytes, so an undecodable line is reported by its number too
         for n, raw in enumerate(f, start=1):
+            if limit is not None and len(records) >= limit:
+                break
             try:
                 text = raw.decode("utf-8-sig" if n == 1 else "utf-8")  # tolerate a byte-order mark
             except UnicodeDecodeError:

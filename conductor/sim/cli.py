@@ -93,7 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="kvcache_balancing_threshold: fetch a remote prefix when best_len/local_len >= R")
     ap.add_argument("--no-colocate", action="store_true",
                     help="disable conditional disaggregation (prefill on the decode instance)")
-    ap.add_argument("--flexible-roles", action="store_true",
+    # BooleanOptionalAction: --no-flexible-roles states the paper's fixed roles explicitly (the live
+    # conductor's default is flexible, so scripts comparing the two name both).
+    ap.add_argument("--flexible-roles", action=argparse.BooleanOptionalAction, default=False,
                     help="any instance may prefill and decode, labels are only a cost (the live conductor's "
                          "default; needs --policy kvcache-centric): each node is one engine that prefills in "
                          "chunks of --chunk-tokens beside its batch. Off: the paper's fixed roles")
@@ -137,7 +139,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "KV capacity in blocks)")
     ap.add_argument("--noise", type=float, default=0.1, metavar="SIGMA",
                     help="lognormal sigma of simulated durations around the estimators' predictions")
-    ap.add_argument("--limit", type=int, default=None, metavar="N", help="replay only the first N requests")
+    ap.add_argument("--limit", type=int, default=None, metavar="N",
+                    help="replay only the first N requests of the file (it is read no further, so a huge trace "
+                         "starts at once)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the noise and of the random policy")
     ap.add_argument("--json", action="store_true", help="print one JSON object of summary metrics on stdout")
     ap.add_argument("--plot", type=pathlib.Path, default=None, metavar="DIR",
@@ -155,7 +159,9 @@ def warn_block_size(trace: list[TraceRecord], block_size: int) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        trace = load_trace(args.trace)
+        if args.limit is not None and args.limit <= 0:
+            raise ValueError("--limit must be positive")
+        trace = load_trace(args.trace, limit=args.limit)
         profile = sim_profile(args.profile, args.fitted)
         sched = SchedulerConfig(policy=Policy(args.policy), admission=Admission(args.admission),
                                 block_size=args.block_size, ttft_slo_s=args.ttft_slo, tbt_slo_s=args.tbt_slo,
@@ -166,10 +172,6 @@ def main(argv: list[str] | None = None) -> int:
                                 decode_hold_s=args.decode_hold, best_effort_when_idle=args.best_effort_when_idle,
                                 flexible_roles=args.flexible_roles, chunk_tokens=args.chunk_tokens)
         warn_block_size(trace, args.block_size)
-        if args.limit is not None:
-            if args.limit <= 0:
-                raise ValueError("--limit must be positive")
-            trace = trace[: args.limit]
         overrides = {"decode_time": args.decode_time, "oracle_lengths": args.oracle_lengths,
                      "max_tokens_known": args.max_tokens_known,
                      "pending_prefixes": not args.no_pending_prefixes}

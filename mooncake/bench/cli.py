@@ -159,7 +159,8 @@ def check(args: argparse.Namespace) -> list[str]:
 def build_specs(args: argparse.Namespace) -> list[workload.RequestSpec]:
     """The workload; raises TraceError (or PromptsFileError) naming file:line on bad input."""
     if args.trace:
-        records = load_trace(args.trace)
+        # --num-requests stops the reading too: the first N lines of a long trace start at once
+        records = load_trace(args.trace, limit=args.num_requests)
         warning = block_size_warning(records, args.trace_block_size, "--trace-block-size")
         if warning:  # its hash_ids would name the wrong token spans: the prefix sharing built is wrong
             print(f"mooncake bench: {warning}", file=sys.stderr)
