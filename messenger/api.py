@@ -21,7 +21,16 @@ Ordering and integrity, the promises users build on:
   that fails verification fails the batch on both sides: the sender's `Batch.wait` raises
   `ChecksumError`; the receiver's `on_notify` gets the error, never silently bad bytes.
 - A peer that dies or stops answering fails every batch in flight to it within the engine's
-  `timeout_s`; nothing waits forever.
+  `timeout_s` (a READ landing at that moment first finishes it, itself bounded: a tcp frame's
+  recv by the socket's timeout); nothing waits forever.
+- Once a batch has completed (whatever its error, a timeout included), no transport writes into
+  its local memory any more: a READ's bytes land under `Batch.begin_landing`, and a completion
+  that comes meanwhile waits for the landing to end. So a caller may reuse its buffers as soon as
+  `wait` returns or raises. Exceptions, operations that cannot be recalled once posted: rdma and
+  nixl READs (the NIC writes when it gets the bytes), and an shm READ the owner copies into this
+  process (by process_vm_writev when this side may not read the owner by CMA, or into this
+  side's shared segment when CMA is off) if that copy began before the batch's deadline. Their users must not hand
+  such memory to anyone else right after a failed read (store/remote.py quarantines its slots).
 """
 
 from __future__ import annotations
@@ -171,7 +180,12 @@ AttachmentSink = Callable[[bytes, int], list]
 
 
 class Batch:
-    """Completion of one submitted batch. Thread-safe; completes exactly once."""
+    """Completion of one submitted batch. Thread-safe; completes exactly once.
+
+    The engine hands each transport a batch of its own and ends the user's from it; its watchdog
+    times out the transport's batch, so a landing in progress (`begin_landing`) holds the timeout
+    back until the bytes are in: a waiter never wakes while a transport writes into its memory
+    (the module's notes say which posted operations cannot be held back)."""
 
     def __init__(self, nbytes: int, num_slices: int):
         self.nbytes = nbytes
@@ -184,6 +198,9 @@ class Batch:
         self._callbacks: list[Callable[[Batch], None]] = []
         self._outcome: Callable[[TransferError | None], None] | None = None
         self._lock = threading.Lock()
+        self._landings = 0  # transports writing into this batch's local memory right now
+        # A completion that came during a landing, as (error,): it takes effect when they end.
+        self._held: tuple[TransferError | None] | None = None
 
     def on_outcome(self, record: Callable[[TransferError | None], None]) -> None:
         """`record(error)` runs in the call that completes the batch, before any waiter wakes, so
@@ -192,15 +209,50 @@ class Batch:
         self._outcome = record
 
     def complete(self, error: TransferError | None = None) -> None:
-        """Called by the transport (or the engine's timeout watchdog); later calls are ignored."""
+        """Called by the transport (or the engine's timeout watchdog); later calls are ignored.
+        During a landing (`begin_landing`) it is held, never blocks, and takes effect when the
+        last landing ends: the first completion is still the one the batch ends with."""
         with self._lock:
-            if self._done.is_set():
+            if self._done.is_set() or self._held is not None:
                 return
-            self._error = error
-            if self._outcome is not None:
-                self._outcome(error)
-            self._done.set()
-            callbacks, self._callbacks = self._callbacks, []
+            if self._landings:
+                self._held = (error,)
+                return
+            callbacks = self._settle(error)
+        self._run_callbacks(callbacks)
+
+    def begin_landing(self) -> bool:
+        """A transport is about to write into this batch's local memory (a READ's bytes); False:
+        the batch ended or is ending, so it must write nothing. Until the matching `end_landing`
+        (call it in a finally, whatever the copy raised) a completion is held, so no waiter wakes
+        while bytes still land in memory its caller then takes back. A landing must itself end
+        in bounded time (a socket timeout, a syscall): it delays the batch's end by that much."""
+        with self._lock:
+            if self._done.is_set() or self._held is not None:
+                return False
+            self._landings += 1
+            return True
+
+    def end_landing(self) -> None:
+        """The landing `begin_landing` started is over (finished or failed); a completion held
+        meanwhile takes effect now, on this thread."""
+        with self._lock:
+            self._landings -= 1
+            if self._landings or self._held is None:
+                return
+            callbacks = self._settle(self._held[0])
+        self._run_callbacks(callbacks)
+
+    def _settle(self, error: TransferError | None) -> list[Callable[["Batch"], None]]:
+        """End the batch with `error` (under the lock); returns the callbacks to run outside it."""
+        self._error = error
+        if self._outcome is not None:
+            self._outcome(error)
+        self._done.set()
+        callbacks, self._callbacks = self._callbacks, []
+        return callbacks
+
+    def _run_callbacks(self, callbacks: list[Callable[["Batch"], None]]) -> None:
         for callback in callbacks:
             self._run_callback(callback)
 
@@ -248,6 +300,10 @@ class Transport(Protocol):
     The engine calls `start` once with its region table and inbound callbacks, then `submit`
     from any thread. A transport moves bytes and messages and reports completion; it does not
     compute checksums or time batches out (the engine does both, the same for every transport).
+    Every write into a batch's local memory (a READ's bytes) happens between
+    `batch.begin_landing()` (skip it when that says False) and `batch.end_landing()` in a
+    finally, so nothing lands after the batch completed. rdma and nixl cannot: a READ posted to
+    the NIC is not recalled when its batch times out, and the NIC may still write its bytes.
     """
 
     name: str

@@ -23,6 +23,8 @@ waits for. A lane that timed out or broke is closed (it may still carry a late r
 fails before any byte of the reply on its first use after an idle spell is redialled once,
 because an idle connection may have been dropped by the peer's restart or a middlebox. The
 handshake (messenger/handshake.py) runs on every lane when the engine has an auth key.
+A call has one deadline, taken when it starts: opening its lane, a redial, and (in the engine) a
+fallback to the transport all spend the same `timeout_s`, never a fresh one each.
 """
 
 from __future__ import annotations
@@ -55,7 +57,8 @@ MAX_REQUEST_BYTES = MAX_VAR_BYTES
 MAX_LANES = 4096  # lanes one engine serves at once; more are refused (a runaway or hostile client)
 LANE_IDLE_S = 300.0  # a lane with no call for this long is closed (its caller redials when it needs one)
 # A lane that cannot be opened (a firewall that drops, a peer whose lanes are off) costs at most
-# this once, then calls to that address go through the transport for a while.
+# this, and at most half of what is left of the call (the rest is for the transport it falls back
+# to), once; then calls to that address go through the transport for a while.
 CONNECT_TIMEOUT_S, UNREACHABLE_FOR_S = 3.0, 60.0
 DEADLINE_SLACK = 0.05  # a call ends within (1 + this) x its timeout, however slowly its reply comes (_DeadlineSocket)
 
@@ -212,12 +215,17 @@ class LaneClient:
         self._unreachable: dict[str, float] = {}  # address -> until when calls skip it (monotonic)
 
     def call(self, peer: str, address: str, caller: tuple[int, bytes], request: bytes,
-             timeout_s: float, into: AttachmentSink | None = None) -> bytes | bytearray:
+             timeout_s: float, into: AttachmentSink | None = None,
+             deadline: float | None = None) -> bytes | bytearray:
         """One call on this thread's lane to `address`; returns the reply's body (followed by its
         attachment unless `into` took it). `caller` is (version, this engine's PeerInfo JSON):
-        sent when the lane has not seen that version. Raises LaneUnreachable when no lane opens,
+        sent when the lane has not seen that version. `deadline` (time.monotonic()) ends the call,
+        its connect and redial included; None: `timeout_s` from now (`timeout_s` is the call's
+        whole timeout, as its errors say). Raises LaneUnreachable when no lane opens,
         TransferError when the call fails or times out; whatever `into` raises, after the lane
         is closed."""
+        if deadline is None:
+            deadline = time.monotonic() + timeout_s
         if len(request) > MAX_REQUEST_BYTES:
             raise TransferError(f"call to {peer}: a request of {len(request)} B is over the "
                                 f"{MAX_REQUEST_BYTES} B a call may carry (send bulk bytes as a write)")
@@ -235,7 +243,7 @@ class LaneClient:
         for attempt in (0, 1):
             if lane is None:
                 try:
-                    lane = lanes[peer] = self._open(peer, address, timeout_s)
+                    lane = lanes[peer] = self._open(peer, address, timeout_s, deadline)
                 except LaneUnreachable as exc:
                     if attempt:  # the request went out once: no other way may send it again
                         raise TransferError(f"call to {peer}: its lane broke and cannot be reopened: {exc}") from None
@@ -243,7 +251,7 @@ class LaneClient:
             reused = lane.used
             started = time.perf_counter()
             try:
-                status, body = self._exchange(peer, lane, caller, request, timeout_s, into)
+                status, body = self._exchange(peer, lane, caller, request, timeout_s, deadline, into)
             except _Stale:
                 self._drop(lanes, peer, lane)
                 lane = None
@@ -267,19 +275,25 @@ class LaneClient:
         for sock in lanes:
             shutdown_socket(sock)
 
-    def _open(self, peer: str, address: str, timeout_s: float) -> _Lane:
+    def _open(self, peer: str, address: str, timeout_s: float, deadline: float) -> _Lane:
         if self._closed:
             raise TransferError("the engine is closed")
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimedOut(f"call to {peer} got no reply within {timeout_s} s")
         host, _, port = address.rpartition(":")
         try:
-            sock = socket.create_connection((host, int(port)), timeout=min(timeout_s, CONNECT_TIMEOUT_S))
+            sock = socket.create_connection((host, int(port)), timeout=min(left / 2, CONNECT_TIMEOUT_S))
         except OSError as exc:
             self._unreachable[address] = time.monotonic() + UNREACHABLE_FOR_S
             raise LaneUnreachable(f"call to {peer}: no lane to {address}: {exc}") from None
         try:
             _tune(sock)
             if self._auth_key is not None:
-                client_handshake(sock, self._auth_key)
+                client_handshake(_DeadlineSocket(sock, deadline, timeout_s), self._auth_key)
+        except TimeoutError:
+            sock.close()
+            raise TimedOut(f"call to {peer} got no reply within {timeout_s} s") from None
         except OSError as exc:
             sock.close()
             raise TransferError(f"call to {peer}: {exc}") from None
@@ -316,12 +330,12 @@ class LaneClient:
         lane.sock.close()
 
     def _exchange(self, peer: str, lane: _Lane, caller: tuple[int, bytes], request: bytes,
-                  timeout_s: float, into: AttachmentSink | None) -> tuple[int, bytes | bytearray]:
-        sock = _DeadlineSocket(lane.sock, timeout_s)
+                  timeout_s: float, deadline: float, into: AttachmentSink | None) -> tuple[int, bytes | bytearray]:
         version, info = caller
         if lane.info_version == version:
             info = b""
         try:
+            sock = _DeadlineSocket(lane.sock, deadline, timeout_s)
             sent = send_views(sock, [_REQUEST.pack(REQUEST_MAGIC, len(info), len(request)), info, request])
             head = sock.recv(_REPLY.size)
         except TimeoutError:
@@ -363,10 +377,13 @@ class _DeadlineSocket:
 
     __slots__ = ("_sock", "_deadline", "_timeout", "_slack")
 
-    def __init__(self, sock: socket.socket, timeout_s: float) -> None:
-        self._sock, self._timeout, self._slack = sock, timeout_s, timeout_s * DEADLINE_SLACK
-        self._deadline = time.monotonic() + timeout_s
-        sock.settimeout(timeout_s)
+    def __init__(self, sock: socket.socket, deadline: float, timeout_s: float) -> None:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the call's deadline passed")
+        self._sock, self._deadline, self._timeout = sock, deadline, left
+        self._slack = timeout_s * DEADLINE_SLACK
+        sock.settimeout(left)
 
     def _tighten(self) -> None:
         left = self._deadline - time.monotonic()

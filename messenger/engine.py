@@ -25,7 +25,10 @@ transport (messenger/api.py's Transport moves bytes and messages only):
 - Calls: on the peer's call lane (messenger/call_lane.py) when it publishes one, else as
   messages through its transport (messenger/transport_calls.py).
 - Timeouts: a watchdog (messenger/watchdog.py) fails every batch and call that is not complete `timeout_s` after it was
-  submitted, whatever the transport does (a dead or silent peer).
+  submitted, whatever the transport does (a dead or silent peer). It fails the transport's batch, not the user's: a
+  READ landing in the caller's memory at that moment finishes first (messenger/api.py, Batch.begin_landing), so
+  a caller whose wait raised owns its buffers again. A call's `timeout_s` bounds all of it, a redialled lane or the
+  fallback to the transport included: one deadline, taken when the call starts.
 
 on_notify and on_call run on the engine's and transports' threads: keep on_notify short (it holds
 the stream it arrived on); on_call runs on the call's lane thread (messenger/call_lane.py: one per
@@ -313,8 +316,10 @@ class TransferEngine:
         return batch
 
     def _launch(self, peer: _Peer, batch: Batch, what: str, submit) -> None:
-        """Hand the transport an inner batch and finish the user's from it: the engine maps the
-        error kinds, counts stats, and the watchdog bounds the user's batch either way."""
+        """Hand the transport an inner batch and finish the user's from it, and only from it: the
+        engine maps the error kinds and counts stats. The watchdog times out the inner batch, so
+        a transport landing bytes in the caller's memory (Batch.begin_landing) holds the timeout
+        back until they are in: the user's waiter never wakes while its memory is written."""
         inner = Batch(batch.nbytes, batch.num_slices)
         inner.deadline = time.monotonic() + self.config.timeout_s  # the watchdog's, armed below
         stats, started = self._stats[peer.transport.name], time.perf_counter()
@@ -333,19 +338,15 @@ class TransferEngine:
                 error = ChecksumError(str(error))
             batch.complete(error)
 
-        def ended(done: Batch) -> None:
-            inner.complete(done.error)  # a timed-out batch lets the transport drop its state
-
         batch.on_outcome(count)  # counted before a waiter wakes: it reads the stats next
         inner.add_done_callback(finished)
-        batch.add_done_callback(ended)
-        self._watchdog.watch(batch, self.config.timeout_s, what)
+        self._watchdog.watch(inner, self.config.timeout_s, what)
         try:
             submit(inner)
-        except TransferError as exc:
-            batch.complete(exc)
+        except TransferError as exc:  # nothing landed: it ends at once
+            inner.complete(exc)
         except OSError as exc:
-            batch.complete(TransferError(f"{what}: {exc}"))
+            inner.complete(TransferError(f"{what}: {exc}"))
 
     def _peer(self, name: str) -> _Peer:
         peer = self._peers.get(name)
@@ -368,16 +369,18 @@ class TransferEngine:
     def call(self, peer: str, request: bytes, timeout_s: float | None = None,
              into: AttachmentSink | None = None) -> bytes | bytearray:
         """Send `request` to `peer`'s on_call and return its reply, bytes-like (TransferError on
-        failure or after timeout_s, the engine's by default). On the peer's call lane when it has
-        one, else through the transport chosen for it. A CallReply's attachment follows the body
+        failure or after timeout_s, the engine's by default: the whole call's, a lane's redial or
+        the fallback to the transport included). On the peer's call lane when it has one, else
+        through the transport chosen for it. A CallReply's attachment follows the body
         in what is returned, unless `into(body, nbytes)` names buffers for it (on a lane it is
         received straight into them)."""
         target = self._peer(peer)
         timeout = timeout_s if timeout_s is not None else self.config.timeout_s
+        deadline = time.monotonic() + timeout  # the whole call's, whichever way it goes and however often
         if self._lane_client is not None and target.info.call_address:
             try:
                 return self._lane_client.call(peer, target.info.call_address, self._caller_json(), request,
-                                              timeout, into)
+                                              timeout, into, deadline)
             except LaneUnreachable as exc:  # its lanes cannot be reached from here: its transport may be
                 log.debug("%s; calling through %s", exc, target.transport.name)
         _, caller = self._caller_json()  # a call carries the caller's PeerInfo: the callee answers by it
@@ -385,7 +388,7 @@ class TransferEngine:
         def send(what: str, payload: bytes, sent: Batch) -> None:
             self._launch(target, sent, what, lambda inner: target.transport.send_message(target.info, payload, inner))
 
-        return self._transport_calls.call(peer, caller, request, timeout, send, into)
+        return self._transport_calls.call(peer, caller, request, timeout, send, into, deadline)
 
     def _caller_json(self) -> tuple[int, bytes]:
         """(version, this engine's PeerInfo as JSON), encoded once per change."""

@@ -11,7 +11,11 @@ How bytes move, best first, decided per connection when it opens:
    A read is the other way round: process_vm_writev runs at about half the speed of
    process_vm_readv here, so the initiator reads the owner's memory itself at the addresses the
    owner gave, and the owner then confirms they still hold those regions (or the read fails:
-   stale bytes are never returned as good ones).
+   stale bytes are never returned as good ones). That copy is a landing of the batch
+   (Batch.begin_landing): a timeout waits for it, so a caller whose read failed owns its memory
+   again. One the owner copies into this side (when this side may not read the owner, or its
+   regions are in segments the owner maps) cannot be held back like that: the owner starts none
+   past the batch's deadline, but one under way then still finishes.
    Whether CMA is permitted is checked, not assumed: the owner reads a random probe the
    initiator publishes, at the initiator's pid as the kernel reports it (SO_PEERCRED), so a
    ptrace_scope, another uid, a seccomp filter or another pid namespace turns it off. Under
@@ -269,8 +273,11 @@ class ShmTransport:
                       for r, s, span in zip(job.local, job.slices, spans)]
         except (OSError, ValueError) as exc:
             raise TransferError(f"cannot map peer {link.peer!r}'s segment: {exc}") from None
-        _still_wanted(job)
-        self.copy(copies, write=write, pid=None)
+        if write:
+            _still_wanted(job)
+            self.copy(copies, write=True, pid=None)
+        else:
+            self._copy_in(job, copies, pid=None)
         return shm_wire.Move(mode="done", spans=[(p.name, p.offset) for p in spans], **common)
 
     def _pull(self, link: Link, job: Job, common: dict) -> shm_wire.Move:
@@ -285,16 +292,28 @@ class ShmTransport:
                                     f"{link.peer!r}'s region {s.remote_region!r} of {length} B")
             theirs.append(base + s.remote_offset)
         assert link.pull_pid is not None
-        _still_wanted(job)
         try:
-            self.copy([(r.address + s.local_offset, t, s.length) for r, s, t in zip(job.local, job.slices, theirs)],
-                      write=False, pid=link.pull_pid)
+            self._copy_in(job, [(r.address + s.local_offset, t, s.length)
+                                for r, s, t in zip(job.local, job.slices, theirs)], pid=link.pull_pid)
+        except TransferError:  # the batch had ended: nothing was copied
+            raise
         except OSError as exc:
             link.forget_where()
             raise TransferError(f"reading {link.peer!r}'s memory failed: {exc}") from None
         return shm_wire.Move(mode="pulled", addresses=theirs, **common)
 
     # -- internals -------------------------------------------------------------------------
+    def _copy_in(self, job: Job, copies: list[cma.Copy], *, pid: int | None) -> None:
+        """A read's bytes copied into this side's memory by this side, as a landing of its batch
+        (Batch.begin_landing): nothing once the batch ended, and a timeout meanwhile waits for the
+        copy to finish, so the caller never gets its memory back while it is being written."""
+        if not job.batch.begin_landing():
+            raise TransferError("the batch ended (timed out) before its copy began")
+        try:
+            self.copy(copies, write=False, pid=pid)
+        finally:
+            job.batch.end_landing()
+
     def _enqueue(self, peer: PeerInfo, job: Job) -> None:
         """Queue `job` on the link to `peer`, opening one if there is none (or the last died)."""
         address = _socket_of(peer)

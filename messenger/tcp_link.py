@@ -414,10 +414,13 @@ class Stream:
                 read.batch.complete(TransferError(f"{link.peer} refused the read: {var.decode(errors='replace')}"))
             return
         views = read.frames[index] if read is not None and index < len(read.frames) else None
-        if views is None or read.batch.done() or sum(v.nbytes for v in views) != payload_len:
-            drain(self.sock, payload_len)  # a batch that timed out: its memory is no longer ours to fill
+        if views is None or sum(v.nbytes for v in views) != payload_len or not read.batch.begin_landing():
+            drain(self.sock, payload_len)  # a batch that ended (timed out): its memory is no longer ours to fill
             return
-        recv_into_views(self.sock, views)
+        try:  # its timeout, or another stream's READ_ERR or failure, waits until these bytes are in
+            recv_into_views(self.sock, views)
+        finally:  # the recv may fail (the link broke mid-frame): the batch must still end
+            read.batch.end_landing()
         with link.lock:
             read.remaining -= 1
             finished = read.remaining == 0

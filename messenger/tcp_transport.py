@@ -17,7 +17,9 @@ connection. The sender completes the Batch on the ack.
 
 READ: the client sends READ frames (which chunks it wants, where they go is kept on this side);
 the server answers each with READ_DATA straight from its region; the client scatters each into
-the destination views.
+the destination views, each frame as a landing of the batch (Batch.begin_landing): a frame of a
+batch that ended is drained instead, and one already landing delays the batch's end (its timeout,
+a READ_ERR on another stream) until it is in, bounded by the socket's timeout.
 
 Failures: a connection that errs or closes fails every batch in flight on its link at once (all
 of the link's streams are closed; the next batch reconnects); a peer silent for `timeout_s`

@@ -15,6 +15,7 @@ import itertools
 import logging
 import secrets
 import struct
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
 
@@ -55,8 +56,12 @@ class TransportCalls:
         self._closed = False
 
     def call(self, peer: str, caller: bytes, request: bytes, timeout_s: float, send: SendRequest,
-             into: AttachmentSink | None) -> bytes | bytearray:
-        """Send `request` to `peer` with this side's PeerInfo (`caller`, JSON) and wait for its reply."""
+             into: AttachmentSink | None, deadline: float | None = None) -> bytes | bytearray:
+        """Send `request` to `peer` with this side's PeerInfo (`caller`, JSON) and wait for its
+        reply until `deadline` (time.monotonic(); None: `timeout_s` from now, the call's whole
+        timeout as its error says: the engine's deadline may have begun on a lane)."""
+        if deadline is None:
+            deadline = time.monotonic() + timeout_s
         call_id = next(self._ids)
         reply: Future = Future()
         self._pending[call_id] = reply
@@ -65,7 +70,7 @@ class TransportCalls:
         sent.add_done_callback(lambda b: b.error is not None and not reply.done() and _fail(reply, b.error))
         try:
             send(f"call to {peer}", payload, sent)
-            body, attachment = reply.result(timeout_s)
+            body, attachment = reply.result(max(0.0, deadline - time.monotonic()))
         except TimeoutError:
             raise TimedOut(f"call to {peer} got no reply within {timeout_s} s") from None
         finally:
