@@ -10,8 +10,9 @@ segments in /dev/shm (vLLM's, hundreds of MB each, and the multiprocessing resou
 that would unlink them died with them). A restart waits until the group is gone. A worker that
 keeps dying is given up on after `max_restarts` within `window_s`, and the cluster goes on with
 the others (the conductor routes around it and its /health says "degraded"). A restarted
-worker whose engine fails to start stays alive saying so on /health (`probe`): it is stopped and
-counted as a death, like one that exited. Pure but for the processes: the clock, the spawning
+worker whose engine fails to start stays alive saying so on /health (`probe`): it is stopped
+(SIGTERM, and SIGKILL if it is still there after `stop_grace_s`) and counted as a death, like one
+that exited. Pure but for the processes: the clock, the spawning
 and the probe are passed in.
 """
 
@@ -73,6 +74,7 @@ class Supervisor:
         self._restarted: dict[str, list[float]] = {}  # worker url -> when it was restarted
         self._due: dict[str, float] = {}  # worker url -> when its restart is due
         self._stopping: dict[str, tuple[subprocess.Popen, float]] = {}  # url -> (dead leader, SIGKILL at)
+        self._terminating: dict[str, float] = {}  # url -> when a live worker told to stop gets SIGKILL
         self.given_up: set[str] = set()
 
     def check(self) -> None:
@@ -83,8 +85,10 @@ class Supervisor:
             if w.url in self.given_up:
                 continue
             if w.process.poll() is None:
-                self._check_start(w)
+                self._check_start(w, now)
+                self._kill_if_overdue(w, now)
                 continue
+            self._terminating.pop(w.url, None)
             if w.url in self._due:
                 if now >= self._due[w.url] and w.url not in self._stopping:
                     self._restart(w, now)
@@ -108,7 +112,7 @@ class Supervisor:
                       "%.0f s); its log is above", w.role, w.url, w.process.pid, exit_reason(code), delay, len(recent) + 1,
                       self._policy.max_restarts, self._policy.window_s)
 
-    def _check_start(self, w: Supervised) -> None:
+    def _check_start(self, w: Supervised, now: float) -> None:
         """A restarted worker that says its engine failed is stopped: its exit is then a death."""
         if w.url not in self._starting or self._probe is None:
             return
@@ -120,6 +124,19 @@ class Supervisor:
             log.error("restarted %s worker %s (pid %d) could not start its engine: %s; stopping it", w.role, w.url,
                       w.process.pid, health.get("error") or "no reason given")
             kill_group(w.process, signal.SIGTERM)
+            self._terminating[w.url] = now + self._policy.stop_grace_s
+
+    def _kill_if_overdue(self, w: Supervised, now: float) -> None:
+        """A worker told to stop (its engine failed) that is still there after the grace is
+        killed: one that ignored SIGTERM (its shutdown stuck, say on a thread that never ends)
+        sat there for ever, neither restarted nor counted, and nothing said so."""
+        kill_at = self._terminating.get(w.url)
+        if kill_at is None or now < kill_at:
+            return
+        del self._terminating[w.url]
+        log.error("%s worker %s (pid %d) did not stop within %.0f s of SIGTERM; killing it", w.role, w.url,
+                  w.process.pid, self._policy.stop_grace_s)
+        kill_group(w.process)
 
     def _finish_stopping(self, url: str, now: float) -> None:
         """The dead worker's group is gone; its grace has passed and it is killed, then waited for

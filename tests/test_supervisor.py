@@ -359,6 +359,35 @@ def test_a_restarted_worker_whose_engine_fails_to_start_is_stopped_and_counted_a
     assert worker.process is not restarted and len(keeper._restarted["http://w1"]) == 2
 
 
+def test_a_restarted_worker_whose_engine_failed_and_that_ignores_sigterm_is_killed_after_the_grace(procs, caplog):
+    """Its shutdown stuck (a thread that never ends): it sat there for ever, not restarted, not counted."""
+    now = [0.0]
+    health: dict[str, dict] = {}
+    worker = Worker("prefill", "http://w6", None, "import sys; sys.exit(3)")
+    worker.process = procs(worker)
+    keeper = Supervisor([worker], procs, RestartPolicy(max_restarts=3, window_s=60, first_delay_s=0, stop_grace_s=5),
+                        lambda: now[0], probe=lambda url: health.get(url))
+    wait_exit(worker.process)
+    keeper.check()
+    worker.code = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(120)"
+    keeper.check()
+    deaf = worker.process
+    time.sleep(1.0)  # its SIG_IGN is in place
+    health["http://w6"] = {"status": "failed", "error": "RuntimeError: no memory"}
+    keeper.check()  # SIGTERM, ignored
+    now[0] = 4.9
+    keeper.check()
+    assert deaf.poll() is None
+    now[0] = 5.0
+    keeper.check()  # the grace is over
+    assert deaf.wait(timeout=10) == -signal.SIGKILL
+    assert "did not stop within 5 s of SIGTERM" in caplog.text
+    now[0] = 7.0
+    keeper.check()  # its death counts: restarted after the back-off
+    keeper.check()
+    assert worker.process is not deaf and len(keeper._restarted["http://w6"]) == 2
+
+
 def test_exit_codes_are_said_the_way_an_operator_reads_them():
     from mooncake import defaults
     from mooncake.supervisor import exit_reason

@@ -21,7 +21,7 @@ from fastapi import APIRouter, HTTPException, Request, Response
 
 from mooncake.auth import token_headers
 from mooncake.registry.base import (InstanceInfo, Registry, RegistryEvent, RegistryRefused, RegistryUnavailable,
-                                    Snapshot)
+                                    Snapshot, decode_info, encode_info)
 from mooncake.registry.config import RegistryConfig
 from mooncake.registry.memory import MemoryRegistry
 from mooncake.registry.retry import retrying
@@ -53,7 +53,9 @@ def registry_router(registry: MemoryRegistry) -> APIRouter:
     """Internal routes over `registry`; mount with `app.include_router(...)`.
 
     POST   /internal/registry/instances                {"info", "ttl_s"}
-    POST   /internal/registry/instances/{id}/heartbeat  404 if unknown: register again
+    POST   /internal/registry/instances/{id}/heartbeat  404 if unknown: register again; body
+                                                         (optional): the caller's InstanceInfo,
+                                                         409 if another process holds the id
     DELETE /internal/registry/instances/{id}
     GET    /internal/registry/instances                 {"instances": [...], "v": 1}
     """
@@ -69,7 +71,18 @@ def registry_router(registry: MemoryRegistry) -> APIRouter:
         return {"ok": True}
 
     @router.post("/instances/{instance_id}/heartbeat")
-    async def heartbeat(instance_id: str) -> dict[str, Any]:
+    async def heartbeat(instance_id: str, request: Request) -> dict[str, Any]:
+        raw = await request.body()  # empty from an older worker: refreshed whoever holds the id
+        if raw:
+            try:
+                mine = decode_info(raw)
+            except ValueError as e:
+                raise HTTPException(400, f"bad heartbeat: {e}") from None
+            if mine.instance_id != instance_id:
+                raise HTTPException(400, f"heartbeat of {instance_id!r} carries {mine.instance_id!r}'s info")
+            # No await from here to the heartbeat: the check and the refresh are one step.
+            if registry.claimed_by_another(mine):
+                raise HTTPException(409, f"instance id {instance_id!r} is registered by another process")
         if not registry.heartbeat(instance_id):
             raise HTTPException(404, f"unknown instance {instance_id!r}: register again")
         return {"ok": True}
@@ -108,8 +121,9 @@ class HttpRegistryClient(Registry):
                                        headers=token_headers(config.cluster_token))
         self._regs: dict[str, _Registration] = {}
 
-    async def _call(self, method: str, path: str, **kw: Any) -> httpx.Response:
-        """One request; 404 is returned to the caller, other failures raise Unavailable."""
+    async def _call(self, method: str, path: str, passed: tuple[int, ...] = (404,), **kw: Any) -> httpx.Response:
+        """One request; the statuses in `passed` are returned to the caller, other failures raise
+        Unavailable."""
         try:
             resp = await self._http.request(method, path, **kw)
         except httpx.HTTPError as e:
@@ -117,7 +131,7 @@ class HttpRegistryClient(Registry):
         if resp.status_code in (401, 403):
             raise RegistryRefused(f"{method} {path}: HTTP {resp.status_code} {resp.text} (is this process's cluster "
                                   f"token the conductor's?)")
-        if resp.status_code != 404 and resp.status_code >= 300:
+        if resp.status_code not in passed and resp.status_code >= 300:
             raise RegistryUnavailable(f"{method} {path}: HTTP {resp.status_code} {resp.text}")
         return resp
 
@@ -138,15 +152,29 @@ class HttpRegistryClient(Registry):
         self._regs[info.instance_id] = reg
 
     async def _keepalive(self, reg: _Registration) -> None:
-        failing = False
+        failing = claimed = False
+        # The heartbeat carries this process's info: one for an id another process registered
+        # since (the same --instance-id twice) is refused with 409 rather than keeping that
+        # process's record alive after it died (memory.py, claimed_by_another).
+        mine = encode_info(reg.info)
         while True:
             await asyncio.sleep(self._config.keepalive_interval_s)
             try:
-                resp = await self._call("POST", f"/instances/{reg.info.instance_id}/heartbeat")
-                if resp.status_code == 404:
+                resp = await self._call("POST", f"/instances/{reg.info.instance_id}/heartbeat", passed=(404, 409),
+                                        content=mine, headers={"content-type": "application/json"})
+                if resp.status_code == 409:
+                    if not claimed:  # said once per claim; the entry expires with the other process
+                        log.error("registry: another process registered instance id %s over this one: this one is "
+                                  "not routed while that one lives; give every worker its own --instance-id",
+                                  reg.info.instance_id)
+                    claimed = True
+                elif resp.status_code == 404:
                     log.warning("registry: conductor forgot %s; registering again",
                                 reg.info.instance_id)
                     await self._put(reg)
+                    claimed = False
+                else:
+                    claimed = False
                 if failing:
                     log.info("registry: conductor reachable again")
                 failing = False

@@ -94,6 +94,22 @@ class MemoryRegistry(Registry):
         self._emit(RegistryEvent("alive", instance_id))  # the refresh ClusterView expects
         return True
 
+    def holder(self, instance_id: str) -> InstanceInfo | None:
+        """The info the live entry of `instance_id` was put with (None: no such entry). A
+        keepalive compares it with its own before it heartbeats (`claimed_by_another`)."""
+        self.expire()
+        e = self._entries.get(instance_id)
+        return e.info if e is not None else None
+
+    def claimed_by_another(self, info: InstanceInfo) -> bool:
+        """Another registration holds `info`'s instance id now (a second process given the same
+        --instance-id). Its keepalive must not refresh that entry: when the other process died,
+        this one's heartbeats kept the dead one's record (its URL) listed, and this live one was
+        never routed again. Left alone, the entry expires and this one's next heartbeat (404)
+        puts its own info back."""
+        held = self.holder(info.instance_id)
+        return held is not None and held != info
+
     def remove(self, instance_id: str) -> bool:
         """Remove an instance now. False if it was not there."""
         if self._entries.pop(instance_id, None) is None:
@@ -131,8 +147,17 @@ class MemoryRegistry(Registry):
         self._local[info.instance_id] = reg
 
     async def _keepalive(self, reg: _LocalRegistration) -> None:
+        claimed = False  # said once per claim, not every interval
         while True:
             await asyncio.sleep(self._config.keepalive_interval_s)
+            if self.claimed_by_another(reg.info):
+                if not claimed:
+                    log.error("registry: another process registered instance id %s over this one: this one is "
+                              "not routed while that one lives; give every worker its own --instance-id",
+                              reg.info.instance_id)
+                claimed = True
+                continue
+            claimed = False
             if not self.heartbeat(reg.info.instance_id):
                 log.warning("registry: %s had expired; registering again", reg.info.instance_id)
                 self.put(reg.info, reg.ttl_s)

@@ -6,8 +6,8 @@ safety net against a lost delete: every registered instance refreshes itself at 
 per keepalive interval (an "alive" event), so one silent for `expire_after_s` is dropped.
 That net is switched off during a backend outage: silence then says nothing about the
 workers, and the last view is the best the conductor has until the next "resync". It is also off
-while the backend as a whole is silent (no event at all for expire_after_s): a frozen etcd or a
-half-open connection does not always end the watch with an outage, and a conductor whose event
+while the backend as a whole is silent (no event at all for half of expire_after_s): a frozen etcd
+or a half-open connection does not always end the watch with an outage, and a conductor whose event
 loop stalled hears nothing either; the workers did not all die at once. An instance dropped by
 the net that turns out alive (an "alive" event for it) is restored from its last known info, since
 the backend sends a "put" only when an instance (re)registers, and without one it would stay
@@ -125,9 +125,18 @@ class ClusterView:
         return instance_id in self._entries
 
     def _silent(self, now: float) -> bool:
-        """No event at all for expire_after_s: the backend or the watch is silent, not every
-        instance dead at once (the backend's deletes still remove the ones that die)."""
-        return self._last_event_at is not None and now - self._last_event_at > self._config.expire_after_s
+        """No event at all for half of expire_after_s: the backend or the watch is silent, not
+        every instance dead at once (the backend's deletes still remove the ones that die).
+
+        Half, not all of it: the instances' refreshes are spread over a keepalive interval, so
+        when the backend freezes each instance's own silence starts up to an interval before the
+        backend's. Measured over the whole window, every instance but the last one heard from
+        crossed expire_after_s before the backend counted as silent, and was dropped (3 of 4
+        workers while etcd was stopped). A live backend with any live instance speaks at least
+        once per keepalive interval (at most a quarter of expire_after_s: the interval is at most
+        half the TTL, the window twice it), so half the window is silence of the backend."""
+        return (self._last_event_at is not None
+                and now - self._last_event_at > self._config.expire_after_s / 2)
 
     def _fresh(self, e: _Entry, now: float) -> bool:
         return (self._outage_since is not None or self._silent(now)

@@ -5,11 +5,12 @@ import socket
 import time
 
 import httpx
+import msgspec
 import uvicorn
 from fastapi import FastAPI
 
 from mooncake.net import free_port
-from mooncake.registry import ClusterView, MemoryRegistry, RegistryConfig, ViewConfig, open_registry
+from mooncake.registry import ClusterView, MemoryRegistry, RegistryConfig, ViewConfig, encode_info, open_registry
 from mooncake.registry.http import HttpRegistryClient, registry_router
 from tests.registry.support import info, run, wait_until
 
@@ -134,4 +135,53 @@ def test_routes_reject_bad_input_and_unknown_instances() -> None:
             assert listed == {"instances": [{**body["info"], "chunk_tokens": 0}], "v": 1}
             assert (await c.delete(f"{base}/a")).json() == {"removed": True}
             assert (await c.delete(f"{base}/a")).json() == {"removed": False}
+    run(main())
+
+
+def test_a_live_worker_whose_id_another_process_took_comes_back_when_that_one_dies(caplog) -> None:
+    # Two processes with one --instance-id: the second's registration replaced the first's record,
+    # and both heartbeats refreshed it. When the second died, the first's heartbeats kept the dead
+    # one's record (its URL) listed for good, and the first, alive, was never routed again.
+    async def main() -> None:
+        port = free_port()
+        cfg = RegistryConfig(url=f"embedded+http://127.0.0.1:{port}", ttl_s=1.0, keepalive_interval_s=0.2)
+        conductor = Conductor(port, cfg)
+        await conductor.start()
+        a, b = open_registry(cfg), open_registry(cfg)
+        first = info("p0")
+        second = msgspec.structs.replace(first, http_url="http://127.0.0.1:1/elsewhere",
+                                         started_at=first.started_at + 1)
+        await a.register(first, cfg.ttl_s)
+        await wait_until(lambda: conductor.view.get("p0") == first, what="a listed")
+        await b.register(second, cfg.ttl_s)
+        await wait_until(lambda: conductor.view.get("p0") == second, what="b took the id")
+        await wait_until(lambda: "another process registered instance id p0" in caplog.text, what="a says so")
+        await asyncio.sleep(3 * cfg.ttl_s)
+        assert conductor.view.get("p0") == second  # a does not take it back while b lives
+        await b.close()  # b dies without deregistering
+        await wait_until(lambda: conductor.view.get("p0") == first, timeout=5.0, what="a listed again")
+        await a.close()
+        await conductor.stop()
+    run(main())
+
+
+def test_a_heartbeat_carrying_another_registrations_info_is_refused() -> None:
+    async def main() -> None:
+        app = FastAPI()
+        reg = MemoryRegistry()
+        app.include_router(registry_router(reg))
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            base = "/internal/registry/instances"
+            mine = info("a")
+            reg.put(mine, 5.0)
+            assert (await c.post(f"{base}/a/heartbeat", content=encode_info(mine))).status_code == 200
+            other = msgspec.structs.replace(mine, http_url="http://127.0.0.1:1/other")
+            resp = await c.post(f"{base}/a/heartbeat", content=encode_info(other))
+            assert resp.status_code == 409 and "another process" in resp.json()["detail"]
+            assert (await c.post(f"{base}/a/heartbeat")).status_code == 200  # an older worker sends no body
+            resp = await c.post(f"{base}/b/heartbeat", content=encode_info(mine))
+            assert resp.status_code == 400 and "'a'" in resp.json()["detail"]
+            assert (await c.post(f"{base}/a/heartbeat", content=b"[")).status_code == 400
+            reg.remove("a")
+            assert (await c.post(f"{base}/a/heartbeat", content=encode_info(other))).status_code == 404
     run(main())

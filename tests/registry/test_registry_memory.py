@@ -91,6 +91,27 @@ def test_in_process_register_keepalive_and_reregister() -> None:
     run(main())
 
 
+def test_an_in_process_keepalive_does_not_refresh_a_record_another_process_put() -> None:
+    # A worker process put the same id over HTTP: the local keepalive leaves its record to
+    # expire with it, then puts its own back (it used to keep the other's record alive).
+    async def main() -> None:
+        clock = FakeClock()
+        reg = MemoryRegistry(RegistryConfig(ttl_s=1.0, keepalive_interval_s=0.05), clock=clock)
+        mine = info("w")
+        other = InstanceInfo("w", "decode", "http://elsewhere", "127.0.0.1:1", "m", 16, 100, 1.0)
+        await reg.register(mine, ttl_s=1.0)
+        reg.put(other, 1.0)
+        await asyncio.sleep(0.2)
+        assert reg.list() == {"w": other}
+        clock.t = 0.9
+        await asyncio.sleep(0.2)
+        clock.t = 1.5  # past other's TTL: it was not refreshed
+        await asyncio.sleep(0.2)
+        assert reg.list() == {"w": mine}
+        await reg.close()
+    run(main())
+
+
 def test_a_record_says_its_engines_chunk_and_an_older_one_without_it_still_decodes() -> None:
     from mooncake.registry.base import decode_info, encode_info
 

@@ -98,6 +98,30 @@ def test_a_registry_silent_as_a_whole_expires_nobody() -> None:
     assert v.expire(now=61.0) == ["p0"]
 
 
+def test_a_backend_that_freezes_between_staggered_refreshes_drops_nobody() -> None:
+    # Instances refresh at their own times within a keepalive interval. When the backend froze,
+    # each instance's silence began before the backend's: all but the last one heard from crossed
+    # expire_after_s while the backend had been silent for less, and were dropped (with a real
+    # etcd stopped by SIGSTOP, the conductor kept 1 worker of 4).
+    v = ClusterView(ViewConfig(expire_after_s=8.0))
+    ids = ["p0", "p1", "p2", "p3"]
+    v.apply(RegistryEvent("resync", snapshot={i: info(i) for i in ids}), now=0.0)
+    t = 0.0
+    for second in range(1, 6):  # a keepalive each second, 0.25 s apart
+        for k, iid in enumerate(ids):
+            t = second + 0.25 * k
+            v.apply(alive(iid), now=t)
+    assert t == 5.75  # the backend freezes after p3's refresh
+    now = t
+    while now < t + 60:  # the conductor's expire loop runs every 0.5 s
+        now += 0.1
+        assert v.expire(now) == [], now
+        assert [i.instance_id for i in v.alive(now)] == ids
+    # It speaks again (p3 alone: the others' leases lapsed meanwhile): the others' silence is theirs.
+    v.apply(alive("p3"), now=now)
+    assert v.expire(now) == ["p0", "p1", "p2"]
+
+
 def test_an_instance_dropped_by_the_view_comes_back_with_its_next_alive() -> None:
     # The backend sends a put only when an instance (re)registers: a live instance dropped by
     # the view's own net used to stay unroutable while its lease lived.
