@@ -10,7 +10,7 @@ import time
 from collections.abc import Awaitable
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from conductor.auth import ApiKeyGuard, check_model_access, may_use
@@ -118,12 +118,12 @@ def create_app(config: ConductorConfig) -> FastAPI:
             raise APIError(404, f"The model `{model_id}` does not exist.", param="model", code="model_not_found")
         return _model_card(config, app.state.started)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", dependencies=[Depends(json_content_type)])
     async def completions(body: CompletionRequest, request: Request):
         service: CompletionService = request.app.state.service
         return await _serve(service, body, "completions", request)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", dependencies=[Depends(json_content_type)])
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         service: CompletionService = request.app.state.service
         return await _serve(service, body, "chat", request)
@@ -188,6 +188,20 @@ def create_app(config: ConductorConfig) -> FastAPI:
         return request.app.state.router.where_cached(ids)
 
     return app
+
+
+def json_content_type(request: Request) -> None:
+    """Refuses a body declared as something other than JSON (curl -d sends a form's type): FastAPI
+    would not parse it and the answer was a 400 about "a valid dictionary", which names neither the
+    header nor the fix. vLLM refuses it too; 415 is HTTP's status for it. A body without a
+    Content-Type is refused the same way: FastAPI (strict_content_type) does not read it as JSON.
+    The types FastAPI parses pass: application/json and application/*+json."""
+    declared = request.headers.get("content-type", "")
+    media_type = declared.split(";", 1)[0].strip().lower()
+    if media_type == "application/json" or (media_type.startswith("application/") and media_type.endswith("+json")):
+        return
+    sent = f"not {media_type!r}" if media_type else "none was sent"
+    raise APIError(415, f"Content-Type must be application/json ({sent})", code="unsupported_media_type")
 
 
 async def _json_body(request: Request):

@@ -35,6 +35,7 @@ class ChoiceEvent:
     finish: str | None  # set on the choice's last event
     logprobs: dict | None  # this piece's logprobs body (None when not asked)
     stop_reason: int | str | None = None  # with finish "stop": the stop string or token id (vLLM's)
+    tokens: int = 0  # the choice's tokens generated so far (a stream's continuous usage is per choice)
 
 
 @dataclass
@@ -100,7 +101,8 @@ class Choice:
                 for key, values in event.logprobs.items():
                     piece[key].extend(values)
         end = events[-1]
-        return ChoiceEvent(self.index, "".join(e.text for e in events), end.finish, piece, end.stop_reason)
+        return ChoiceEvent(self.index, "".join(e.text for e in events), end.finish, piece, end.stop_reason,
+                           self.count)
 
     def _push(self, chunk: GenerateChunk, prompt_positions: list[PositionLogprobs | None]) -> ChoiceEvent | None:
         if self.echo is not None and self.echo.only:
@@ -153,4 +155,4 @@ class Choice:
                 self.logprobs["content"].extend(piece["content"])
         if not (text or finish or piece):
             return None
-        return ChoiceEvent(self.index, text, finish, piece, self.stop_reason if finish else None)
+        return ChoiceEvent(self.index, text, finish, piece, self.stop_reason if finish else None, self.count)

@@ -57,6 +57,10 @@ def install_error_handlers(app: FastAPI) -> None:
         if first.get("type") == "json_invalid":
             return JSONResponse(error_body(400, f"request body is not valid JSON: {first.get('msg')}",
                                            code="invalid_json"), status_code=400)
+        if not loc and first.get("type") in ("model_attributes_type", "dict_type", "model_type"):
+            # JSON, but not an object (a list, a string): pydantic's words name no field to fix.
+            return JSONResponse(error_body(400, "the request body must be a JSON object", code="invalid_value"),
+                                status_code=400)
         return JSONResponse(invalid_value(loc, first).body(), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)

@@ -162,6 +162,8 @@ class CompletionService:
             raise APIError(400, f"stop_token_ids must be in [0, {vocab})", param="stop_token_ids")
         limit = self.config.max_model_len
         max_tokens = (body.max_completion_tokens or body.max_tokens) if chat else body.max_tokens
+        # The field the client set names a completion too long (chat: max_completion_tokens wins).
+        max_tokens_param = "max_completion_tokens" if chat and body.max_completion_tokens is not None else "max_tokens"
         if len(prompt) >= limit:
             raise APIError(400, f"This model's maximum context length is {limit} tokens. However, your "
                                 f"prompt has {len(prompt)} tokens.", param="messages" if chat else "prompt",
@@ -178,7 +180,7 @@ class CompletionService:
         if max_tokens > limit:
             raise APIError(400, f"This model's maximum context length is {limit} tokens. However, you "
                                 f"requested {len(prompt) + max_tokens} tokens ({len(prompt)} in the prompt, "
-                                f"{max_tokens} for the completion).", param="max_tokens",
+                                f"{max_tokens} for the completion).", param=max_tokens_param,
                            code="context_length_exceeded")
         # As vLLM's server: a completion that fits the context by itself but not after this prompt
         # is cut to the room left (clients that always ask for a large max_tokens keep working as a
@@ -441,8 +443,10 @@ class CompletionService:
         response that streams this releases the lives."""
         req, n = parts[0][0], parts[0][0].n
         if req.meta.chat:
+            # As vLLM: with continuous usage the role chunks carry it too, nothing generated yet.
+            opening = _choice_usage(parts[0], 0) if req.continuous_usage else None
             for i in range(n):
-                yield responses.chunk(req.meta, "", role=True, index=i)
+                yield responses.chunk(req.meta, "", role=True, index=i, usage_body=opening)
         else:
             yield ""  # the headers go out now, as the first token is known
         status = "200"
@@ -451,7 +455,10 @@ class CompletionService:
             # its reads of the other prompts' streams must stop before the lives close those.
             async with contextlib.aclosing(merged([started.events for _, started in parts])) as events:
                 async for k, event in events:
-                    so_far = _usage(parts) if req.continuous_usage else None
+                    # Continuous usage is the chunk's own choice's, as vLLM reports it: its prompt's
+                    # tokens and the tokens of that choice so far (the sum over all choices and
+                    # prompts made each choice's count jump by the others' tokens).
+                    so_far = _choice_usage(parts[k], event.tokens) if req.continuous_usage else None
                     yield responses.chunk(req.meta, event.text, finish_reason=event.finish, index=k * n + event.index,
                                           logprobs=event.logprobs, usage_body=so_far, stop_reason=event.stop_reason)
         except EngineFailed as exc:
@@ -468,6 +475,12 @@ class CompletionService:
         yield responses.DONE
         for _, started in parts:  # every byte was handed to the server; a client gone before stays None
             started.life.status = status
+
+
+def _choice_usage(part: tuple[Prepared, Started], tokens: int) -> dict:
+    """One choice's usage so far: its prompt's tokens (cached ones too) and `tokens` generated."""
+    req, started = part
+    return responses.usage(len(req.prompt), tokens, started.stats.prefill_cached_tokens)
 
 
 def _usage(parts: list[tuple[Prepared, Started]]) -> dict:

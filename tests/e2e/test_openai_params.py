@@ -324,8 +324,13 @@ def test_usage_on_every_chunk_when_asked(disaggregated_api):
         model=MODEL_NAME, prompt=PROMPT, max_tokens=4, temperature=0, stream=True, n=2,
         stream_options={"include_usage": True, "continuous_usage_stats": True})
     parts = list(stream)
-    counts = [p.usage.completion_tokens for p in parts if p.choices]
-    assert counts and all(p.usage is not None for p in parts) and counts == sorted(counts)
+    # As vLLM: each chunk's usage is its own choice's tokens so far; the last chunk sums them.
+    counts: dict[int, list[int]] = {}
+    for p in parts:
+        if p.choices:
+            counts.setdefault(p.choices[0].index, []).append(p.usage.completion_tokens)
+    assert all(p.usage is not None for p in parts) and sorted(counts) == [0, 1]
+    assert all(c == sorted(c) and c[-1] == 4 for c in counts.values()), counts
     assert parts[-1].usage.completion_tokens == 8 and parts[-1].usage.prompt_tokens > 5
 
 
