@@ -286,7 +286,7 @@ def serve(config: ClusterConfig) -> int:
                 server.should_exit = True  # uvicorn polls this and shuts down; `finally` stops the rest
                 return
             supervisor = Supervisor(cluster.workers, cluster.spawn, config.restart_policy, time.monotonic,
-                                    probe=fetch_health)
+                                    probe=fetch_health, halted=stop.is_set)
             while not stop.wait(1.0):
                 supervisor.check()
 

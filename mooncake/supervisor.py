@@ -62,11 +62,13 @@ KILLED_WAIT_S = 30.0
 class Supervisor:
     def __init__(self, workers: list[Supervised], spawn: Callable[[Supervised], subprocess.Popen],
                  policy: RestartPolicy, clock: Callable[[], float],
-                 probe: Callable[[str], dict | None] | None = None):
+                 probe: Callable[[str], dict | None] | None = None, halted: Callable[[], bool] = lambda: False):
         """`probe(url)`: the worker's /health body (None: no answer yet), asked of restarted
-        workers until they are ready."""
+        workers until they are ready. `halted()`: the cluster is stopping, so nothing is started
+        again (a check still under way when `serve` stopped the workers started one after them)."""
         self._workers = workers
         self._probe = probe
+        self._halted = halted
         self._starting: set[str] = set()  # restarted, not ready yet (urls)
         self._spawn = spawn
         self._policy = policy
@@ -155,6 +157,8 @@ class Supervisor:
         del self._stopping[url]
 
     def _restart(self, w: Supervised, now: float) -> None:
+        if self._halted():  # checked last thing before the spawn: the window left is this line
+            return
         del self._due[w.url]
         self._restarted[w.url].append(now)
         try:

@@ -465,3 +465,22 @@ def test_a_reaped_leader_whose_group_is_empty_is_never_signalled(monkeypatch):
     finally:
         alive.kill()
         alive.wait(timeout=30)
+
+
+def test_nothing_is_restarted_once_the_cluster_is_stopping(procs):
+    """serve stops its workers after the supervisor's thread ends, or after 10 s: a check still
+    under way then (slow health probes) restarted a worker after the others were stopped, and
+    nobody stopped that one."""
+    now, halted = [100.0], [False]
+    worker = Worker("decode", "http://w1", None, DIES_LEAVING_A_CHILD)
+    worker.process = procs(worker)
+    keeper = Supervisor([worker], procs, RestartPolicy(max_restarts=3, window_s=60, first_delay_s=1),
+                        lambda: now[0], halted=lambda: halted[0])
+    first = worker.process
+    wait_exit(first)
+    keeper.check()  # its death is seen; the restart is due in 1 s
+    now[0] += 2
+    halted[0] = True
+    worker.code = LIVES
+    keeper.check()
+    assert worker.process is first  # not restarted: the cluster is stopping
