@@ -162,6 +162,9 @@ WORKER_MAX_RESTARTS = 5
 WORKER_RESTART_WINDOW_S = 600.0
 """`serve` restarts a worker that dies, at most WORKER_MAX_RESTARTS times within
 WORKER_RESTART_WINDOW_S; past that it stays down (mooncake/supervisor.py)."""
+WORKER_START_TIMEOUT_S = 900.0
+"""A restarted worker not ready after this long is stopped and counted as a death (loading a large
+model from a slow disk can take minutes; a load that never ends must not hold the slot)."""
 BEST_EFFORT_WHEN_IDLE = True
 """A request whose own prefill takes longer than its TTFT SLO (a long prompt on slow hardware) is
 served, best effort, when a worker is idle, instead of refused for good: a legal request must be

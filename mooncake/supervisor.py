@@ -47,12 +47,15 @@ class RestartPolicy:
     max_delay_s: float = 30.0
     stop_grace_s: float = 5.0
     """How long a dead worker's engine processes have to exit after SIGTERM before SIGKILL."""
+    start_timeout_s: float = defaults.WORKER_START_TIMEOUT_S
+    """A restarted worker neither ready nor failed after this long (a load stuck on a lock, a
+    hung device) is stopped and counted as a death, like one whose engine failed."""
 
     def __post_init__(self) -> None:
         if (self.max_restarts < 0 or self.window_s <= 0 or not 0 <= self.first_delay_s <= self.max_delay_s
-                or self.stop_grace_s < 0):
-            raise ValueError("need max_restarts >= 0, window_s > 0, 0 <= first_delay_s <= max_delay_s and "
-                             f"stop_grace_s >= 0: {self}")
+                or self.stop_grace_s < 0 or not self.start_timeout_s > 0):
+            raise ValueError("need max_restarts >= 0, window_s > 0, 0 <= first_delay_s <= max_delay_s, "
+                             f"stop_grace_s >= 0 and start_timeout_s > 0: {self}")
 
 
 KILLED_WAIT_S = 30.0
@@ -69,7 +72,7 @@ class Supervisor:
         self._workers = workers
         self._probe = probe
         self._halted = halted
-        self._starting: set[str] = set()  # restarted, not ready yet (urls)
+        self._starting: dict[str, float] = {}  # restarted, not ready yet: url -> when it is given up on
         self._spawn = spawn
         self._policy = policy
         self._clock = clock
@@ -115,18 +118,24 @@ class Supervisor:
                       self._policy.max_restarts, self._policy.window_s)
 
     def _check_start(self, w: Supervised, now: float) -> None:
-        """A restarted worker that says its engine failed is stopped: its exit is then a death."""
+        """A restarted worker that says its engine failed, or is not ready within the policy's
+        start_timeout_s, is stopped: its exit is then a death."""
         if w.url not in self._starting or self._probe is None:
             return
         health = self._probe(w.url) or {}
         if health.get("status") == "ready":
-            self._starting.discard(w.url)
-        elif health.get("status") == "failed":
-            self._starting.discard(w.url)
-            log.error("restarted %s worker %s (pid %d) could not start its engine: %s; stopping it", w.role, w.url,
-                      w.process.pid, health.get("error") or "no reason given")
-            kill_group(w.process, signal.SIGTERM)
-            self._terminating[w.url] = now + self._policy.stop_grace_s
+            del self._starting[w.url]
+            return
+        if health.get("status") == "failed":
+            why = f"could not start its engine: {health.get('error') or 'no reason given'}"
+        elif now >= self._starting[w.url]:
+            why = f"is not ready {self._policy.start_timeout_s:.0f} s after its restart"
+        else:
+            return
+        del self._starting[w.url]
+        log.error("restarted %s worker %s (pid %d) %s; stopping it", w.role, w.url, w.process.pid, why)
+        kill_group(w.process, signal.SIGTERM)
+        self._terminating[w.url] = now + self._policy.stop_grace_s
 
     def _kill_if_overdue(self, w: Supervised, now: float) -> None:
         """A worker told to stop (its engine failed) that is still there after the grace is
@@ -166,7 +175,7 @@ class Supervisor:
         except OSError as exc:  # counted as a death: the next poll schedules another try
             log.error("could not restart %s worker %s: %s", w.role, w.url, exc)
             return
-        self._starting.add(w.url)
+        self._starting[w.url] = now + self._policy.start_timeout_s
         log.warning("restarted %s worker %s (pid %d); /health says when it is ready again", w.role, w.url,
                     w.process.pid)
 

@@ -484,3 +484,36 @@ def test_nothing_is_restarted_once_the_cluster_is_stopping(procs):
     worker.code = LIVES
     keeper.check()
     assert worker.process is first  # not restarted: the cluster is stopping
+
+
+def test_a_restarted_worker_never_ready_is_stopped_after_the_start_timeout_and_counted_as_a_death(procs):
+    """One whose load hangs (a lock, a device) answers /health "starting" for ever: without a
+    limit the cluster stayed degraded and the worker was neither restarted nor counted."""
+    now = [0.0]
+    health: dict[str, dict] = {}
+    worker = Worker("decode", "http://w7", None, "import sys; sys.exit(3)")
+    worker.process = procs(worker)
+    keeper = Supervisor([worker], procs, RestartPolicy(max_restarts=3, window_s=6000, first_delay_s=0,
+                                                       start_timeout_s=300),
+                        lambda: now[0], probe=lambda url: health.get(url))
+    wait_exit(worker.process)
+    keeper.check()  # a death: its restart is due at once
+    worker.code = LIVES
+    keeper.check()
+    restarted = worker.process
+    health["http://w7"] = {"status": "starting"}
+    now[0] += 299
+    keeper.check()
+    assert restarted.poll() is None  # still within its start timeout
+    now[0] += 2
+    keeper.check()
+    assert restarted.wait(timeout=10) == -signal.SIGTERM
+    now[0] += 1.0
+    keeper.check()  # its exit is a death: restarted again after the back-off
+    keeper.check()
+    assert worker.process is not restarted and len(keeper._restarted["http://w7"]) == 2
+
+
+def test_a_start_timeout_must_be_positive():
+    with pytest.raises(ValueError, match="start_timeout_s"):
+        RestartPolicy(start_timeout_s=0)
