@@ -23,6 +23,7 @@ from conductor.config import ConductorConfig
 from conductor.errors import APIError, sse_error
 from conductor.lifecycle import LifeStreamingResponse, RequestLife
 from conductor.metrics import ConductorMetrics
+from conductor.merge import merged
 from conductor.prompts import chat_prompt_ids, completion_prompt_ids
 from conductor.relay import Relay, RelayStats, sample_zero
 from conductor.routing import Router
@@ -487,30 +488,3 @@ def _usage(parts: list[tuple[Prepared, Started]]) -> dict:
     return responses.usage(sum(len(req.prompt) for req, _ in parts),
                            sum(c.count for _, started in parts for c in started.choices),
                            sum(started.stats.prefill_cached_tokens for _, started in parts))
-
-
-_END = object()
-
-
-async def merged(streams: list[AsyncIterator[ChoiceEvent]]) -> AsyncIterator[tuple[int, ChoiceEvent]]:
-    """(k, event) from each of the streams as its events come. One stream is read as it is (no
-    task per token); several are each read by one pending task at a time, and what is left
-    pending is cancelled when the merge ends, however it ends."""
-    if len(streams) == 1:
-        async for event in streams[0]:
-            yield 0, event
-        return
-    pending = {asyncio.ensure_future(anext(s, _END)): k for k, s in enumerate(streams)}
-    try:
-        while pending:
-            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-            for task in sorted(done, key=pending.__getitem__):
-                k = pending.pop(task)
-                event = task.result()  # a worker's failure is raised here
-                if event is not _END:
-                    yield k, event
-                    pending[asyncio.ensure_future(anext(streams[k], _END))] = k
-    finally:
-        for task in pending:
-            task.cancel()
-        await asyncio.gather(*pending, return_exceptions=True)

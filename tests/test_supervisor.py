@@ -6,53 +6,16 @@ starts them), the clock is the test's."""
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import pytest
 
 from mooncake.supervisor import RestartPolicy, Supervisor, group_running, kill_group
-
-# A worker that starts a child in its own process group (as vLLM's EngineCore is), then dies.
-DIES_LEAVING_A_CHILD = ("import subprocess, sys, time; "
-                        "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']); "
-                        "time.sleep(0.3); sys.exit(3)")
-LIVES = "import time; time.sleep(120)"
-
-
-@dataclass
-class Worker:
-    role: str
-    url: str
-    process: subprocess.Popen
-    code: str
-
-
-@pytest.fixture
-def procs():
-    started: list[subprocess.Popen] = []
-
-    def spawn(worker: Worker) -> subprocess.Popen:
-        proc = subprocess.Popen([sys.executable, "-c", worker.code], start_new_session=True)
-        started.append(proc)
-        return proc
-
-    yield spawn
-    for proc in started:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait(timeout=30)
-
-
-def wait_exit(proc: subprocess.Popen) -> None:
-    proc.wait(timeout=30)
+from tests.supervised_workers import DIES_LEAVING_A_CHILD, LIVES, Worker, procs, wait_exit  # noqa: F401 (procs: a fixture)
 
 
 def test_a_dead_worker_is_restarted_after_its_back_off_and_its_engine_processes_are_killed(procs):
@@ -335,59 +298,6 @@ def test_a_stop_interrupted_by_a_second_ctrl_c_still_kills_every_worker():
         assert process.wait(timeout=10) == -signal.SIGKILL
 
 
-def test_a_restarted_worker_whose_engine_fails_to_start_is_stopped_and_counted_as_a_death(procs):
-    """It stays alive answering /health "failed": without the probe it would sit there for ever."""
-    now = [0.0]
-    health: dict[str, dict] = {}
-    worker = Worker("decode", "http://w1", None, "import sys; sys.exit(3)")
-    worker.process = procs(worker)
-    keeper = Supervisor([worker], procs, RestartPolicy(max_restarts=3, window_s=60, first_delay_s=0),
-                        lambda: now[0], probe=lambda url: health.get(url))
-    wait_exit(worker.process)
-    keeper.check()  # a death: its restart is due at once
-    worker.code = LIVES
-    keeper.check()
-    restarted = worker.process
-    assert restarted.poll() is None
-    keeper.check()  # no answer yet: still starting
-    health["http://w1"] = {"status": "failed", "error": "RuntimeError: no memory"}
-    keeper.check()
-    assert restarted.wait(timeout=10) == -signal.SIGTERM
-    now[0] += 1.0
-    keeper.check()  # its exit is a death: restarted again after the back-off
-    keeper.check()
-    assert worker.process is not restarted and len(keeper._restarted["http://w1"]) == 2
-
-
-def test_a_restarted_worker_whose_engine_failed_and_that_ignores_sigterm_is_killed_after_the_grace(procs, caplog):
-    """Its shutdown stuck (a thread that never ends): it sat there for ever, not restarted, not counted."""
-    now = [0.0]
-    health: dict[str, dict] = {}
-    worker = Worker("prefill", "http://w6", None, "import sys; sys.exit(3)")
-    worker.process = procs(worker)
-    keeper = Supervisor([worker], procs, RestartPolicy(max_restarts=3, window_s=60, first_delay_s=0, stop_grace_s=5),
-                        lambda: now[0], probe=lambda url: health.get(url))
-    wait_exit(worker.process)
-    keeper.check()
-    worker.code = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(120)"
-    keeper.check()
-    deaf = worker.process
-    time.sleep(1.0)  # its SIG_IGN is in place
-    health["http://w6"] = {"status": "failed", "error": "RuntimeError: no memory"}
-    keeper.check()  # SIGTERM, ignored
-    now[0] = 4.9
-    keeper.check()
-    assert deaf.poll() is None
-    now[0] = 5.0
-    keeper.check()  # the grace is over
-    assert deaf.wait(timeout=10) == -signal.SIGKILL
-    assert "did not stop within 5 s of SIGTERM" in caplog.text
-    now[0] = 7.0
-    keeper.check()  # its death counts: restarted after the back-off
-    keeper.check()
-    assert worker.process is not deaf and len(keeper._restarted["http://w6"]) == 2
-
-
 def test_exit_codes_are_said_the_way_an_operator_reads_them():
     from mooncake import defaults
     from mooncake.supervisor import exit_reason
@@ -465,55 +375,3 @@ def test_a_reaped_leader_whose_group_is_empty_is_never_signalled(monkeypatch):
     finally:
         alive.kill()
         alive.wait(timeout=30)
-
-
-def test_nothing_is_restarted_once_the_cluster_is_stopping(procs):
-    """serve stops its workers after the supervisor's thread ends, or after 10 s: a check still
-    under way then (slow health probes) restarted a worker after the others were stopped, and
-    nobody stopped that one."""
-    now, halted = [100.0], [False]
-    worker = Worker("decode", "http://w1", None, DIES_LEAVING_A_CHILD)
-    worker.process = procs(worker)
-    keeper = Supervisor([worker], procs, RestartPolicy(max_restarts=3, window_s=60, first_delay_s=1),
-                        lambda: now[0], halted=lambda: halted[0])
-    first = worker.process
-    wait_exit(first)
-    keeper.check()  # its death is seen; the restart is due in 1 s
-    now[0] += 2
-    halted[0] = True
-    worker.code = LIVES
-    keeper.check()
-    assert worker.process is first  # not restarted: the cluster is stopping
-
-
-def test_a_restarted_worker_never_ready_is_stopped_after_the_start_timeout_and_counted_as_a_death(procs):
-    """One whose load hangs (a lock, a device) answers /health "starting" for ever: without a
-    limit the cluster stayed degraded and the worker was neither restarted nor counted."""
-    now = [0.0]
-    health: dict[str, dict] = {}
-    worker = Worker("decode", "http://w7", None, "import sys; sys.exit(3)")
-    worker.process = procs(worker)
-    keeper = Supervisor([worker], procs, RestartPolicy(max_restarts=3, window_s=6000, first_delay_s=0,
-                                                       start_timeout_s=300),
-                        lambda: now[0], probe=lambda url: health.get(url))
-    wait_exit(worker.process)
-    keeper.check()  # a death: its restart is due at once
-    worker.code = LIVES
-    keeper.check()
-    restarted = worker.process
-    health["http://w7"] = {"status": "starting"}
-    now[0] += 299
-    keeper.check()
-    assert restarted.poll() is None  # still within its start timeout
-    now[0] += 2
-    keeper.check()
-    assert restarted.wait(timeout=10) == -signal.SIGTERM
-    now[0] += 1.0
-    keeper.check()  # its exit is a death: restarted again after the back-off
-    keeper.check()
-    assert worker.process is not restarted and len(keeper._restarted["http://w7"]) == 2
-
-
-def test_a_start_timeout_must_be_positive():
-    with pytest.raises(ValueError, match="start_timeout_s"):
-        RestartPolicy(start_timeout_s=0)

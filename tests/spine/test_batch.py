@@ -11,7 +11,7 @@ import pytest
 from conductor.batch import prepare_batch, serve_batch
 from conductor.errors import APIError
 from conductor.schemas import CompletionRequest
-from conductor.serving import merged
+from conductor.merge import merged
 from conductor.workers import WorkerError
 from mooncake.protocol import GenerateChunk
 from tests.spine.test_lifecycle import PROMPT, Client, ScriptedRelay, drive, make_service

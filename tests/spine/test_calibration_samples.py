@@ -130,7 +130,7 @@ class FailoverClient:
                             prefill_concurrent=0, decode_step_s=0.004, decode_concurrent=0)
 
     async def drop_transfer(self, handle, transfer_id):
-        pass
+        """Nothing to drop: this fake pushes no KV."""
 
 
 def relayed_with_failover(client, prefill: str) -> RelayStats:
